@@ -1,0 +1,1 @@
+"""Causal GQA flash attention for long fresh prefills (kernels arrive with the kernel issue)."""
