@@ -1,0 +1,144 @@
+"""Model building blocks shared by every architecture: RMSNorm, rotary embeddings, the attention
+dispatch point, the gated MLP.
+
+Dimension alphabet (used in einsum strings, comments and docstrings across the project):
+    B batch, T tokens (flattened ragged batch), D model width, N query heads, K kv heads,
+    G query heads per kv head (N // K), H head dim, F feed-forward width, V vocabulary,
+    P pages (blocks), S page size (block size), L kv length, R requests, E experts.
+
+Numerics follow Hugging Face transformers (the correctness reference): norms, rotary tables,
+attention scores and logits are computed in float32; matmuls run in the parameter dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.paged_attention import reference as reference_attention
+
+
+class ModelBatch(NamedTuple):
+    """The flattened ragged token batch of one step (DESIGN §2). T and R are padded to buckets."""
+
+    token_ids: jax.Array  # [T] int32
+    positions: jax.Array  # [T] int32, absolute position of each token in its sequence
+    slot_mapping: jax.Array  # [T] int32, block * S + offset where the token's K/V is written
+    query_start_loc: jax.Array  # [R + 1] int32
+    seq_lens: jax.Array  # [R] int32, tokens in the cache after this step (0 for padding requests)
+    block_tables: jax.Array  # [R, max_blocks] int32
+    logits_indices: jax.Array  # [num_logits] int32, which token rows need logits
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """x [..., D] -> [..., D]; statistics in float32, output in x's dtype scaled by weight."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: tuple[tuple[str, object], ...] | None) -> np.ndarray:
+    """Inverse frequencies [H // 2] in float32, computed on the host the way transformers does.
+
+    `scaling` is the (hashable) rope-scaling dict: None / default, "linear" or "llama3".
+    """
+    exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    inv_freq = (np.float32(1.0) / (np.float32(theta) ** exponents)).astype(np.float32)
+    params = dict(scaling or ())
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return (inv_freq / np.float32(params["factor"])).astype(np.float32)
+    if rope_type == "llama3":
+        factor = np.float32(params["factor"])
+        low_freq_factor = np.float32(params["low_freq_factor"])
+        high_freq_factor = np.float32(params["high_freq_factor"])
+        old_context_len = np.float32(params["original_max_position_embeddings"])
+        low_freq_wavelen = old_context_len / low_freq_factor
+        high_freq_wavelen = old_context_len / high_freq_factor
+        wavelen = np.float32(2 * math.pi) / inv_freq
+        scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq).astype(np.float32)
+        smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+        return np.where(is_medium, smoothed, scaled).astype(np.float32)
+    raise ValueError(f"unsupported rope_type {rope_type!r}")
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate-half rotary embedding (HF convention). x [T, heads, H], positions [T]."""
+    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, H/2]
+    cos = jnp.cos(freqs)[:, None, :]
+    sin = jnp.sin(freqs)[:, None, :]
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, biases=None) -> jax.Array:
+    """SwiGLU: down(silu(x @ gate) * (x @ up)). x [T, D]; w_gate, w_up [D, F]; w_down [F, D]."""
+    gate = jnp.einsum("td,df->tf", x, w_gate)
+    up = jnp.einsum("td,df->tf", x, w_up)
+    if biases is not None:
+        gate, up = gate + biases[0], up + biases[1]
+    out = jnp.einsum("tf,fd->td", jax.nn.silu(gate) * up, w_down)
+    if biases is not None:
+        out = out + biases[2]
+    return out
+
+
+ATTENTION_BACKENDS = {"reference": reference_attention}
+
+
+def attention_backend(name: str):
+    """The module implementing `kv_cache_shape`, `write_kv` and `ragged_paged_attention`."""
+    try:
+        return ATTENTION_BACKENDS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown attention_backend {name!r}; choose one of {sorted(ATTENTION_BACKENDS)}"
+        ) from None
+
+
+def paged_attention(
+    q: jax.Array,  # [T, N, H]
+    k: jax.Array,  # [T, K, H]
+    v: jax.Array,  # [T, K, H]
+    kv_cache: jax.Array,
+    batch: ModelBatch,
+    *,
+    sm_scale: float,
+    sliding_window: int | None,
+    backend: str,
+) -> tuple[jax.Array, jax.Array]:
+    """The single attention dispatch point: write this step's K/V, then attend through block tables."""
+    impl = attention_backend(backend)
+    kv_cache = impl.write_kv(kv_cache, k, v, batch.slot_mapping)
+    out = impl.ragged_paged_attention(
+        q, kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
+        sm_scale=sm_scale, sliding_window=sliding_window,
+    )
+    return out, kv_cache
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, sm_scale: float,
+                     sliding_window: int | None = None) -> jax.Array:
+    """Dense causal attention for training and tests. q [B, T, N, H], k, v [B, T, K, H]."""
+    batch, length, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    qg = q.reshape(batch, length, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    scores = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32) * sm_scale
+    pos = jnp.arange(length)
+    mask = pos[None, :] <= pos[:, None]
+    if sliding_window is not None:
+        mask &= pos[None, :] > pos[:, None] - sliding_window
+    scores = jnp.where(mask, scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(batch, length, num_q_heads, head_dim).astype(q.dtype)

@@ -1,0 +1,1 @@
+"""Ragged paged attention over block tables. `reference` is the pure-jnp ground truth."""
