@@ -1,0 +1,203 @@
+"""What a request returns (vLLM's RequestOutput / CompletionOutput / Logprob) and the per-sequence state
+that produces it.
+
+    scheduler RequestUpdate (new token ids, Logprobs, finished?) ──► OutputStream.append
+        ├─ IncrementalDetokenizer.add_tokens ──► text delta
+        ├─ stop strings searched in the delta (+ lookback) ──► matched stop string: text truncated, returned
+        └─ Logprobs ──► dict[token_id, Logprob] (sampled token first, then the top-N), cumulative_logprob
+    engine: finish(finish_reason, stop_reason) ──► completion_output() ──► RequestOutput
+
+Text semantics follow vLLM V1: the text never contains the stop string that ended the request (unless
+include_stop_str_in_output); a token that ended the request (eos or a stop_token_id) is left out of the text
+unless include_stop_str_in_output; token ids after a stop-string match stay in token_ids, as generated.
+While running, completion_output() holds back the last len(longest stop) - 1 characters (vLLM's
+output_text_buffer_length), so every text it returns is a prefix of the final text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+if TYPE_CHECKING:
+    from jaxserve.core.sched_types import Logprobs
+
+__all__ = ["CompletionOutput", "Logprob", "OutputStream", "RequestOutput"]
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclasses.dataclass
+class Logprob:
+    """The log-probability of one token; `rank` 1 is the most likely token."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    """One generated sequence of a request (vLLM's CompletionOutput)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None  # None unless logprobs were requested
+    logprobs: list[dict[int, Logprob]] | None  # one dict per generated token; None unless requested
+    finish_reason: str | None = None  # "stop" | "length" | "abort"; None while running
+    stop_reason: int | str | None = None  # the stop string or stop token id; None for eos, length, abort
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """Everything one request has produced so far (vLLM's RequestOutput)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    prompt_logprobs: None = None  # for vLLM compatibility; prompt logprobs are not supported yet
+
+
+class OutputStream:
+    """The output state of one generated sequence: token ids, text, logprobs, stop-string matching.
+
+    Invariants: `text` only grows, except that a stop-string match truncates it (never before the text
+    completion_output() has returned, thanks to the hold-back); stop strings are searched only in the new text
+    plus len(stop) - 1 characters before it, so the work per step does not grow with the output.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, prompt_token_ids: Sequence[int],
+                 index: int = 0):
+        self.tokenizer = tokenizer
+        self.params = params
+        self.index = index
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self._stop_matched: str | None = None  # the stop string that ended the sequence: no more text
+        self._detokenizer = (IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
+                             if params.detokenize else None)
+        # Characters completion_output() withholds while running: a stop string may still start there.
+        self._hold_back = (max(map(len, params.stop)) - 1
+                           if params.stop and not params.include_stop_str_in_output else 0)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append(self, new_token_ids: Sequence[int], logprobs_per_token: Sequence[Logprobs | None] | None,
+               finished_by_token: bool) -> str | None:
+        """Add this step's tokens; return the stop string they completed (the sequence must then finish with
+        stop_reason = that string), else None. `finished_by_token`: the last token is an eos or stop token id
+        that ends the sequence. `logprobs_per_token`: one runner Logprobs per token when logprobs were asked."""
+        if self.finished or self._stop_matched is not None:
+            raise RuntimeError(f"OutputStream.append after the sequence ended (finish_reason={self.finish_reason}, "
+                               f"stop string={self._stop_matched!r})")
+        new_token_ids = list(new_token_ids)
+        if self.logprobs is not None:
+            self._add_logprobs(new_token_ids, logprobs_per_token)
+        num_before = len(self.token_ids)
+        self.token_ids.extend(new_token_ids)
+        if self._detokenizer is None or not new_token_ids:
+            return None
+        # NOTE: as vLLM V1, the token that ended the sequence is not detokenized unless the stop is to be included.
+        to_text = new_token_ids[:-1] if finished_by_token and not self.params.include_stop_str_in_output \
+            else new_token_ids
+        # As vLLM: text from the first min_tokens tokens is never searched for stop strings.
+        num_unchecked = max(0, min(len(to_text), self.params.min_tokens - num_before))
+        if num_unchecked:
+            self.text += self._detokenizer.add_tokens(to_text[:num_unchecked])
+        check_from = len(self.text)
+        self.text += self._detokenizer.add_tokens(to_text[num_unchecked:])
+        return self._check_stop(check_from)
+
+    def _check_stop(self, check_from: int) -> str | None:
+        """Find the first stop string completed in text[check_from:]; truncate the text there.
+
+        The match that ends first wins (then the one that starts first), so appending k tokens at once
+        stops where appending them one by one would have."""
+        params = self.params
+        if not params.stop or check_from == len(self.text) or len(self.token_ids) <= params.min_tokens:
+            return None
+        best: tuple[int, int, str] | None = None
+        for stop in params.stop:
+            # A match not wholly inside the already-checked text starts at most len(stop) - 1 chars before it.
+            at = self.text.find(stop, max(0, check_from - len(stop) + 1))
+            if at != -1 and (best is None or (at + len(stop), at) < best[:2]):
+                best = (at + len(stop), at, stop)
+        if best is None:
+            return None
+        _, at, stop = best
+        self.text = self.text[:at + len(stop)] if params.include_stop_str_in_output else self.text[:at]
+        self._stop_matched = stop
+        return stop
+
+    def _add_logprobs(self, new_token_ids: list[int], logprobs_per_token: Sequence[Logprobs | None] | None) -> None:
+        num_top = self.params.logprobs
+        if (logprobs_per_token is None or len(logprobs_per_token) != len(new_token_ids)
+                or any(entry is None for entry in logprobs_per_token)):
+            raise ValueError(f"logprobs={num_top} was requested, so each of the {len(new_token_ids)} new tokens "
+                             f"needs a Logprobs, got {logprobs_per_token!r}")
+        for token_id, entry in zip(new_token_ids, logprobs_per_token):
+            # Sampled token first, then the top-N by rank (vLLM's order); a sampled token that is also in the
+            # top-N keeps its first position, with the same values.
+            entries = {token_id: Logprob(entry.sampled_logprob, entry.sampled_rank, self._decode_one(token_id))}
+            for rank, (top_id, top_logprob) in enumerate(zip(entry.top_token_ids[:num_top],
+                                                             entry.top_logprobs[:num_top]), start=1):
+                if top_id not in entries:
+                    entries[top_id] = Logprob(top_logprob, rank, self._decode_one(top_id))
+            self.logprobs.append(entries)
+            self.cumulative_logprob += entry.sampled_logprob
+
+    def _decode_one(self, token_id: int) -> str | None:
+        # NOTE: vLLM decodes each id alone without skipping special tokens (eos shows as "</s>"); a byte that is
+        # part of a character decodes to U+FFFD. None when detokenize=False, as vLLM.
+        if self._detokenizer is None:
+            return None
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def finish(self, finish_reason: str, stop_reason: int | str | None = None) -> str | None:
+        """Mark the sequence finished and flush held-back text. If the flushed text completes a stop string
+        (not for "abort"), the text is truncated there, the finish becomes ("stop", that string) and the string
+        is returned; else None. A stop string matched by append() also wins over a "length" or eos finish of
+        the same step (as vLLM). A second finish() is a no-op that keeps the first reason."""
+        if finish_reason not in FINISH_REASONS:
+            raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {finish_reason!r}")
+        if self.finished:
+            return None
+        matched = None
+        if self._stop_matched is not None:
+            if finish_reason != "abort":
+                finish_reason, stop_reason = "stop", self._stop_matched
+        elif self._detokenizer is not None:
+            check_from = len(self.text)
+            self.text += self._detokenizer.finish()
+            if finish_reason != "abort" and (matched := self._check_stop(check_from)) is not None:
+                finish_reason, stop_reason = "stop", matched
+        self.finish_reason, self.stop_reason = finish_reason, stop_reason
+        return matched
+
+    def completion_output(self) -> CompletionOutput:
+        """A snapshot of the sequence so far (its lists are copies)."""
+        text = self.text
+        if self._hold_back and not self.finished and self._stop_matched is None:
+            text = text[:max(0, len(text) - self._hold_back)]
+        return CompletionOutput(
+            index=self.index, text=text, token_ids=list(self.token_ids),
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            finish_reason=self.finish_reason, stop_reason=self.stop_reason)
