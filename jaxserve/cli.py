@@ -1,38 +1,94 @@
-"""`jaxserve` command line: generate | train-tiny."""
+"""`jaxserve` command line: generate | train-tiny.
+
+    jaxserve generate [--config configs/tiny.yaml] [--model DIR] (--prompt TEXT ... | --prompts-file F.jsonl)
+                      [--output F.jsonl] [sampling flags]
+
+A prompts file holds one JSON object per line: {"prompt": "..."} or {"prompt_token_ids": [...]}.
+Results are printed, or written as JSON lines (one per prompt, in input order) with --output.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
-DEFAULT_MODEL = Path(__file__).resolve().parent / "assets" / "tiny-adder"
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
+
+SAMPLING_FLAGS = {  # flag -> (type, SamplingParams field)
+    "--temperature": float, "--top-p": float, "--top-k": int, "--min-p": float, "--max-tokens": int,
+    "--min-tokens": int, "--seed": int, "--n": int, "--repetition-penalty": float, "--presence-penalty": float,
+    "--frequency-penalty": float, "--logprobs": int,
+}
+
+
+def _read_prompts(args: argparse.Namespace) -> list:
+    if args.prompts_file is None:
+        return list(args.prompt)
+    prompts = []
+    with open(args.prompts_file, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{args.prompts_file}:{number}: not valid JSON: {err}") from None
+            if isinstance(item, str):
+                item = {"prompt": item}
+            if not isinstance(item, dict) or not ({"prompt", "prompt_token_ids"} & set(item)):
+                raise ValueError(f"{args.prompts_file}:{number}: expected an object with 'prompt' or 'prompt_token_ids'")
+            prompts.append({k: item[k] for k in ("prompt", "prompt_token_ids") if k in item})
+    return prompts
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from jaxserve.models import loader, reference_generate
-    from jaxserve.tokenizer import Tokenizer
+    from jaxserve import LLM, SamplingParams, load_config
 
-    model = loader.load_model(args.model, dtype=args.dtype)
-    tokenizer = Tokenizer.from_dir(args.model)
-    prompts = [tokenizer.encode(p) for p in args.prompt]
-    result = reference_generate.greedy_generate(
-        model.params, model.config, prompts, args.max_tokens, eos_token_ids=model.generation.eos_token_ids,
-        keep_logits=False,
-    )
-    for prompt, tokens in zip(args.prompt, result.tokens):
-        print(f"{prompt!r} -> {tokenizer.decode(tokens)!r}")
+    overrides = {"model": str(args.model)} if args.model else {}
+    config = load_config(args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None), **overrides)
+    params = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
+              for flag in SAMPLING_FLAGS if getattr(args, flag[2:].replace("-", "_")) is not None}
+    if args.stop:
+        params["stop"] = args.stop
+    if args.ignore_eos:
+        params["ignore_eos"] = True
+    sampling = SamplingParams(**params)
+    prompts = _read_prompts(args)
+    llm = LLM(config=config, progress=not args.quiet)
+    outputs = llm.generate(prompts, sampling, use_tqdm=not args.quiet)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            for out in outputs:
+                f.write(json.dumps({
+                    "prompt": out.prompt, "prompt_token_ids": out.prompt_token_ids,
+                    "outputs": [{"index": c.index, "text": c.text, "token_ids": c.token_ids,
+                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs],
+                }) + "\n")
+    else:
+        for out in outputs:
+            shown = out.prompt if out.prompt is not None else out.prompt_token_ids
+            for c in out.outputs:
+                print(f"{shown!r} -> {c.text!r}  ({c.finish_reason})")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jaxserve", description="LLM inference engine in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="greedy generation from prompts")
-    gen.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="local HF checkpoint directory")
-    gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
-    gen.add_argument("--max-tokens", type=int, default=16)
-    gen.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"])
+    gen = sub.add_parser("generate", help="offline batch generation")
+    gen.add_argument("--config", type=Path, help=f"engine config YAML (default: {DEFAULT_CONFIG.name})")
+    gen.add_argument("--model", type=Path, help="local HF checkpoint directory (overrides the config)")
+    source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    source.add_argument("--prompts-file", type=Path, help="JSON lines with 'prompt' or 'prompt_token_ids'")
+    gen.add_argument("--output", type=Path, help="write results as JSON lines here")
+    gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--quiet", action="store_true", help="no progress bars")
+    for flag, kind in SAMPLING_FLAGS.items():
+        gen.add_argument(flag, type=kind)
     sub.add_parser("train-tiny", help="train the embedded default model", add_help=False)
     args, rest = parser.parse_known_args(argv)
     if args.command == "train-tiny":
@@ -42,7 +98,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    return _generate(args)
+    try:
+        return _generate(args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,0 +1,156 @@
+"""One explicit engine config: frozen dataclasses that map 1:1 onto YAML sections.
+
+    configs/x.yaml --load_config--> EngineConfig(model=ModelConfig, cache=CacheConfig,
+                                                 scheduler=SchedulerConfig, runner=RunnerConfig)
+    LLM(model=..., **overrides) --EngineConfig.from_overrides--> the same, flat names routed to sections
+
+Unknown keys are errors naming the key and the section (a typo must never be silently ignored).
+No environment variable changes behaviour.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DEFAULT_MODEL = str(Path(__file__).resolve().parent / "assets" / "tiny-adder")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    path: str = DEFAULT_MODEL  # local Hugging Face checkpoint directory
+    tokenizer: str | None = None  # defaults to `path`
+    dtype: str = "auto"  # auto | bfloat16 | float16 | float32
+    max_model_len: int | None = None  # defaults to the checkpoint's max_position_embeddings
+    seed: int = 0  # seeds requests that give no seed, so runs repeat (as vLLM does)
+    skip_tokenizer_init: bool = False  # no tokenizer: prompts as token ids, outputs as token ids only
+
+    def __post_init__(self):
+        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ValueError(f"model.dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"model.max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: int | None = None  # exact size; else memory_fraction on accelerators, cpu_num_blocks on CPU
+    memory_fraction: float = 0.9  # share of free accelerator memory given to the KV cache
+    cpu_num_blocks: int = 512
+    enable_prefix_caching: bool = True
+    prefix_hash: str = "sha256"  # sha256 | builtin (fast, keyed per process; single-tenant use)
+
+    def __post_init__(self):
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"cache.block_size must be a power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ValueError(f"cache.num_blocks must be >= 2 (block 0 is the null block), got {self.num_blocks}")
+        if not 0.0 < self.memory_fraction <= 1.0:
+            raise ValueError(f"cache.memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.prefix_hash not in ("sha256", "builtin"):
+            raise ValueError(f"cache.prefix_hash must be sha256 or builtin, got {self.prefix_hash!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048  # token budget of one step
+    max_num_seqs: int = 256  # running requests at most
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # > 0: cap one request's prefill chunk per step
+    policy: str = "fcfs"  # fcfs | priority (lower value first, then arrival)
+    max_n: int = 64  # cap on SamplingParams.n
+    max_logprobs: int = 20
+
+    def __post_init__(self):
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("scheduler.max_num_batched_tokens and scheduler.max_num_seqs must be >= 1")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduler.policy must be fcfs or priority, got {self.policy!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerConfig:
+    attention_backend: str = "auto"  # auto | reference | pallas
+    token_buckets: tuple[int, ...] | None = None  # default: powers of two up to max_num_batched_tokens
+    request_buckets: tuple[int, ...] | None = None  # default: powers of two up to max_num_seqs
+    precompile: bool = True
+    compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"  # null disables the persistent cache
+
+    def __post_init__(self):
+        if self.attention_backend not in ("auto", "reference", "pallas"):
+            raise ValueError(f"runner.attention_backend must be auto, reference or pallas, got {self.attention_backend!r}")
+        for name in ("token_buckets", "request_buckets"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, tuple(int(v) for v in value))
+                if not value or any(v < 1 for v in value):
+                    raise ValueError(f"runner.{name} must be a non-empty list of positive integers")
+
+
+SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "runner": RunnerConfig}
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = ModelConfig()
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    runner: RunnerConfig = RunnerConfig()
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "config") -> EngineConfig:
+        data = data or {}
+        unknown = set(data) - set(SECTIONS)
+        if unknown:
+            raise ValueError(f"{source}: unknown section(s) {sorted(unknown)}; expected {sorted(SECTIONS)}")
+        sections = {}
+        for name, section_cls in SECTIONS.items():
+            values = data.get(name) or {}
+            if not isinstance(values, dict):
+                raise ValueError(f"{source}: section {name!r} must be a mapping")
+            known = {f.name for f in dataclasses.fields(section_cls)}
+            bad = set(values) - known
+            if bad:
+                raise ValueError(f"{source}: unknown key(s) {sorted(bad)} in section {name!r}; known: {sorted(known)}")
+            sections[name] = section_cls(**values)
+        return cls(**sections)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def with_overrides(self, **overrides: Any) -> EngineConfig:
+        """Flat overrides (`max_num_seqs=8`, `block_size=4`, `model="dir"`) routed to their sections."""
+        data = self.to_dict()
+        for key, value in overrides.items():
+            if key == "model" or key == "model_path":
+                data["model"]["path"] = str(value)
+                continue
+            owners = [name for name, cls in SECTIONS.items() if key in {f.name for f in dataclasses.fields(cls)}]
+            if not owners:
+                raise ValueError(f"unknown engine option {key!r}; see jaxserve/config.py for the options")
+            data[owners[0]][key] = value
+        return EngineConfig.from_dict(data)
+
+
+def load_config(path: str | os.PathLike | None = None, **overrides: Any) -> EngineConfig:
+    """Read a YAML config (or the defaults when path is None) and apply flat overrides."""
+    if path is None:
+        config = EngineConfig()
+    else:
+        path = Path(path)
+        try:
+            data = yaml.safe_load(path.read_text())
+        except FileNotFoundError:
+            raise FileNotFoundError(f"config file {path} not found") from None
+        except yaml.YAMLError as err:
+            raise ValueError(f"{path}: invalid YAML: {err}") from None
+        config = EngineConfig.from_dict(data or {}, source=str(path))
+        model_path = config.model.path
+        if not os.path.isabs(model_path) and not Path(model_path).exists() and (path.parent / model_path).exists():
+            config = config.with_overrides(model=str(path.parent / model_path))
+    return config.with_overrides(**overrides) if overrides else config
