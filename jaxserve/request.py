@@ -69,7 +69,6 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 until then
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
-        self.block_hashes: list = []  # hashes of this request's full blocks, filled by the KV cache manager
 
     @property
     def num_prompt_tokens(self) -> int:
