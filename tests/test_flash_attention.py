@@ -1,0 +1,170 @@
+"""Flash attention (Pallas Triton) against the pure-jnp reference.
+
+CPU tier: `interpret=True` on tiny shapes with small tiles, so every path runs (several KV tiles,
+the unmasked/masked split, block_q != block_k, T and H padding, lengths, NaN past the lengths),
+plus a cross-lowering gate for `cuda` (kernels.md §4.9). GPU tier (`-m gpu`): the compiled kernel
+at serving-sized tiles.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.flash_attention import FlashAttentionConfig, flash_attention, flash_attention_reference
+
+# NOTE: JAX 0.11 warns on every Triton lowering that the backend is deprecated (kernels.md §0.1).
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 1e-2}  # relative L2 error, as in METHOD.md
+reference = jax.jit(flash_attention_reference, static_argnames=("causal", "sm_scale"))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fast_cpu_compiles():
+    """Interpret-mode kernels are big XLA programs run once on tiny data: skip XLA's optimisations."""
+    if jax.default_backend() != "cpu":
+        yield
+        return
+    previous = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", previous)
+
+
+def _inputs(seed, batch, tokens, q_heads, kv_heads, head_dim, dtype):
+    rng = np.random.default_rng(seed)
+    shapes = [(batch, tokens, q_heads, head_dim)] + 2 * [(batch, tokens, kv_heads, head_dim)]
+    return tuple(jnp.asarray(rng.standard_normal(shape, np.float32), dtype) for shape in shapes)
+
+
+def _poison_past(x, seq_lens):
+    """NaN in every row at or past the sequence's length: the kernel must never read it unmasked."""
+    valid = jnp.arange(x.shape[1])[None, :] < seq_lens[:, None]
+    return jnp.where(valid[:, :, None, None], x, jnp.nan)
+
+
+def _check(out, ref, dtype, seq_lens=None):
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert out.shape == ref.shape
+    assert not np.isnan(out).any(), "NaN in the output"
+    rel = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+    assert rel < TOLERANCE[dtype], f"relative L2 error {rel:.2e}"
+    if seq_lens is not None:
+        for b, length in enumerate(np.asarray(seq_lens)):
+            assert (out[b, length:] == 0).all(), f"padding rows of sequence {b} are not zero"
+
+
+# (q heads, kv heads, head dim, dtype, tiles): GQA ratios 1/4/8, H 64/128, both tile orders.
+CASES = [
+    (4, 4, 64, jnp.float32, (16, 16)),
+    (8, 2, 128, jnp.float32, (32, 16)),
+    (8, 1, 64, jnp.float32, (16, 32)),
+    (4, 4, 128, jnp.bfloat16, (16, 32)),
+    (8, 2, 64, jnp.bfloat16, (16, 16)),
+    (8, 1, 128, jnp.bfloat16, (32, 16)),
+]
+
+
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim,dtype,tiles", CASES)
+def test_causal_matches_reference(q_heads, kv_heads, head_dim, dtype, tiles):
+    # T = 72 is not a multiple of the tiles: the wrapper pads and masks the tail.
+    q, k, v = _inputs(0, 2, 72, q_heads, kv_heads, head_dim, dtype)
+    config = FlashAttentionConfig(block_q=tiles[0], block_k=tiles[1], num_warps=4, num_stages=2)
+    out = flash_attention(q, k, v, config=config, interpret=True)
+    _check(out, reference(q, k, v), dtype)
+
+
+@pytest.mark.parametrize("dtype,tiles", [(jnp.float32, (16, 32)), (jnp.bfloat16, (32, 16))])
+def test_seq_lens_with_nan_past_the_end(dtype, tiles):
+    seq_lens = jnp.array([64, 37, 1, 0], jnp.int32)  # full, mid-tile, one token, empty
+    q, k, v = _inputs(1, 4, 64, 8, 2, 64, dtype)
+    q, k, v = (_poison_past(x, seq_lens) for x in (q, k, v))
+    config = FlashAttentionConfig(block_q=tiles[0], block_k=tiles[1], num_warps=4, num_stages=2)
+    out = flash_attention(q, k, v, seq_lens=seq_lens, config=config, interpret=True)
+    clean = [jnp.nan_to_num(x) for x in (q, k, v)]
+    _check(out, reference(*clean, seq_lens=seq_lens), dtype, seq_lens)
+
+
+def test_non_causal_and_odd_head_dim():
+    q, k, v = _inputs(2, 1, 48, 4, 2, 96, jnp.float32)  # H = 96 is padded to 128 and sliced back
+    config = FlashAttentionConfig(block_q=16, block_k=16, num_warps=4, num_stages=2)
+    out = flash_attention(q, k, v, causal=False, sm_scale=0.3, config=config, interpret=True)
+    _check(out, reference(q, k, v, causal=False, sm_scale=0.3), jnp.float32)
+
+
+def test_default_config_on_a_short_prompt():
+    q, k, v = _inputs(3, 1, 40, 4, 1, 64, jnp.float32)  # default 128-row tiles shrink to 64
+    _check(flash_attention(q, k, v, interpret=True), reference(q, k, v), jnp.float32)
+
+
+def test_reference_matches_jax_nn():
+    seq_lens = jnp.array([24, 9], jnp.int32)
+    q, k, v = _inputs(4, 2, 24, 8, 2, 32, jnp.float32)
+    ref = reference(q, k, v, seq_lens=seq_lens)
+    expected = jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, query_seq_lengths=seq_lens, key_value_seq_lengths=seq_lens,
+        implementation="xla")
+    for b, length in enumerate(np.asarray(seq_lens)):  # jax.nn leaves padding rows unspecified
+        np.testing.assert_allclose(ref[b, :length], expected[b, :length], atol=1e-5, rtol=1e-5)
+
+
+def test_config_validates():
+    for bad in (dict(block_q=96), dict(block_k=8), dict(num_warps=3), dict(num_stages=0)):
+        with pytest.raises(ValueError):
+            FlashAttentionConfig(**bad)
+    hash(FlashAttentionConfig())  # static argument of a jitted function
+
+
+def test_rejects_bad_shapes():
+    q, k, v = _inputs(5, 1, 32, 8, 3, 64, jnp.float32)
+    with pytest.raises(ValueError, match="multiple"):
+        flash_attention(q, k, v, interpret=True)
+    q, k, v = _inputs(5, 1, 32, 8, 2, 64, jnp.float32)
+    with pytest.raises(ValueError, match="fresh prompts"):
+        flash_attention(q, k[:, :16], v[:, :16], interpret=True)
+
+
+@pytest.mark.parametrize("with_lens", [False, True])
+def test_lowers_for_cuda_without_layout_copies(with_lens):
+    gpu = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
+    q = jax.ShapeDtypeStruct((1, 4096, 32, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 4096, 8, 128), jnp.bfloat16)
+    args = (q, kv, kv) + ((jax.ShapeDtypeStruct((1,), jnp.int32),) if with_lens else ())
+
+    def fn(q, k, v, seq_lens=None):
+        return flash_attention(q, k, v, seq_lens=seq_lens)
+
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=gpu)):
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1
+    assert "stablehlo.transpose" not in text and "stablehlo.pad" not in text  # reads [B, T, N, H] in place
+
+
+# GPU tier: the compiled Triton kernel at serving tiles.
+
+gpu_only = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim,dtype", [
+    (32, 8, 128, jnp.bfloat16), (8, 8, 64, jnp.bfloat16), (16, 2, 128, jnp.float32), (8, 1, 64, jnp.float16)])
+def test_gpu_causal(q_heads, kv_heads, head_dim, dtype):
+    q, k, v = _inputs(6, 2, 1024, q_heads, kv_heads, head_dim, dtype)
+    ref = reference(q, k, v)
+    tolerance_dtype = jnp.float32 if dtype == jnp.float32 else jnp.bfloat16
+    _check(flash_attention(q, k, v), ref, tolerance_dtype)
+
+
+@pytest.mark.gpu
+@gpu_only
+def test_gpu_seq_lens_and_padding():
+    seq_lens = jnp.array([1000, 513, 1, 0], jnp.int32)
+    q, k, v = _inputs(7, 4, 1000, 16, 4, 128, jnp.bfloat16)  # T = 1000 pads to 1024
+    q, k, v = (_poison_past(x, seq_lens) for x in (q, k, v))
+    out = flash_attention(q, k, v, seq_lens=seq_lens)
+    clean = [jnp.nan_to_num(x) for x in (q, k, v)]
+    _check(out, reference(*clean, seq_lens=seq_lens), jnp.bfloat16, seq_lens)
