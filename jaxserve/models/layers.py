@@ -93,17 +93,27 @@ def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Arra
     return out
 
 
-ATTENTION_BACKENDS = {"reference": reference_attention}
+ATTENTION_BACKENDS = ("reference", "pallas")
 
 
 def attention_backend(name: str):
-    """The module implementing `kv_cache_shape`, `write_kv` and `ragged_paged_attention`."""
-    try:
-        return ATTENTION_BACKENDS[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown attention_backend {name!r}; choose one of {sorted(ATTENTION_BACKENDS)}"
-        ) from None
+    """The module implementing `kv_cache_shape`, `write_kv` and `ragged_paged_attention`.
+
+    "pallas" picks the kernel for the default platform: Triton on GPU, Mosaic on TPU.
+    """
+    if name == "reference":
+        return reference_attention
+    if name == "pallas":
+        platform = jax.default_backend()
+        if platform == "gpu":
+            from pallas_kernels.paged_attention import gpu
+            return gpu
+        if platform == "tpu":
+            from pallas_kernels.paged_attention import tpu
+            return tpu
+        raise ValueError(f"attention_backend 'pallas' needs a GPU or TPU, but JAX runs on {platform!r}; "
+                         "use 'reference' (or 'auto')")
+    raise ValueError(f"unknown attention_backend {name!r}; choose one of {list(ATTENTION_BACKENDS)}")
 
 
 def paged_attention(

@@ -51,10 +51,9 @@ def enable_compilation_cache(directory: str | None) -> None:
 
 
 def resolve_attention_backend(name: str) -> str:
+    """auto: the Pallas kernels on GPU and TPU, the pure-jnp reference on CPU."""
     if name == "auto":
-        return "reference"  # TODO(kernels): pick pallas on GPU/TPU once the kernel issue lands
-    if name == "pallas":
-        raise ValueError("attention_backend 'pallas' is not available yet; use 'auto' or 'reference'")
+        return "pallas" if jax.default_backend() in ("gpu", "tpu") else "reference"
     return name
 
 

@@ -1,0 +1,188 @@
+"""Attention kernel benchmarks on one GPU: one function per section, a short table printed last.
+
+    PYTHONPATH=. python benchmarks/attention.py --section decode [--sweep] [--json FILE]
+
+decode: paged decode (one query token per request), 32 q / 8 kv heads, head dim 128, page 16,
+bf16, pages randomly permuted. Effective TB/s = K+V bytes the requests own (sum of seq_lens x K x
+H x 2 x 2 B) / time. Peers in the same run: JAX's Pallas `ops.gpu.paged_attention` (Triton) and
+the pure-jnp reference compiled by XLA (a gather). Times are per call, from many calls inside
+one jit (lax.fori_loop; each call's q depends on the previous output so nothing is hoisted),
+median of several repeats; `loop` is the same loop around a trivial body (its overhead is
+inside every figure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+DECODE_SHAPES = ((64, 2048), (64, 8192), (8, 32768))  # (requests B, context tokens per request)
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE = 32, 8, 128, 16
+
+
+def time_per_call(fn, q, *args, min_seconds=0.05, repeats=5):
+    """Seconds per fn(q, *args) call: many calls inside one jit, median over `repeats`."""
+
+    def make(iters):
+        @jax.jit
+        def loop(q, *args):
+            def body(_, carry):
+                q_i = q + carry.astype(q.dtype)  # a data dependence on the previous call
+                out = fn(q_i, *args)
+                return out.reshape(-1)[0].astype(jnp.float32) * 1e-30
+            return jax.lax.fori_loop(0, iters, body, jnp.float32(0))
+        return loop
+
+    probe = make(1)
+    probe(q, *args).block_until_ready()
+    start = time.perf_counter()
+    probe(q, *args).block_until_ready()
+    iters = int(min(2000, max(5, min_seconds / max(time.perf_counter() - start, 1e-6))))
+    loop = make(iters)
+    loop(q, *args).block_until_ready()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        loop(q, *args).block_until_ready()
+        samples.append((time.perf_counter() - start) / iters)
+    return statistics.median(samples)
+
+
+def _row(section, shape, impl, seconds, value, unit, note) -> dict:
+    """One result: `value` in `unit` (TB/s, TFLOP/s, ...); printed as a JSON line at once."""
+    row = dict(section=section, shape=shape, impl=impl,
+               us=None if seconds is None else seconds * 1e6, value=value, unit=unit, note=note)
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def _decode_inputs(batch, context, key):
+    from pallas_kernels.paged_attention import layout
+
+    pages_per_req = context // PAGE_SIZE
+    num_pages = batch * pages_per_req + 1  # page 0: the null block
+    kq, kk, kp = jax.random.split(key, 3)
+    kv = jax.random.normal(kk, layout.kv_cache_shape(num_pages, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM),
+                           jnp.bfloat16)
+    q = jax.random.normal(kq, (batch, NUM_Q_HEADS, HEAD_DIM), jnp.bfloat16)
+    block_tables = (1 + jax.random.permutation(kp, num_pages - 1)).reshape(batch, pages_per_req)
+    block_tables = block_tables.astype(jnp.int32)
+    qsl = jnp.arange(batch + 1, dtype=jnp.int32)
+    seq_lens = jnp.full((batch,), context, jnp.int32)
+    return q, kv, qsl, seq_lens, block_tables
+
+
+def decode_section(args) -> list[dict]:
+    from pallas_kernels.paged_attention import gpu, layout, reference
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
+
+    sm_scale = HEAD_DIM ** -0.5
+    rows = []
+    for batch, context in DECODE_SHAPES:
+        q, kv, qsl, seq_lens, block_tables = _decode_inputs(batch, context, jax.random.key(batch))
+        kv_bytes = batch * context * NUM_KV_HEADS * HEAD_DIM * 2 * kv.dtype.itemsize
+        shape = f"B={batch} ctx={context}"
+
+        ours = lambda q, kv, qsl, lens, bt, config=None: gpu.ragged_paged_attention(
+            q, kv, qsl, lens, bt, sm_scale=sm_scale, config=config)
+        expected = jax.jit(ours)(q, kv, qsl, seq_lens, block_tables)
+
+        def record(name, seconds, out=None):
+            note = "" if out is None else "max|diff| vs ours {:.1e}".format(float(jnp.max(
+                jnp.abs(out.astype(jnp.float32) - expected.astype(jnp.float32)))))
+            tbps = None if out is None else kv_bytes / seconds / 1e12
+            rows.append(_row("decode", shape, name, seconds, tbps, "TB/s", note))
+
+        configs = [("ours", None)]
+        if args.sweep:
+            configs += [(_label(c), c) for c in _sweep_configs(batch)]
+        for name, config in configs:
+            fn = lambda q, kv, qsl, lens, bt, config=config: ours(q, kv, qsl, lens, bt, config)
+            try:
+                out = jax.jit(fn)(q, kv, qsl, seq_lens, block_tables)
+                record(name, time_per_call(fn, q, kv, qsl, seq_lens, block_tables), out)
+            except Exception as e:  # a sweep point that fails to compile is reported, not fatal
+                rows.append(_row("decode", shape, name, None, None, "", repr(e)[:300]))
+
+        k_pages, v_pages = kv[0], kv[1]  # JAX's layout [K, P, S, H], split outside the timed loop
+        q_scaled = (q.astype(jnp.float32) * sm_scale).astype(q.dtype)  # JAX's kernel has no scale
+        jax_fn = lambda q, k, v, bt, lens: jax_paged.paged_attention(q, k, v, bt, lens)
+        out = jax.jit(jax_fn)(q_scaled, k_pages, v_pages, block_tables, seq_lens)
+        record("jax pallas paged_attention", time_per_call(jax_fn, q_scaled, k_pages, v_pages,
+                                                           block_tables, seq_lens), out)
+        del k_pages, v_pages
+
+        kv_ref = layout.to_reference_layout(kv)  # transposed outside the timed loop
+        ref_fn = lambda q, kv, qsl, lens, bt: reference.ragged_paged_attention(
+            q, kv, qsl, lens, bt, sm_scale=sm_scale)
+        out = jax.jit(ref_fn)(q, kv_ref, qsl, seq_lens, block_tables)
+        record("xla gather (reference)", time_per_call(ref_fn, q, kv_ref, qsl, seq_lens,
+                                                       block_tables), out)
+        del kv_ref
+        record("loop overhead", time_per_call(lambda q, *a: q, q, qsl))
+    return rows
+
+
+def _sweep_configs(batch):
+    from pallas_kernels.paged_attention import gpu
+
+    base = dict(decode_block_kv=64, decode_num_warps=4, decode_num_stages=3)
+    variants = [dict(decode_block_kv=128), dict(decode_block_kv=128, decode_num_warps=8),
+                dict(decode_num_stages=4), dict(decode_block_kv=32, decode_num_stages=4),
+                dict(decode_num_stages=2), dict(decode_num_warps=8)]
+    splits = (1, 2, 4, 8) if batch >= 64 else (4, 8, 16, 32)
+    variants += [dict(decode_splits=s) for s in splits]
+    return [gpu.TuningConfig(**{**base, **v}) for v in variants]
+
+
+def _label(config) -> str:
+    splits = "auto" if config.decode_splits is None else config.decode_splits
+    return (f"sweep bk={config.decode_block_kv} w={config.decode_num_warps} "
+            f"st={config.decode_num_stages} splits={splits}")
+
+
+SECTIONS = {"decode": decode_section}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--section", choices=[*SECTIONS, "all"], default="all")
+    parser.add_argument("--sweep", action="store_true", help="also time tuning-config variants")
+    parser.add_argument("--json", help="write every row to this file")
+    args = parser.parse_args()
+
+    device = jax.devices()[0]
+    header = (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
+              f"{device.device_kind}, jax {jax.__version__}")
+    print(header, flush=True)
+    rows = []
+    for name in SECTIONS if args.section == "all" else [args.section]:
+        rows += SECTIONS[name](args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(header=header, rows=rows), f, indent=1)
+
+    print(f"\n{header}")
+    print(f"{'section':8} {'shape':16} {'impl':28} {'us':>8} {'value':>13}  note")
+    for row in rows:
+        if row["impl"].startswith("sweep"):
+            continue  # sweep points are in the JSON lines above
+        us = "" if row["us"] is None else f"{row['us']:8.1f}"
+        value = "" if row["value"] is None else f"{row['value']:.2f} {row['unit']}"
+        print(f"{row['section']:8} {row['shape']:16} {row['impl']:28} {us:>8} {value:>13}  "
+              f"{row['note']}")
+
+
+if __name__ == "__main__":
+    main()
