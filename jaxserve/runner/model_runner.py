@@ -50,10 +50,23 @@ def enable_compilation_cache(directory: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
-def resolve_attention_backend(name: str) -> str:
-    """auto: the Pallas kernels on GPU and TPU, the pure-jnp reference on CPU."""
+def _pallas_supports(cfg: llama.LlamaConfig, block_size: int) -> bool:
+    """Shapes the Pallas kernels take: Triton needs power-of-two head dims >= 16 and page sizes."""
+    def pow2(n: int) -> bool:
+        return n > 0 and n & (n - 1) == 0
+    return pow2(cfg.head_dim) and cfg.head_dim >= 16 and pow2(block_size)
+
+
+def resolve_attention_backend(name: str, cfg: llama.LlamaConfig, block_size: int) -> str:
+    """auto: the Pallas kernels on GPU and TPU when they take the model's shapes, else the reference."""
     if name == "auto":
-        return "pallas" if jax.default_backend() in ("gpu", "tpu") else "reference"
+        if jax.default_backend() not in ("gpu", "tpu"):
+            return "reference"
+        if not _pallas_supports(cfg, block_size):
+            logger.warning("attention_backend auto: head_dim=%d / block_size=%d are not supported by the Pallas "
+                           "kernels; using the reference attention", cfg.head_dim, block_size)
+            return "reference"
+        return "pallas"
     return name
 
 
@@ -98,7 +111,8 @@ class ModelRunner:
         self.config = config
         self.max_model_len = max_model_len
         self.block_size = config.cache.block_size
-        self.attention_backend = resolve_attention_backend(config.runner.attention_backend)
+        self.attention_backend = resolve_attention_backend(config.runner.attention_backend, self.cfg,
+                                                           self.block_size)
         sched = config.scheduler
         self.buckets = BucketLadders.build(sched.max_num_batched_tokens, sched.max_num_seqs,
                                            config.runner.token_buckets, config.runner.request_buckets)
