@@ -139,6 +139,7 @@ class Scheduler:
         return min(num_new, budget)
 
     def schedule(self) -> SchedulerOutput:
+        self._make_room_for_priority_arrival()
         budget = self.config.max_num_batched_tokens
         threshold = self.config.long_prefill_token_threshold
         allocate = self.kv_cache.allocate_slots
@@ -159,7 +160,7 @@ class Scheduler:
                 index += 1
                 continue
             while (new_blocks := allocate(request, num_new)) is None:
-                victim = max(self.running, key=_victim_key)
+                victim = max(reversed(self.running), key=_victim_key)  # ties: the latest scheduled
                 preempted = True
                 if victim.request_id in scheduled:
                     # Taken out of this step again; the KV cache manager uncaches its blocks that this
@@ -186,9 +187,6 @@ class Scheduler:
             request.num_computed_tokens = num_hit
             num_new = self._num_new_tokens(request, budget)
             new_blocks = allocate(request, num_new, computed_ids)
-            if new_blocks is None and self.config.policy == "priority":
-                new_blocks, returned = self._preempt_for(request, num_new, computed_ids, scheduled)
-                budget += returned
             if new_blocks is None:
                 request.num_computed_tokens = 0
                 break
@@ -212,22 +210,24 @@ class Scheduler:
         self.step_count += 1
         return SchedulerOutput(items, self.config.max_num_batched_tokens - budget, finished, self.step_count)
 
-    def _preempt_for(self, request, num_new, computed_ids, scheduled) -> tuple[list[int] | None, int]:
-        """Priority policy: preempt lower-priority running requests (lowest first, then the latest
-        arrival), taking them out of this step if needed, until the waiting `request` fits.
-        Returns its new blocks (or None) and the token budget given back."""
-        returned = 0
-        while True:
-            candidates = [r for r in self.running if request < r]
-            if not candidates:
-                return None, returned
-            victim = max(candidates, key=_victim_key)
-            if victim.request_id in scheduled:
-                returned += scheduled.pop(victim.request_id)[1].num_new_tokens
+    def _make_room_for_priority_arrival(self) -> None:
+        """Priority policy: while the best waiting request outranks the worst running one and its first
+        chunk does not fit, preempt the worst running request.
+
+        NOTE: this runs before anything is scheduled in the step. Preempting later, after waiting
+        requests took prefix hits on blocks a victim registered this step, would leave those hits
+        pointing at blocks whose K/V is never written.
+        """
+        if self.config.policy != "priority" or not self.waiting:
+            return
+        head = self.waiting.peek()
+        chunk = min(head.num_tokens, self.config.max_num_batched_tokens)
+        blocks_needed = -(-chunk // self.kv_cache.block_size)
+        while self.running and self.kv_cache.num_free_blocks < blocks_needed:
+            victim = max(reversed(self.running), key=_victim_key)  # ties: the latest scheduled
+            if not head < victim:
+                return
             self._preempt(victim)
-            new_blocks = self.kv_cache.allocate_slots(request, num_new, computed_ids)
-            if new_blocks is not None:
-                return new_blocks, returned
 
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput) -> list[RequestUpdate]:
         updates = []

@@ -1,0 +1,879 @@
+"""Scheduler: chunked prefill, mixed batches, budgets, preemption, priorities, stops, and a stateful model.
+
+The scheduler is driven by a fake runner that keeps the runner's side of the contract in
+`sched_types.py` (per-request state added on `new`, dropped on `finished_request_ids`, append-only
+block tables) and models the KV cache contents: each slot it writes holds (cache_salt, token prefix),
+and every position a scheduled request attends to must hold that request's own (salt, prefix). So a
+prefix-cache hit on a block whose K/V was never written, or a block reused while still in use, fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+import zlib
+
+import pytest
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from jaxserve.config import SchedulerConfig
+from jaxserve.core.kv_cache_manager import NULL_BLOCK_ID, KVCacheManager
+from jaxserve.core.sched_types import RunnerOutput, SchedulerOutput
+from jaxserve.core.scheduler import RequestUpdate, Scheduler
+from jaxserve.request import Request, RequestStatus
+from jaxserve.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.cpu_test
+
+SEED = b"\x05" * 32
+EOS = 2
+STOP_ID = 5
+TOKEN = 7  # a token that stops nothing
+
+
+def token_at(request_id: str, tokens: list[int]) -> int:
+    """A deterministic 'model': the next token depends only on the request and its position."""
+    return 10 + (zlib.crc32(request_id.encode()) + 3 * len(tokens)) % 50
+
+
+# ---------------------------------------------------------------- fake runner
+
+
+@dataclasses.dataclass
+class _RunnerState:
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    cache_salt: str | None
+
+
+class FakeRunner:
+    """The runner's side of the contract, with a model of what each KV slot holds."""
+
+    def __init__(self, scheduler: Scheduler, token_fn=token_at):
+        self.scheduler = scheduler
+        self.kv = scheduler.kv_cache
+        self.block_size = self.kv.block_size
+        self.token_fn = token_fn
+        self.states: dict[str, _RunnerState] = {}
+        self.slots: dict[int, tuple] = {}  # slot -> (salt, tuple(token prefix through that position))
+
+    def _slot(self, state: _RunnerState, position: int) -> int:
+        block_id = state.block_ids[position // self.block_size]
+        assert block_id != NULL_BLOCK_ID, "a request's block table holds the null block"
+        return block_id * self.block_size + position % self.block_size
+
+    @staticmethod
+    def _content(state: _RunnerState, position: int) -> tuple:
+        return state.cache_salt, tuple(state.token_ids[: position + 1])
+
+    def execute(self, out: SchedulerOutput, tokens=None) -> RunnerOutput:
+        """Runs one step; `tokens` (a list) gives the sampled tokens in order, else token_fn decides."""
+        for request_id in out.finished_request_ids:
+            self.states.pop(request_id, None)
+        assert len({item.request_id for item in out.scheduled}) == len(out.scheduled), "a request scheduled twice"
+        assert out.num_scheduled_tokens == sum(item.num_new_tokens for item in out.scheduled)
+        steps = []
+        for item in out.scheduled:
+            request = self.scheduler.requests[item.request_id]
+            state = self.states.get(item.request_id)
+            if state is None:
+                assert item.new is not None, f"{item.request_id}: runner has no state but `new` is not set"
+                assert item.new.all_token_ids == request.all_token_ids
+                assert item.new.num_prompt_tokens == request.num_prompt_tokens
+                assert item.num_computed_tokens % self.block_size == 0, "prefix hits are whole blocks"
+                state = _RunnerState(list(item.new.all_token_ids), [], item.num_computed_tokens, request.cache_salt)
+                self.states[item.request_id] = state
+            else:
+                assert item.new is None, f"{item.request_id}: `new` sent again without a preemption"
+                assert item.num_computed_tokens == state.num_computed_tokens, (
+                    f"{item.request_id}: scheduled from position {item.num_computed_tokens}, runner is at "
+                    f"{state.num_computed_tokens}")
+            state.block_ids += item.new_block_ids
+            assert state.block_ids == self.kv.get_block_ids(item.request_id), "block table is not append-only"
+            end = item.num_computed_tokens + item.num_new_tokens
+            assert item.num_new_tokens >= 1
+            assert end <= len(state.token_ids), "scheduled past the known tokens"
+            assert len(state.block_ids) * self.block_size >= end, "too few blocks for the step's tokens"
+            assert item.samples == (end == len(state.token_ids))
+            steps.append((item, state, end))
+        for item, state, end in steps:  # every K/V write of the step lands before any read (as in the model)
+            for position in range(item.num_computed_tokens, end):
+                self.slots[self._slot(state, position)] = self._content(state, position)
+        for item, state, end in steps:
+            for position in range(end):
+                held = self.slots.get(self._slot(state, position))
+                assert held == self._content(state, position), (
+                    f"{item.request_id} reads position {position} from block "
+                    f"{state.block_ids[position // self.block_size]}, which holds "
+                    f"{'nothing (never written)' if held is None else 'another sequence'}")
+            state.num_computed_tokens = end
+        request_ids, sampled = [], []
+        for item, state, _ in steps:
+            if item.samples:
+                token = tokens[len(sampled) % len(tokens)] if tokens else self.token_fn(item.request_id,
+                                                                                           state.token_ids)
+                state.token_ids.append(token)
+                request_ids.append(item.request_id)
+                sampled.append(token)
+        return RunnerOutput(request_ids, sampled)
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_model_len: int = 128, caching: bool = True,
+                   **config) -> Scheduler:
+    kv = KVCacheManager(num_blocks, block_size, enable_caching=caching, hash_seed=SEED)
+    return Scheduler(SchedulerConfig(**config), kv, max_model_len)
+
+
+_arrivals = itertools.count()
+_prompt_starts = itertools.count(1000, 1000)  # int prompts never share a prefix by accident
+
+
+def make_request(request_id: str, prompt, *, max_tokens: int = 8, priority: int = 0, arrival: float | None = None,
+                 cache_salt: str | None = None, eos=(EOS,), **params) -> Request:
+    if isinstance(prompt, int):
+        start = next(_prompt_starts)
+        prompt = list(range(start, start + prompt))
+    prompt = list(prompt)
+    return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, **params), eos_token_ids=eos,
+                   max_tokens=max_tokens, arrival_time=float(next(_arrivals) if arrival is None else arrival),
+                   priority=priority, cache_salt=cache_salt)
+
+
+class Driver:
+    """Scheduler + fake runner; step() is what the engine does (non-overlap)."""
+
+    def __init__(self, scheduler: Scheduler, token_fn=token_at):
+        self.scheduler = scheduler
+        self.runner = FakeRunner(scheduler, token_fn)
+        self.outputs: list[SchedulerOutput] = []
+        self.finished: dict[str, RequestUpdate] = {}
+
+    def add(self, *requests: Request) -> None:
+        for request in requests:
+            self.scheduler.add_request(request)
+
+    def step(self) -> SchedulerOutput:
+        out = self.scheduler.schedule()
+        for item in out.scheduled:
+            assert self.scheduler.requests[item.request_id].status == RequestStatus.RUNNING
+        updates = self.scheduler.update_from_output(out, self.runner.execute(out))
+        for update in updates:
+            if update.finish_status is not None:
+                assert update.request_id not in self.finished
+                self.finished[update.request_id] = update
+        self.outputs.append(out)
+        return out
+
+    def step_while(self, condition, max_steps: int = 50) -> SchedulerOutput | None:
+        """Steps while condition() holds (at most max_steps); returns the last step's output."""
+        out = None
+        for _ in range(max_steps):
+            if not condition():
+                return out
+            out = self.step()
+        raise AssertionError(f"still {condition.__doc__ or 'going'} after {max_steps} steps: {self.scheduler.requests}")
+
+    def run(self, max_steps: int = 500) -> None:
+        for _ in range(max_steps):
+            if not self.scheduler.has_unfinished_requests():
+                return
+            self.step()
+        raise AssertionError(f"requests still unfinished after {max_steps} steps: {self.scheduler.requests}")
+
+
+def scheduled_tokens(out: SchedulerOutput) -> dict[str, int]:
+    return {item.request_id: item.num_new_tokens for item in out.scheduled}
+
+
+def item_of(out: SchedulerOutput, request_id: str):
+    return next(item for item in out.scheduled if item.request_id == request_id)
+
+
+# ---------------------------------------------------------------- chunked prefill and batches
+
+
+def test_chunked_prefill_spreads_a_long_prompt_over_the_budget():
+    driver = Driver(make_scheduler(max_num_batched_tokens=8))
+    request = make_request("a", 30)
+    driver.add(request)
+    chunks, samples = [], []
+    for _ in range(4):
+        item = item_of(driver.step(), "a")
+        assert item.num_computed_tokens == sum(chunks)
+        chunks.append(item.num_new_tokens)
+        samples.append(item.samples)
+    assert chunks == [8, 8, 8, 6] and sum(chunks) == 30
+    assert samples == [False, False, False, True]  # only the chunk that reaches the end samples
+    assert request.num_computed_tokens == 30 and request.num_tokens == 31
+    assert item_of(driver.step(), "a").num_new_tokens == 1  # then it decodes
+
+
+def test_decode_rows_and_a_prefill_chunk_share_one_step():
+    driver = Driver(make_scheduler(max_num_batched_tokens=10))
+    driver.add(make_request("a", 3), make_request("b", 2))
+    driver.step()  # both prefill whole
+    driver.add(make_request("c", 40))
+    out = driver.step()
+    assert scheduled_tokens(out) == {"a": 1, "b": 1, "c": 8}
+    assert [item.samples for item in out.scheduled] == [True, True, False]
+    assert out.num_scheduled_tokens == 10
+
+
+def test_running_requests_are_scheduled_before_waiting_ones():
+    driver = Driver(make_scheduler(max_num_batched_tokens=4))
+    driver.add(make_request("a", 3), make_request("b", 9))
+    out = driver.step()
+    assert scheduled_tokens(out) == {"a": 3, "b": 1}
+    driver.add(make_request("c", 2))  # arrives while b is mid-prefill
+    out = driver.step()
+    # a's decode and b's next chunk first; c (waiting) only gets what is left, here nothing.
+    assert [item.request_id for item in out.scheduled] == ["a", "b"]
+    assert scheduled_tokens(out) == {"a": 1, "b": 3}
+    assert driver.scheduler.requests["c"].status == RequestStatus.WAITING
+
+
+def test_max_num_seqs_and_max_num_batched_tokens_are_never_exceeded():
+    scheduler = make_scheduler(max_num_batched_tokens=7, max_num_seqs=3)
+    driver = Driver(scheduler)
+    rng = random.Random(0)
+    driver.add(*(make_request(f"r{i}", rng.randint(1, 20), max_tokens=rng.randint(1, 6)) for i in range(12)))
+    peak_seqs = peak_tokens = 0
+    while scheduler.has_unfinished_requests():
+        out = driver.step()
+        assert len(scheduler.running) <= 3 and len(out.scheduled) <= 3
+        assert out.num_scheduled_tokens <= 7
+        peak_seqs, peak_tokens = max(peak_seqs, len(out.scheduled)), max(peak_tokens, out.num_scheduled_tokens)
+        assert len(driver.outputs) < 500
+    assert (peak_seqs, peak_tokens) == (3, 7)  # the limits were reached, not just respected
+    assert len(driver.finished) == 12
+
+
+def test_without_chunked_prefill_a_prompt_larger_than_the_remaining_budget_waits():
+    driver = Driver(make_scheduler(max_num_batched_tokens=12, max_model_len=12, enable_chunked_prefill=False))
+    driver.add(make_request("a", 4, max_tokens=3), make_request("a2", 3, max_tokens=3),
+               make_request("b", 11, max_tokens=1), make_request("c", 1, max_tokens=1))
+    out = driver.step()
+    assert scheduled_tokens(out) == {"a": 4, "a2": 3}  # b needs 11 > 5 left; c waits behind it (FCFS)
+    for _ in range(2):
+        out = driver.step()
+        assert scheduled_tokens(out) == {"a": 1, "a2": 1}  # 10 left < 11: b is never cut into chunks
+    assert set(driver.finished) == {"a", "a2"}
+    out = driver.step()
+    assert scheduled_tokens(out) == {"b": 11, "c": 1}
+    assert item_of(out, "b").samples
+
+
+def test_long_prefill_token_threshold_caps_a_chunk():
+    driver = Driver(make_scheduler(max_num_batched_tokens=100, long_prefill_token_threshold=3))
+    driver.add(make_request("a", 10), make_request("b", 2))
+    chunks = [scheduled_tokens(driver.step())["a"] for _ in range(5)]
+    assert chunks == [3, 3, 3, 1, 1]  # then decodes
+
+
+def test_non_chunked_config_with_budget_below_max_model_len_is_rejected_or_serves_every_prompt():
+    """A prompt that fits max_model_len but not max_num_batched_tokens must not wait forever."""
+    try:
+        scheduler = make_scheduler(max_num_batched_tokens=8, enable_chunked_prefill=False, max_model_len=64)
+    except ValueError:
+        return  # rejected up front, as vLLM does (max_num_batched_tokens >= max_model_len)
+    driver = Driver(scheduler)
+    driver.add(make_request("a", 12, max_tokens=2))
+    driver.run(max_steps=50)
+
+
+# ---------------------------------------------------------------- preemption
+
+
+def _fill_cache(policy="fcfs", priorities=(0, 0, 0), num_blocks=4, **config):
+    """a (4 tokens), b and c (2 tokens each) fill three 4-token blocks; only a's first decode needs another."""
+    driver = Driver(make_scheduler(num_blocks=num_blocks, block_size=4, policy=policy, **config))
+    requests = [make_request(name, [20 + i] * length, max_tokens=6, priority=priority)
+                for i, (name, length, priority) in enumerate(zip("abc", (4, 2, 2), priorities))]
+    driver.add(*requests)
+    out = driver.step()
+    assert scheduled_tokens(out) == {"a": 4, "b": 2, "c": 2}
+    assert driver.scheduler.kv_cache.num_free_blocks == num_blocks - 4
+    return driver, requests
+
+
+@pytest.mark.parametrize("priorities, victim", [((0, 0, 0), "c"), ((0, 5, 1), "b"), ((3, 1, 3), "c"),
+                                                ((5, 0, 1), "a")])
+def test_preemption_picks_the_lowest_priority_then_the_latest_arrival(priorities, victim):
+    driver, requests = _fill_cache(priorities=priorities)
+    scheduler = driver.scheduler
+    late = make_request("d", 3)
+    driver.add(late)
+    request = scheduler.requests[victim]
+    assert scheduler.kv_cache.get_block_ids(victim)
+    out = driver.step()
+    assert set(scheduled_tokens(out)) == set("abc") - {victim}
+    assert out.finished_request_ids == {victim}  # the runner drops its state this very step
+    assert request.status == RequestStatus.PREEMPTED and request.num_preemptions == 1
+    assert request.num_computed_tokens == 0
+    assert request.num_output_tokens == 1  # keeps what it generated
+    assert scheduler.kv_cache.get_block_ids(victim) == []
+    assert list(scheduler.waiting) == [request, late]  # front of the FCFS queue
+    assert scheduler.num_preemptions == 1
+    assert [r.request_id for r in scheduler.running] == [r.request_id for r in requests if r is not request]
+
+
+def test_preempted_request_keeps_its_tokens_and_recomputes_them():
+    driver, (a, b, c) = _fill_cache()
+    generated = list(c.output_token_ids)
+    driver.step()  # c preempted
+    assert c.status == RequestStatus.PREEMPTED and c.output_token_ids == generated
+    out = driver.step_while(lambda: c.status != RequestStatus.RUNNING)
+    item = item_of(out, "c")
+    assert item.new is not None and item.new.all_token_ids == c.prompt_token_ids + generated
+    driver.run()
+    assert c.num_output_tokens == 6 and c.output_token_ids[:1] == generated
+    assert driver.finished["c"].finish_status == RequestStatus.FINISHED_LENGTH
+
+
+def test_outputs_are_the_same_with_and_without_preemption():
+    prompts = {f"r{i}": [30 + i % 2] * (3 + 5 * i) for i in range(5)}
+
+    def run(num_blocks):
+        scheduler = make_scheduler(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=12)
+        driver = Driver(scheduler)
+        requests = [make_request(rid, prompt, max_tokens=10) for rid, prompt in prompts.items()]
+        driver.add(*requests)
+        driver.run()
+        assert scheduler.kv_cache.num_free_blocks == num_blocks - 1
+        return scheduler.num_preemptions, {r.request_id: r.output_token_ids for r in requests}
+
+    roomy_preemptions, roomy = run(64)
+    tight_preemptions, tight = run(1 + 10)  # the longest request needs 8 blocks alone
+    assert roomy_preemptions == 0 and tight_preemptions > 0
+    assert tight == roomy
+    assert all(len(tokens) == 10 for tokens in tight.values())
+
+
+def test_siblings_with_equal_priority_and_arrival_do_not_preempt_each_other_forever():
+    """The children of an n > 1 request share priority and arrival time. The victim among them must
+    be chosen by a total order: if the earlier-scheduled one (the one further ahead) is preempted
+    each time, they take turns losing their progress and neither finishes (no prefix cache here)."""
+    scheduler = make_scheduler(num_blocks=1 + 12, block_size=4, max_model_len=48, caching=False,
+                               long_prefill_token_threshold=4)
+    driver = Driver(scheduler)
+    prompt = list(range(50, 70))
+    driver.add(*(make_request(f"{i}_x", prompt, max_tokens=20, arrival=1.0) for i in range(2)))
+    driver.run(max_steps=200)  # each needs 10 of the 12 blocks: one at a time, about 50 steps
+    assert sorted(driver.finished) == ["0_x", "1_x"]
+
+
+def test_token_sampled_for_a_request_aborted_in_the_meantime_is_dropped():
+    driver = Driver(make_scheduler())
+    request = make_request("a", 5)
+    driver.add(request)
+    out = driver.scheduler.schedule()
+    runner_output = driver.runner.execute(out)
+    driver.scheduler.abort_requests("a")
+    assert driver.scheduler.update_from_output(out, runner_output) == []
+    assert request.num_output_tokens == 0 and request.status == RequestStatus.FINISHED_ABORTED
+    assert driver.scheduler.schedule().finished_request_ids == {"a"}
+
+
+def test_token_sampled_for_a_request_preempted_in_the_meantime_is_dropped():
+    """Overlap order (schedule N+1 before reading N back): N+1 preempts a request that sampled in N."""
+    scheduler = make_scheduler(num_blocks=1 + 2, block_size=4, long_prefill_token_threshold=4)
+    runner = FakeRunner(scheduler)
+    long, short = make_request("long", 8, max_tokens=1), make_request("short", 4, max_tokens=4)
+    scheduler.add_request(long)
+    scheduler.add_request(short)
+    first = scheduler.schedule()
+    assert scheduled_tokens(first) == {"long": 4, "short": 4} and item_of(first, "short").samples
+    first_output = runner.execute(first)
+    second = scheduler.schedule()  # long needs a second block: the later arrival is preempted
+    assert "short" in second.finished_request_ids and short.status == RequestStatus.PREEMPTED
+    updates = scheduler.update_from_output(first, first_output)
+    assert updates == [] and short.num_output_tokens == 0  # its token is dropped, not appended
+    scheduler.update_from_output(second, runner.execute(second))
+    driver = Driver(scheduler)
+    driver.runner = runner
+    driver.run()
+    assert short.num_output_tokens == 4 and long.num_output_tokens == 1
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_victim_is_the_lowest_priority_even_when_it_was_scheduled_first_and_no_unwritten_block_is_hit(policy):
+    """`low` runs ahead of `high` in the running list. When `high` needs a block, `low` is the victim
+    (DESIGN §3), though its chunk was already allocated this step and its newly full blocks registered
+    in the prefix cache: those are never written once it is unscheduled, so a later hit on them (by
+    `low` itself on resumption) would read garbage. The fake runner checks every position read."""
+    scheduler = make_scheduler(num_blocks=1 + 6, block_size=4, long_prefill_token_threshold=6, policy=policy)
+    driver = Driver(scheduler)
+    low = make_request("low", 18, max_tokens=2, priority=5)
+    driver.add(low)
+    driver.step()  # low: tokens 0..6
+    high = make_request("high", 4, max_tokens=8, priority=0)
+    driver.add(high)
+    assert scheduled_tokens(driver.step()) == {"low": 6, "high": 4}
+    assert [r.request_id for r in scheduler.running] == ["low", "high"]
+    out = driver.step()  # low's chunk 12..18 and high's first decode block do not both fit
+    assert high.num_preemptions == 0, "the high-priority request was preempted instead of the low-priority one"
+    assert low.status == RequestStatus.PREEMPTED and "low" in out.finished_request_ids
+    assert scheduled_tokens(out) == {"high": 1}
+    driver.run()  # low resumes from the prefix cache; the fake runner checks what it reads was written
+    assert low.num_output_tokens == 2 and high.num_output_tokens == 8
+
+
+def test_a_victim_taken_out_of_the_step_never_leaves_a_same_step_prefix_hit_unwritten():
+    """`w` hits block 2 of `victim` in the very step that allocates (and registers) it; when a
+    higher-priority arrival then preempts `victim` out of the step, that block is never written, so
+    `w` must not read it (the fake runner checks every position read was written for its reader)."""
+    scheduler = make_scheduler(num_blocks=1 + 5, block_size=4, policy="priority", long_prefill_token_threshold=8)
+    driver = Driver(scheduler)
+    victim = make_request("victim", [3] * 4 + [4] * 4 + [5] * 4 + [6] * 4, max_tokens=1, priority=5)
+    driver.add(victim)
+    assert scheduled_tokens(driver.step()) == {"victim": 8}
+    driver.add(make_request("w", [3] * 4 + [4] * 4 + [5] * 4 + [7], max_tokens=2, priority=1),
+               make_request("high", [8] * 8, max_tokens=2, priority=3))
+    driver.step()  # victim's 8..16 fills blocks 2, 3; w can hit blocks 0..2; high needs 2 blocks of the 1 left
+    driver.run()
+    assert victim.num_output_tokens == 1
+
+
+def test_a_waiting_request_that_hit_its_victims_new_block_still_gets_scheduled():
+    """`r` may hit block 2 of `victim`, registered by this very step, and need more blocks than are
+    free; if `victim` is then preempted out of the step, the hit must stay valid (or be looked up
+    again) instead of the allocation failing on an uncached block."""
+    scheduler = make_scheduler(num_blocks=1 + 5, block_size=4, policy="priority", long_prefill_token_threshold=8)
+    driver = Driver(scheduler)
+    victim = make_request("victim", [3] * 4 + [4] * 4 + [5] * 4 + [6] * 4, max_tokens=1, priority=5)
+    driver.add(victim)
+    assert scheduled_tokens(driver.step()) == {"victim": 8}
+    r = make_request("r", [3] * 4 + [4] * 4 + [5] * 4 + [7] * 4 + [8], max_tokens=2, priority=1)
+    driver.add(r)
+    out = driver.step()  # victim's 8..16 fills blocks 2, 3; r can hit blocks 0..2 and needs 2 more of the 1 left
+    assert "r" in scheduled_tokens(out)
+    driver.run()
+    assert victim.num_output_tokens == 1 and r.num_output_tokens == 2
+
+
+# ---------------------------------------------------------------- priorities
+
+
+def test_priority_policy_orders_waiting_requests_by_priority_then_arrival():
+    scheduler = make_scheduler(policy="priority", max_num_seqs=1)
+    driver = Driver(scheduler)
+    specs = [("a", 3, 0.0), ("b", 1, 1.0), ("c", 2, 2.0), ("d", 1, 3.0), ("e", 0, 4.0)]
+    driver.add(*(make_request(name, 2, max_tokens=1, priority=priority, arrival=arrival)
+                 for name, priority, arrival in specs))
+    driver.run(max_steps=20)
+    order = [item.request_id for out in driver.outputs for item in out.scheduled if item.new is not None]
+    assert order == ["e", "b", "d", "c", "a"]
+
+
+def test_fcfs_policy_ignores_priority_when_admitting():
+    scheduler = make_scheduler(policy="fcfs", max_num_seqs=1)
+    driver = Driver(scheduler)
+    driver.add(make_request("a", 2, max_tokens=1, priority=3), make_request("b", 2, max_tokens=1, priority=0))
+    assert [item.request_id for item in driver.step().scheduled] == ["a"]
+
+
+def test_high_priority_arrival_preempts_a_lower_priority_running_request():
+    scheduler = make_scheduler(num_blocks=1 + 8, block_size=4, policy="priority")
+    driver = Driver(scheduler)
+    low = make_request("low", 8, max_tokens=20, priority=5)
+    driver.add(low)
+    driver.step_while(lambda: len(scheduler.kv_cache.get_block_ids("low")) < 6)
+    high = make_request("high", 12, max_tokens=2, priority=0)  # needs 3 blocks, 2 are free
+    driver.add(high)
+    driver.step_while(lambda: high.status == RequestStatus.WAITING and not low.is_finished)
+    assert not low.is_finished, "the high-priority request waited for the low-priority one to finish"
+    assert low.num_preemptions == 1 and high.status == RequestStatus.RUNNING
+    driver.run()
+    assert high.num_output_tokens == 2 and low.num_output_tokens == 20
+
+
+# ---------------------------------------------------------------- abort
+
+
+def test_abort_running_request_frees_its_blocks():
+    scheduler = make_scheduler(num_blocks=16, caching=False)
+    driver = Driver(scheduler)
+    driver.add(make_request("a", 10), make_request("b", 5))
+    driver.step()
+    assert scheduler.kv_cache.num_free_blocks == 15 - 3 - 2
+    scheduler.abort_requests(["a"])
+    assert scheduler.kv_cache.get_block_ids("a") == [] and scheduler.kv_cache.num_free_blocks == 15 - 2
+    assert [r.request_id for r in scheduler.running] == ["b"]
+    out = driver.step()
+    assert out.finished_request_ids == {"a"} and scheduled_tokens(out) == {"b": 1}
+    scheduler.abort_requests("b")
+    assert scheduler.kv_cache.num_free_blocks == 15 and not scheduler.has_unfinished_requests()
+    scheduler.abort_requests(["b", "unknown"])  # twice, or unknown: ignored
+
+
+def test_abort_waiting_and_preempted_requests_frees_their_blocks():
+    driver, (a, b, c) = _fill_cache()
+    scheduler = driver.scheduler
+    waiting = make_request("w", 8)
+    driver.add(waiting)
+    driver.step()  # c preempted; w waits
+    assert c.status == RequestStatus.PREEMPTED and waiting.status == RequestStatus.WAITING
+    scheduler.abort_requests(["c", "w"])
+    assert c.status == waiting.status == RequestStatus.FINISHED_ABORTED
+    assert len(scheduler.waiting) == 0 and set(scheduler.requests) == {"a", "b"}
+    out = driver.step()
+    assert {"c", "w"} <= out.finished_request_ids
+    scheduler.abort_requests(["a", "b"])
+    assert scheduler.kv_cache.num_free_blocks == 3
+    for request_id in "abcw":
+        assert scheduler.kv_cache.get_block_ids(request_id) == []
+
+
+# ---------------------------------------------------------------- stop conditions
+
+
+def _run_one(request: Request, tokens: list[int], max_model_len: int = 128) -> tuple[Driver, RequestUpdate]:
+    script = iter(tokens)
+    driver = Driver(make_scheduler(max_model_len=max_model_len), token_fn=lambda request_id, _: next(script))
+    driver.add(request)
+    driver.run()
+    assert driver.scheduler.kv_cache.num_free_blocks == 63
+    return driver, driver.finished[request.request_id]
+
+
+def test_eos_stops_a_request():
+    request = make_request("a", 3, max_tokens=10)
+    _, update = _run_one(request, [TOKEN, TOKEN, EOS, TOKEN])
+    assert request.output_token_ids == [TOKEN, TOKEN, EOS]
+    assert update.finish_status == request.status == RequestStatus.FINISHED_STOPPED
+    assert update.stop_reason is None and request.status.finish_reason == "stop"
+
+
+def test_any_of_several_eos_ids_stops_and_ignore_eos_does_not():
+    request = make_request("a", 3, max_tokens=10, eos=(EOS, 9))
+    _run_one(request, [TOKEN, 9, TOKEN])
+    assert request.output_token_ids == [TOKEN, 9]
+    request = make_request("b", 3, max_tokens=4, ignore_eos=True)
+    _, update = _run_one(request, [EOS, EOS, TOKEN, EOS, TOKEN])
+    assert request.output_token_ids == [EOS, EOS, TOKEN, EOS]
+    assert update.finish_status == RequestStatus.FINISHED_LENGTH
+
+
+def test_stop_token_id_stops_with_its_id_as_stop_reason():
+    request = make_request("a", 3, max_tokens=10, stop_token_ids=[STOP_ID, 6], ignore_eos=True)
+    _, update = _run_one(request, [EOS, 6, TOKEN])
+    assert request.output_token_ids == [EOS, 6]
+    assert update.finish_status == RequestStatus.FINISHED_STOPPED and update.stop_reason == 6
+    assert request.stop_reason == 6
+
+
+def test_min_tokens_holds_back_eos_and_stop_ids():
+    request = make_request("a", 3, max_tokens=10, min_tokens=3, stop_token_ids=[STOP_ID])
+    _, update = _run_one(request, [EOS, STOP_ID, EOS, TOKEN])
+    assert request.output_token_ids == [EOS, STOP_ID, EOS]  # the third token may stop
+    assert update.finish_status == RequestStatus.FINISHED_STOPPED
+    request = make_request("b", 3, max_tokens=10, min_tokens=3, stop_token_ids=[STOP_ID])
+    _, update = _run_one(request, [EOS, TOKEN, STOP_ID, TOKEN])
+    assert update.finish_status == RequestStatus.FINISHED_STOPPED and update.stop_reason == STOP_ID
+
+
+def test_max_tokens_and_max_model_len_end_with_length():
+    request = make_request("a", 3, max_tokens=4)
+    driver, update = _run_one(request, [TOKEN] * 10)
+    assert request.num_output_tokens == 4 and update.finish_status == RequestStatus.FINISHED_LENGTH
+    assert update.stop_reason is None and request.status.finish_reason == "length"
+    # Each step's update carries exactly the new token.
+    request = make_request("b", 10, max_tokens=50)
+    _, update = _run_one(request, [TOKEN] * 20, max_model_len=16)
+    assert request.num_tokens == 16 and update.finish_status == RequestStatus.FINISHED_LENGTH
+
+
+def test_updates_carry_each_new_token_once_and_finish_once():
+    scheduler = make_scheduler()
+    runner = FakeRunner(scheduler)
+    request = make_request("a", 6, max_tokens=3)
+    scheduler.add_request(request)
+    seen = []
+    for _ in range(4):
+        if not scheduler.has_unfinished_requests():
+            break
+        out = scheduler.schedule()
+        updates = scheduler.update_from_output(out, runner.execute(out))
+        assert [u.request_id for u in updates] == ["a"]
+        seen += updates[0].new_token_ids
+        assert (updates[0].finish_status is not None) == (len(seen) == 3)
+    assert seen == request.output_token_ids
+    assert scheduler.schedule().finished_request_ids == {"a"}
+
+
+# ---------------------------------------------------------------- prefix cache
+
+
+def test_prefix_cache_hit_starts_a_second_request_past_the_shared_blocks():
+    scheduler = make_scheduler(block_size=4)
+    driver = Driver(scheduler)
+    prompt = list(range(40, 50))  # 10 tokens: 2 full blocks
+    driver.add(make_request("a", prompt, max_tokens=5))
+    driver.step()
+    second = make_request("b", prompt, max_tokens=2)
+    driver.add(second)
+    item = item_of(driver.step(), "b")
+    assert item.num_computed_tokens == 8 and item.num_new_tokens == 2 and item.samples
+    assert second.num_cached_tokens == 8
+    assert scheduler.kv_cache.get_block_ids("a")[:2] == scheduler.kv_cache.get_block_ids("b")[:2]
+    driver.run()
+    third = make_request("c", prompt + [1, 2], max_tokens=1)  # after both finished: the blocks are free but cached
+    driver.add(third)
+    assert item_of(driver.step(), "c").num_computed_tokens == 8
+
+
+def test_prefix_cache_never_covers_all_tokens():
+    driver = Driver(make_scheduler(block_size=4))
+    prompt = list(range(40, 48))  # exactly 2 full blocks
+    driver.add(make_request("a", prompt, max_tokens=1))
+    driver.run()
+    driver.add(make_request("b", prompt, max_tokens=1))
+    item = item_of(driver.step(), "b")
+    assert item.num_computed_tokens == 4 and item.num_new_tokens == 4  # the last token is computed for logits
+
+
+def test_prefix_cache_respects_cache_salt():
+    driver = Driver(make_scheduler(block_size=4))
+    prompt = list(range(40, 50))
+    driver.add(make_request("a", prompt, max_tokens=1, cache_salt="x"))
+    driver.run()
+    driver.add(make_request("b", prompt, max_tokens=1), make_request("c", prompt, max_tokens=1, cache_salt="y"),
+               make_request("d", prompt, max_tokens=1, cache_salt="x"))
+    out = driver.step()
+    assert {item.request_id: item.num_computed_tokens for item in out.scheduled} == {"b": 0, "c": 0, "d": 8}
+
+
+def test_preempted_request_resumes_from_its_cached_prefix():
+    scheduler = make_scheduler(num_blocks=1 + 4, block_size=4)
+    driver = Driver(scheduler)
+    a, c = make_request("a", 4, max_tokens=3), make_request("c", 9, max_tokens=2)
+    driver.add(a, c)
+    driver.step()  # a: 1 block, c: 2 full blocks + 1 partial; none left
+    out = driver.step()  # a's decode needs a block: c is preempted, a takes c's partial (freed first)
+    assert out.finished_request_ids == {"c"} and c.num_cached_tokens == 0
+    for _ in range(10):
+        out = driver.step()
+        if "c" in scheduled_tokens(out):
+            break
+    item = item_of(out, "c")
+    assert item.new is not None and (item.num_computed_tokens, item.num_new_tokens) == (8, 2)
+    driver.run()
+    assert c.num_output_tokens == 2 and a.num_output_tokens == 3
+
+
+# ---------------------------------------------------------------- stateful model
+
+VOCAB = (EOS, STOP_ID, 3, 4, 6, TOKEN, TOKEN, TOKEN, TOKEN)  # stops in 2 of 9 draws
+BASES = ([3, 4, 3, 3, 4, 4, 3, 4] * 5, [4, 4, 3, 3] * 10)
+
+
+@st.composite
+def configs(draw):
+    block_size = draw(st.sampled_from([2, 4]))
+    max_model_len = draw(st.sampled_from([44, 52]))
+    min_blocks = -(-max_model_len // block_size)  # any request fits alone
+    chunked = draw(st.booleans())
+    budget = draw(st.integers(1, 24)) if chunked else draw(st.integers(max_model_len, max_model_len + 8))
+    return dict(
+        block_size=block_size,
+        num_blocks=1 + min_blocks + draw(st.integers(0, 4)),
+        max_model_len=max_model_len,
+        caching=draw(st.booleans()),
+        config=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=draw(st.integers(1, 5)),
+                               enable_chunked_prefill=chunked,
+                               long_prefill_token_threshold=draw(st.sampled_from([0, 0, 3, 8])),
+                               policy=draw(st.sampled_from(["fcfs", "priority"]))),
+    )
+
+
+@st.composite
+def prompts(draw):
+    base = draw(st.sampled_from(BASES))
+    shared = base[: draw(st.integers(0, 40))]
+    tail = draw(st.lists(st.sampled_from([3, 4]), max_size=12))
+    prompt = (shared + tail)[:40]
+    return prompt or [3]
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Random arrivals, steps with random tokens (eos included) and aborts; invariants after every rule."""
+
+    @initialize(setup=configs())
+    def setup(self, setup):
+        self.kv = KVCacheManager(setup["num_blocks"], setup["block_size"], enable_caching=setup["caching"],
+                                 hash_seed=SEED)
+        self.scheduler = Scheduler(setup["config"], self.kv, setup["max_model_len"])
+        self.config = setup["config"]
+        self.runner = FakeRunner(self.scheduler)
+        self.added: dict[str, Request] = {}
+        self.outputs: dict[str, list[int]] = {}  # tokens reported in updates
+        self.finish_events: dict[str, list[RequestStatus]] = {}
+        self.next_id = 0
+        self.clock = 0  # arrival times
+
+    # ---- rules ----
+    @rule(specs=st.lists(st.fixed_dictionaries(dict(
+        prompt=prompts(), max_tokens=st.integers(1, 12), priority=st.integers(0, 2),
+        salt=st.sampled_from([None, "s"]), ignore_eos=st.booleans(), stop=st.booleans(),
+        min_tokens=st.integers(0, 3))), min_size=1, max_size=3), siblings=st.booleans())
+    def add_requests(self, specs, siblings):
+        """siblings: like the children of an n > 1 request (same prompt, arrival time, priority, salt)."""
+        for spec in specs:
+            if siblings:
+                spec = dict(specs[0], max_tokens=spec["max_tokens"], ignore_eos=spec["ignore_eos"])
+            else:
+                self.clock += 1
+            self._add(**spec, arrival=self.clock)
+        self.clock += 1
+
+    def _add(self, prompt, max_tokens, priority, salt, ignore_eos, stop, min_tokens, arrival):
+        request_id = f"r{self.next_id}"
+        self.next_id += 1
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos,
+                                stop_token_ids=[STOP_ID] if stop else None, min_tokens=min(min_tokens, max_tokens))
+        request = Request(request_id, prompt, params, eos_token_ids=(EOS,), max_tokens=max_tokens,
+                          arrival_time=float(arrival), priority=priority, cache_salt=salt)
+        self.scheduler.add_request(request)
+        self.added[request_id] = request
+        self.outputs[request_id] = []
+        self.finish_events[request_id] = []
+
+    @rule(tokens=st.lists(st.sampled_from(VOCAB), min_size=5, max_size=5))
+    def step(self, tokens):
+        self._step(tokens)
+
+    @rule(index=st.integers(0, 1000))
+    def abort(self, index):
+        live = sorted(self.scheduler.requests)
+        if not live:
+            return
+        request_id = live[index % len(live)]
+        self.scheduler.abort_requests([request_id])
+        assert self.added[request_id].status == RequestStatus.FINISHED_ABORTED
+        self.finish_events[request_id].append(RequestStatus.FINISHED_ABORTED)
+
+    def drain(self):
+        """Steps until every request has finished, then checks each finished once. No livelock: each
+        step computes >= 1 token (checked in _step), and some request samples a token (or finishes)
+        at least every `patience` steps: the highest-ranked running request is never preempted while
+        it has company, so it reaches the end of its known tokens within that many steps."""
+        rng = random.Random(self.next_id)
+        work = sum(r.num_tokens + r.max_tokens for r in self.scheduler.requests.values())
+        steps_left = 3 * work + 10
+        idle_steps = 0
+        while self.scheduler.has_unfinished_requests():
+            patience = sum(r.num_tokens for r in self.scheduler.requests.values()) + 10
+            idle_steps = 0 if self._step([rng.choice(VOCAB)]) else idle_steps + 1
+            steps_left -= 1
+            assert idle_steps < patience and steps_left > 0, f"no progress: {self.scheduler.requests}"
+        for request_id, events in self.finish_events.items():
+            assert len(events) == 1, f"{request_id} finished {len(events)} times: {events}"
+
+    def teardown(self):
+        if hasattr(self, "scheduler"):
+            self.drain()
+            num_preemptions = self.scheduler.num_preemptions
+            event(f"preemptions: {'3+' if num_preemptions >= 3 else num_preemptions}")
+            event(f"prefix hits: {self.kv.stats.hits > 0}")
+
+    def _step(self, tokens):
+        scheduler = self.scheduler
+        had_work = scheduler.has_unfinished_requests()
+        out = scheduler.schedule()
+        if had_work:
+            assert not out.is_empty, "unfinished requests but nothing scheduled (each fits alone)"
+        assert out.num_scheduled_tokens <= self.config.max_num_batched_tokens
+        assert len(out.scheduled) <= self.config.max_num_seqs
+        for item in out.scheduled:
+            request = scheduler.requests[item.request_id]
+            assert request.status == RequestStatus.RUNNING and request in scheduler.running
+            if self.config.long_prefill_token_threshold:
+                assert item.num_new_tokens <= self.config.long_prefill_token_threshold
+        runner_output = self.runner.execute(out, tokens)
+        updates = scheduler.update_from_output(out, runner_output)
+        assert [u.request_id for u in updates] == runner_output.request_ids  # nothing dropped without cause
+        for update in updates:
+            request = self.added[update.request_id]
+            assert not self.finish_events[update.request_id], f"update for finished {update.request_id}"
+            self.outputs[update.request_id] += update.new_token_ids
+            self._check_finish(request, update)
+        return len(updates)
+
+    def _check_finish(self, request: Request, update: RequestUpdate):
+        params = request.sampling_params
+        output = self.outputs[request.request_id]
+        last = output[-1]
+        may_stop = len(output) >= params.min_tokens and (
+            (not params.ignore_eos and last in request.eos_token_ids) or last in params.stop_token_ids)
+        at_length = len(output) >= request.max_tokens or request.num_tokens >= self.scheduler.max_model_len
+        assert len(output) <= request.max_tokens
+        assert request.num_tokens <= self.scheduler.max_model_len
+        if update.finish_status is None:
+            assert not may_stop and not at_length, f"{request} should have finished after {output}"
+            return
+        self.finish_events[request.request_id].append(update.finish_status)
+        assert request.status == update.finish_status
+        if update.finish_status == RequestStatus.FINISHED_STOPPED:
+            assert may_stop
+            assert update.stop_reason == (last if last in params.stop_token_ids and not (
+                not params.ignore_eos and last in request.eos_token_ids) else None)
+        else:
+            assert update.finish_status == RequestStatus.FINISHED_LENGTH and at_length
+
+    # ---- invariants ----
+    @invariant()
+    def requests_and_queues_agree(self):
+        if not hasattr(self, "scheduler"):
+            return
+        scheduler = self.scheduler
+        running, waiting = list(scheduler.running), list(scheduler.waiting)
+        assert len(running) <= self.config.max_num_seqs
+        assert len({id(r) for r in running + waiting}) == len(running) + len(waiting)
+        assert {r.request_id for r in running + waiting} == set(scheduler.requests)
+        assert all(r.status == RequestStatus.RUNNING for r in running)
+        assert all(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for r in waiting)
+        for request_id, request in self.added.items():
+            live = request_id in scheduler.requests
+            assert live == (not request.is_finished) == (not self.finish_events[request_id])
+            assert len(self.finish_events[request_id]) <= 1
+            assert request.output_token_ids == self.outputs[request_id]  # preemption keeps tokens, none lost
+            assert request.num_output_tokens <= request.max_tokens
+            block_ids = self.kv.get_block_ids(request_id)
+            if not live:
+                assert block_ids == []
+                continue
+            assert request.num_computed_tokens <= request.num_tokens
+            assert len(block_ids) * self.kv.block_size >= request.num_computed_tokens
+            if request.status != RequestStatus.RUNNING:
+                assert block_ids == [] and request.num_computed_tokens == 0
+
+    @invariant()
+    def no_block_is_leaked(self):
+        if not hasattr(self, "scheduler"):
+            return
+        pool = self.kv.pool
+        holders: dict[int, int] = {}
+        for request_id in self.scheduler.requests:
+            block_ids = self.kv.get_block_ids(request_id)
+            assert len(set(block_ids)) == len(block_ids)
+            for block_id in block_ids:
+                holders[block_id] = holders.get(block_id, 0) + 1
+        assert NULL_BLOCK_ID not in holders and pool.null_block.ref_cnt == 0
+        free = [block.block_id for block in pool.free_queue]
+        assert len(free) == len(set(free)) == pool.num_free_blocks
+        for block in pool.blocks[1:]:
+            assert block.ref_cnt == holders.get(block.block_id, 0), block
+        assert set(free) == {b.block_id for b in pool.blocks[1:] if b.ref_cnt == 0}
+        assert len(free) + len(holders) == pool.num_blocks - 1
+
+
+TestSchedulerMachine = SchedulerMachine.TestCase
+TestSchedulerMachine.settings = settings(max_examples=40, stateful_step_count=30, deadline=None,
+                                         suppress_health_check=[HealthCheck.too_slow])
