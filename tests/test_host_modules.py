@@ -1,0 +1,23 @@
+"""The host-side core (scheduler, KV cache manager, requests, outputs) loads without JAX (DESIGN §1)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.cpu_test
+
+HOST_MODULES = ["jaxserve.core.scheduler", "jaxserve.core.kv_cache_manager", "jaxserve.core.buckets",
+                "jaxserve.core.sched_types", "jaxserve.request", "jaxserve.outputs", "jaxserve.sampling_params",
+                "jaxserve.tokenizer", "jaxserve.config"]
+
+
+def test_host_modules_import_no_jax():
+    code = (f"import sys; import {', '.join(HOST_MODULES)}; "
+            "loaded = sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.')); "
+            "assert not loaded, loaded")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
