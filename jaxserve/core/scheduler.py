@@ -244,12 +244,13 @@ class Scheduler:
             params = request.sampling_params
             num_output = len(tokens) - len(request.prompt_token_ids)
             status = stop_reason = None
-            if num_output >= params.min_tokens and (token in request.eos_token_ids and not params.ignore_eos):
+            # Length first, as vLLM: an eos that is also the max_tokens-th token finishes with "length".
+            if num_output >= request.max_tokens or len(tokens) >= max_model_len:
+                status = RequestStatus.FINISHED_LENGTH
+            elif num_output >= params.min_tokens and (token in request.eos_token_ids and not params.ignore_eos):
                 status = RequestStatus.FINISHED_STOPPED
             elif num_output >= params.min_tokens and params.stop_token_ids and token in params.stop_token_ids:
                 status, stop_reason = RequestStatus.FINISHED_STOPPED, token
-            elif num_output >= request.max_tokens or len(tokens) >= max_model_len:
-                status = RequestStatus.FINISHED_LENGTH
             if status is not None:
                 request.stop_reason = stop_reason
                 self.running.remove(request)
