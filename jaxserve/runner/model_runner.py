@@ -167,19 +167,19 @@ class ModelRunner:
         """Host arrays for one step: (ModelBatch, sampling requests [(index, id, state)], padded R)."""
         for request_id in out.finished_request_ids:
             self._drop(request_id)
-        states, block_table = self.states, self.block_table
-        rows, starts, counts, samplers = [], [], [], []
-        for index, item in enumerate(out.scheduled):
-            state = states.get(item.request_id) or self._add(item.request_id, item.new)
+        states, block_table, scheduled = self.states, self.block_table, out.scheduled
+        # NOTE: comprehensions, not one loop of appends: this runs for every request every step.
+        step_states = [states.get(item.request_id) or self._add(item.request_id, item.new) for item in scheduled]
+        for item, state in zip(scheduled, step_states):
             if item.new_block_ids:
                 end = state.num_blocks + len(item.new_block_ids)
                 block_table[state.row, state.num_blocks: end] = item.new_block_ids
                 state.num_blocks = end
-            rows.append(state.row)
-            starts.append(item.num_computed_tokens)
-            counts.append(item.num_new_tokens)
-            if item.samples:
-                samplers.append((index, item.request_id, state))
+        rows = [state.row for state in step_states]
+        starts = [item.num_computed_tokens for item in scheduled]
+        counts = [item.num_new_tokens for item in scheduled]
+        samplers = [(index, item.request_id, state) for index, (item, state) in enumerate(zip(scheduled, step_states))
+                    if item.samples]
 
         num_reqs = len(rows)
         rows_arr = np.array(rows, np.int64)
