@@ -187,7 +187,10 @@ class Engine:
         return bool(self._parents) or bool(self._pending)
 
     # ---- one step ----
-    def step(self) -> list[RequestOutput]:
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """One engine step. Returns a RequestOutput for each request that changed, or, with
+        `final_only`, only for those that finished (offline generation: no per-step copies of every
+        running request's tokens and text)."""
         outputs, self._pending = self._pending, []
         if not self.scheduler.has_unfinished_requests():
             return outputs
@@ -210,7 +213,8 @@ class Engine:
                 stream.finish(status.finish_reason, stop_reason)
                 parent.finished.add(update.request_id)
             changed[parent_id] = parent
-        outputs.extend(self._output(parent) for parent in changed.values())
+        outputs.extend(self._output(parent) for parent in changed.values()
+                       if not final_only or len(parent.finished) == len(parent.child_ids))
         return outputs
 
     def _output(self, parent: _Parent) -> RequestOutput:

@@ -99,7 +99,7 @@ class LLM:
         with tqdm(total=len(prepared), desc="generating", disable=not use_tqdm) as bar:
             remaining = len(prepared)
             while remaining:
-                for output in self.engine.step():
+                for output in self.engine.step(final_only=True):
                     if output.finished and output.request_id in order:
                         results[order[output.request_id]] = output
                         remaining -= 1
