@@ -1,4 +1,4 @@
-"""`jaxserve` command line: generate | train-tiny.
+"""`jaxserve` command line: generate | serve | bench | train-tiny.
 
     jaxserve generate [--config configs/tiny.yaml] [--model DIR] (--prompt TEXT ... | --prompts-file F.jsonl)
                       [--output F.jsonl] [sampling flags]
@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--quiet", action="store_true", help="no progress bars")
     for flag, kind in SAMPLING_FLAGS.items():
         gen.add_argument(flag, type=kind)
+    sub.add_parser("serve", help="OpenAI-compatible server (jaxserve serve --help)", add_help=False)
+    sub.add_parser("bench", help="benchmarks: throughput | latency | serve", add_help=False)
     sub.add_parser("train-tiny", help="train the embedded default model", add_help=False)
     args, rest = parser.parse_known_args(argv)
     if args.command == "train-tiny":
@@ -96,6 +98,14 @@ def main(argv: list[str] | None = None) -> int:
 
         train_tiny.main(rest)
         return 0
+    if args.command == "serve":
+        from jaxserve.server import cli as server_cli
+
+        return server_cli.main(rest)
+    if args.command == "bench":
+        from jaxserve import bench
+
+        return bench.main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:

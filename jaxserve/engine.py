@@ -45,6 +45,7 @@ class PreparedRequest:
     priority: int
     cache_salt: str | None
     arrival_time: float
+    tenant: str | None = None
 
 
 @dataclasses.dataclass
@@ -91,7 +92,7 @@ class Engine:
 
     def prepare_request(self, prompt: str | dict[str, Any] | list[int], params: SamplingParams | None = None, *,
                         request_id: str | None = None, priority: int = 0,
-                        cache_salt: str | None = None) -> PreparedRequest:
+                        cache_salt: str | None = None, tenant: str | None = None) -> PreparedRequest:
         """Validate and tokenize; raises ValueError naming the parameter. Queues nothing."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -129,7 +130,7 @@ class Engine:
             raise ValueError(f"priority must be an integer, got {priority!r}")
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         return PreparedRequest(request_id or self.new_request_id(), text, token_ids, params, max_tokens, seed,
-                               priority, cache_salt, time.monotonic())
+                               priority, cache_salt, time.monotonic(), tenant)
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -157,7 +158,7 @@ class Engine:
             request = Request(child_id, prepared.prompt_token_ids, prepared.params, eos_token_ids=self.eos_token_ids,
                               max_tokens=prepared.max_tokens, arrival_time=prepared.arrival_time,
                               priority=prepared.priority, cache_salt=prepared.cache_salt,
-                              seed=(prepared.seed + index) % 2**63)
+                              seed=(prepared.seed + index) % 2**63, tenant=prepared.tenant)
             self.scheduler.add_request(request)
             requests.append(request)
             params = prepared.params if self.tokenizer is not None else dataclasses.replace(

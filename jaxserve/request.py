@@ -50,7 +50,8 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         lora_id: int | None = None,
-        seed: int = 0,  # resolved sampling seed (params.seed, or one drawn by the engine)
+        seed: int = 0,
+        tenant: str | None = None,  # who sent it (server: a header or the API key), for fair sharing  # resolved sampling seed (params.seed, or one drawn by the engine)
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -62,6 +63,7 @@ class Request:
         self.cache_salt = cache_salt
         self.lora_id = lora_id
         self.seed = seed
+        self.tenant = tenant
 
         self.status = RequestStatus.WAITING
         self.all_token_ids: list[int] = list(prompt_token_ids)
