@@ -23,7 +23,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.models import loader
-from jaxserve.outputs import OutputStream, RequestOutput
+from jaxserve.outputs import OutputStream, RequestMetrics, RequestOutput
 from jaxserve.request import Request, RequestStatus
 from jaxserve.runner.model_runner import MAX_BANNED, ModelRunner
 from jaxserve.sampling_params import SamplingParams
@@ -54,6 +54,7 @@ class _Parent:
     child_ids: list[str]
     requests: list[Request]
     streams: list[OutputStream]
+    metrics: RequestMetrics
     finished: set[str] = dataclasses.field(default_factory=set)
 
 
@@ -165,7 +166,8 @@ class Engine:
                 prepared.params, detokenize=False)
             streams.append(OutputStream(self.tokenizer, params, prepared.prompt_token_ids, index))
             self._child_to_parent[child_id] = (prepared.request_id, index)
-        self._parents[prepared.request_id] = _Parent(prepared, child_ids, requests, streams)
+        self._parents[prepared.request_id] = _Parent(prepared, child_ids, requests, streams,
+                                                     RequestMetrics(prepared.arrival_time))
 
     def add_request(self, prompt, params: SamplingParams | None = None, **kwargs) -> str:
         prepared = self.prepare_request(prompt, params, **kwargs)
@@ -200,6 +202,7 @@ class Engine:
             return outputs
         runner_output = self.runner.execute(scheduler_output)
         changed: dict[str, _Parent] = {}
+        now = time.monotonic()
         for update in self.scheduler.update_from_output(scheduler_output, runner_output):
             parent_id, index = self._child_to_parent[update.request_id]
             parent = self._parents[parent_id]
@@ -213,6 +216,8 @@ class Engine:
             if status is not None:
                 stream.finish(status.finish_reason, stop_reason)
                 parent.finished.add(update.request_id)
+            if parent.metrics.first_token_time is None:
+                parent.metrics.first_token_time = now
             changed[parent_id] = parent
         outputs.extend(self._output(parent) for parent in changed.values()
                        if not final_only or len(parent.finished) == len(parent.child_ids))
@@ -222,9 +227,10 @@ class Engine:
         finished = len(parent.finished) == len(parent.child_ids)
         prepared = parent.prepared
         if finished:
+            parent.metrics.finished_time = time.monotonic()
             del self._parents[prepared.request_id]
             for child_id in parent.child_ids:
                 self._child_to_parent.pop(child_id, None)
         return RequestOutput(prepared.request_id, prepared.prompt, prepared.prompt_token_ids,
                              [stream.completion_output() for stream in parent.streams], finished,
-                             max(parent.requests[0].num_cached_tokens, 0))
+                             max(parent.requests[0].num_cached_tokens, 0), metrics=parent.metrics)

@@ -26,7 +26,7 @@ from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
 if TYPE_CHECKING:
     from jaxserve.core.sched_types import Logprobs
 
-__all__ = ["CompletionOutput", "Logprob", "OutputStream", "RequestOutput"]
+__all__ = ["CompletionOutput", "Logprob", "OutputStream", "RequestMetrics", "RequestOutput"]
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -56,6 +56,15 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+@dataclasses.dataclass(slots=True)
+class RequestMetrics:
+    """Timestamps of one request (`time.monotonic()` seconds; vLLM's RequestMetrics subset)."""
+
+    arrival_time: float
+    first_token_time: float | None = None  # the first generated token of any of its n sequences reached the host
+    finished_time: float | None = None
+
+
 @dataclasses.dataclass
 class RequestOutput:
     """Everything one request has produced so far (vLLM's RequestOutput)."""
@@ -67,6 +76,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     prompt_logprobs: None = None  # for vLLM compatibility; prompt logprobs are not supported yet
+    metrics: RequestMetrics | None = None
 
 
 class OutputStream:
