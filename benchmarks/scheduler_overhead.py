@@ -1,8 +1,8 @@
 """Host time per engine step at N running decode requests, with a fake model.
 
 Measures the host work of one step that is not device time: Scheduler.schedule(), the runner's
-host-side preparation (ModelBatch arrays and sampling metadata), and Scheduler.update_from_output()
-with the runner's per-request bookkeeping. The model is never run: sampled tokens come from a
+host-side preparation (ModelBatch arrays and sampling metadata: ModelRunner.prepare), and
+Scheduler.update_from_output() with the runner's collect bookkeeping. The model is never run: sampled tokens come from a
 random generator, so only the host path is timed.
 
     python benchmarks/scheduler_overhead.py [--num-requests 256] [--steps 300]
@@ -22,7 +22,7 @@ from jaxserve.core.scheduler import Scheduler
 from jaxserve.models.llama import LlamaConfig
 from jaxserve.models.loader import GenerationDefaults, LoadedModel
 from jaxserve.request import Request
-from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.runner.model_runner import ModelRunner, StepHandle
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -57,11 +57,10 @@ def main() -> None:
         t0 = time.perf_counter()
         out = scheduler.schedule()
         t1 = time.perf_counter()
-        batch, samplers, r_pad = runner.prepare(out)
-        if samplers:
-            runner._sampling_metadata(samplers, r_pad)
+        step = runner.prepare(out)
         t2 = time.perf_counter()
-        runner_output = runner.record(samplers, rng.integers(0, cfg.vocab_size, len(samplers)))
+        tokens = rng.integers(0, cfg.vocab_size, len(step.rows))  # the "device" samples
+        runner_output = runner.collect(StepHandle(step.request_ids, step.rows, step.generations, tokens, None, tokens))
         scheduler.update_from_output(out, runner_output)
         t3 = time.perf_counter()
         if out.num_scheduled_tokens == args.num_requests:  # a pure decode step of every request

@@ -65,6 +65,8 @@ class SchedulerConfig:
     policy: str = "fcfs"  # fcfs | priority (lower value first, then arrival)
     max_n: int = 64  # cap on SamplingParams.n
     max_logprobs: int = 20
+    # Overlap scheduling: step N+1 is dispatched before step N's tokens are read back (DESIGN §7).
+    async_scheduling: bool = True
 
     def __post_init__(self):
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:

@@ -1,8 +1,10 @@
 """The engine loop: add_request / step / abort_request.
 
     add_request: validate (before anything is queued) -> tokenize -> n child Requests -> scheduler
-    step():      scheduler.schedule() -> runner.execute() -> scheduler.update_from_output()
+    step():      scheduler.schedule() -> runner.dispatch() (step N+1, returns at once)
+                 then, for step N: runner.collect() -> scheduler.update_from_output()
                  -> per child OutputStream (detokenize, stop strings) -> RequestOutputs
+                 (without async_scheduling, step N is collected right after its own dispatch)
 
 A request with n > 1 becomes n children ("{i}_{id}") that share the prompt; the first child's
 prompt blocks are registered in the prefix cache when allocated, so the others hit them.
@@ -12,21 +14,26 @@ engine keeps serving.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
+import queue
 import random
+import threading
 import time
 from typing import Any
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager
+from jaxserve.core.sched_types import SchedulerOutput
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.models import loader
 from jaxserve.outputs import OutputStream, RequestMetrics, RequestOutput
 from jaxserve.request import Request, RequestStatus
-from jaxserve.runner.model_runner import MAX_BANNED, ModelRunner
+from jaxserve.runner.model_runner import MAX_BANNED, ModelRunner, StepHandle
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.step_stats import StepStats
 from jaxserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -59,7 +66,7 @@ class _Parent:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, progress: bool = True):
+    def __init__(self, config: EngineConfig, progress: bool = True, record_step_stats: bool = False):
         self.config = config
         self.model = loader.load_model(config.model.path, dtype=config.model.dtype)
         self.tokenizer = (None if config.model.skip_tokenizer_init
@@ -86,6 +93,15 @@ class Engine:
         self._parents: dict[str, _Parent] = {}
         self._child_to_parent: dict[str, tuple[str, int]] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
+        self.async_scheduling = config.scheduler.async_scheduling
+        self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None  # dispatched, not yet processed
+        # Per-step timings for `jaxserve bench`, when asked for (a watcher thread stamps device completion).
+        self.step_stats: collections.deque[StepStats] | None = None
+        if record_step_stats:
+            self.step_stats = collections.deque(maxlen=100_000)
+            self._stats_by_step: dict[int, StepStats] = {}
+            self._watch_queue: queue.SimpleQueue = queue.SimpleQueue()
+            threading.Thread(target=self._watch_device, name="jaxserve-step-watcher", daemon=True).start()
 
     # ---- requests ----
     def new_request_id(self) -> str:
@@ -187,23 +203,45 @@ class Engine:
             self._pending.append(self._output(parent))
 
     def has_unfinished_requests(self) -> bool:
+        # NOTE: an in-flight step with no live request left (the overlap's extra step of requests that
+        # finished) does not count: its tokens are dropped whenever the next step processes it.
         return bool(self._parents) or bool(self._pending)
 
     # ---- one step ----
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """One engine step. Returns a RequestOutput for each request that changed, or, with
         `final_only`, only for those that finished (offline generation: no per-step copies of every
-        running request's tokens and text)."""
+        running request's tokens and text).
+
+        With async_scheduling (overlap), this dispatches step N+1 and then processes step N, whose
+        device work ran while the host scheduled and prepared N+1 (DESIGN §7).
+        """
         outputs, self._pending = self._pending, []
-        if not self.scheduler.has_unfinished_requests():
-            return outputs
-        scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty:
-            return outputs
-        runner_output = self.runner.execute(scheduler_output)
+        t_start = time.perf_counter()
+        out = self.scheduler.schedule() if self.scheduler.has_unfinished_requests() else None
+        handle = None
+        if out is not None and not out.is_empty:
+            t_scheduled = time.perf_counter()
+            handle = self.runner.dispatch(out)
+            if self.step_stats is not None:
+                self._record_dispatch(out, handle, t_start, t_scheduled)
+        current = (out, handle) if handle is not None else None
+        if self.async_scheduling:
+            previous, self._in_flight = self._in_flight, current
+        else:
+            previous = current
+        if previous is not None:
+            outputs += self._process(*previous, final_only)
+        return outputs
+
+    def _process(self, out: SchedulerOutput, handle: StepHandle, final_only: bool) -> list[RequestOutput]:
+        """Reads a dispatched step's tokens back and turns them into request outputs."""
+        t_collect = time.perf_counter()
+        runner_output = self.runner.collect(handle)
+        t_collected = time.perf_counter()
         changed: dict[str, _Parent] = {}
         now = time.monotonic()
-        for update in self.scheduler.update_from_output(scheduler_output, runner_output):
+        for update in self.scheduler.update_from_output(out, runner_output):
             parent_id, index = self._child_to_parent[update.request_id]
             parent = self._parents[parent_id]
             stream = parent.streams[index]
@@ -219,9 +257,31 @@ class Engine:
             if parent.metrics.first_token_time is None:
                 parent.metrics.first_token_time = now
             changed[parent_id] = parent
-        outputs.extend(self._output(parent) for parent in changed.values()
-                       if not final_only or len(parent.finished) == len(parent.child_ids))
+        outputs = [self._output(parent) for parent in changed.values()
+                   if not final_only or len(parent.finished) == len(parent.child_ids)]
+        if self.step_stats is not None and out.step in self._stats_by_step:
+            stats = self._stats_by_step.pop(out.step)
+            stats.readback_s = t_collected - t_collect
+            stats.t_end = time.perf_counter()
+            stats.update_s = stats.t_end - t_collected
         return outputs
+
+    # ---- step timings (bench) ----
+    def _record_dispatch(self, out: SchedulerOutput, handle: StepHandle, t_start: float, t_scheduled: float) -> None:
+        now = time.perf_counter()
+        stats = StepStats(out.step, out.num_scheduled_tokens, len(out.decode_rows) + len(out.scheduled),
+                          out.num_scheduled_tokens - len(out.decode_rows), t_start, t_scheduled - t_start,
+                          now - t_scheduled, now)
+        self.step_stats.append(stats)
+        self._stats_by_step[out.step] = stats
+        self._watch_queue.put((stats, handle.ready))
+
+    def _watch_device(self) -> None:
+        """Watcher thread: stamps each step's device completion time (StepStats.done_t)."""
+        while True:
+            stats, ready = self._watch_queue.get()
+            ready.block_until_ready()
+            stats.done_t = time.perf_counter()
 
     def _output(self, parent: _Parent) -> RequestOutput:
         finished = len(parent.finished) == len(parent.child_ids)

@@ -4,6 +4,7 @@ sampler), not only the forward: greedy tokens equal transformers' and logprobs m
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from jaxserve import LLM, SamplingParams
 
@@ -13,11 +14,12 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     return x - (np.log(np.sum(np.exp(x - x.max(-1, keepdims=True)), -1, keepdims=True)) + x.max(-1, keepdims=True))
 
 
-def test_engine_greedy_matches_hf(hf_fixture):
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["overlap", "sync"])
+def test_engine_greedy_matches_hf(hf_fixture, async_scheduling):
     # A 16-token budget spreads the 33-token prompt over steps and mixes it with the others' decodes.
     llm = LLM(model=hf_fixture.path, dtype="float32", skip_tokenizer_init=True, max_model_len=96, block_size=4,
               num_blocks=96, max_num_batched_tokens=16, max_num_seqs=4, token_buckets=[16], request_buckets=[4],
-              precompile=False, progress=False)
+              precompile=False, progress=False, async_scheduling=async_scheduling)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
     outputs = llm.generate([{"prompt_token_ids": p} for p in hf_fixture.prompts], params, use_tqdm=False)
     for i, out in enumerate(outputs):

@@ -60,6 +60,7 @@ class FakeRunner:
         self.token_fn = token_fn
         self.states: dict[str, _RunnerState] = {}
         self.slots: dict[int, tuple] = {}  # slot -> (salt, tuple(token prefix through that position))
+        self.row_owner: dict[int, str] = {}
 
     def _slot(self, state: _RunnerState, position: int) -> int:
         block_id = state.block_ids[position // self.block_size]
@@ -74,11 +75,17 @@ class FakeRunner:
         """Runs one step; `tokens` (a list) gives the sampled tokens in order, else token_fn decides."""
         for request_id in out.finished_request_ids:
             self.states.pop(request_id, None)
-        assert len({item.request_id for item in out.scheduled}) == len(out.scheduled), "a request scheduled twice"
-        assert out.num_scheduled_tokens == sum(item.num_new_tokens for item in out.scheduled)
+        rows = out.all_rows()
+        assert len({item.request_id for item in rows}) == len(rows), "a request scheduled twice"
+        assert len({item.row for item in rows}) == len(rows), "two requests share a runner row"
+        assert out.num_scheduled_tokens == sum(item.num_new_tokens for item in rows)
         steps = []
-        for item in out.scheduled:
+        for item in rows:
             request = self.scheduler.requests[item.request_id]
+            assert item.row == request.row and 0 <= item.row < self.scheduler.config.max_num_seqs
+            if item.new is not None:
+                self.row_owner[item.row] = item.request_id
+            assert self.row_owner.get(item.row) == item.request_id, f"row {item.row} changed owner without `new`"
             state = self.states.get(item.request_id)
             if state is None:
                 assert item.new is not None, f"{item.request_id}: runner has no state but `new` is not set"
@@ -161,7 +168,7 @@ class Driver:
 
     def step(self) -> SchedulerOutput:
         out = self.scheduler.schedule()
-        for item in out.scheduled:
+        for item in out.all_rows():
             assert self.scheduler.requests[item.request_id].status == RequestStatus.RUNNING
         updates = self.scheduler.update_from_output(out, self.runner.execute(out))
         for update in updates:
@@ -189,11 +196,11 @@ class Driver:
 
 
 def scheduled_tokens(out: SchedulerOutput) -> dict[str, int]:
-    return {item.request_id: item.num_new_tokens for item in out.scheduled}
+    return {item.request_id: item.num_new_tokens for item in out.all_rows()}
 
 
 def item_of(out: SchedulerOutput, request_id: str):
-    return next(item for item in out.scheduled if item.request_id == request_id)
+    return next(item for item in out.all_rows() if item.request_id == request_id)
 
 
 # ---------------------------------------------------------------- chunked prefill and batches
@@ -222,7 +229,7 @@ def test_decode_rows_and_a_prefill_chunk_share_one_step():
     driver.add(make_request("c", 40))
     out = driver.step()
     assert scheduled_tokens(out) == {"a": 1, "b": 1, "c": 8}
-    assert [item.samples for item in out.scheduled] == [True, True, False]
+    assert [item.samples for item in out.all_rows()] == [True, True, False]
     assert out.num_scheduled_tokens == 10
 
 
@@ -234,7 +241,7 @@ def test_running_requests_are_scheduled_before_waiting_ones():
     driver.add(make_request("c", 2))  # arrives while b is mid-prefill
     out = driver.step()
     # a's decode and b's next chunk first; c (waiting) only gets what is left, here nothing.
-    assert [item.request_id for item in out.scheduled] == ["a", "b"]
+    assert [item.request_id for item in out.all_rows()] == ["a", "b"]
     assert scheduled_tokens(out) == {"a": 1, "b": 3}
     assert driver.scheduler.requests["c"].status == RequestStatus.WAITING
 
@@ -247,9 +254,9 @@ def test_max_num_seqs_and_max_num_batched_tokens_are_never_exceeded():
     peak_seqs = peak_tokens = 0
     while scheduler.has_unfinished_requests():
         out = driver.step()
-        assert len(scheduler.running) <= 3 and len(out.scheduled) <= 3
+        assert len(scheduler.running) <= 3 and len(out.all_rows()) <= 3
         assert out.num_scheduled_tokens <= 7
-        peak_seqs, peak_tokens = max(peak_seqs, len(out.scheduled)), max(peak_tokens, out.num_scheduled_tokens)
+        peak_seqs, peak_tokens = max(peak_seqs, len(out.all_rows())), max(peak_tokens, out.num_scheduled_tokens)
         assert len(driver.outputs) < 500
     assert (peak_seqs, peak_tokens) == (3, 7)  # the limits were reached, not just respected
     assert len(driver.finished) == 12
@@ -468,7 +475,7 @@ def test_priority_policy_orders_waiting_requests_by_priority_then_arrival():
     driver.add(*(make_request(name, 2, max_tokens=1, priority=priority, arrival=arrival)
                  for name, priority, arrival in specs))
     driver.run(max_steps=20)
-    order = [item.request_id for out in driver.outputs for item in out.scheduled if item.new is not None]
+    order = [item.request_id for out in driver.outputs for item in out.all_rows() if item.new is not None]
     assert order == ["e", "b", "d", "c", "a"]
 
 
@@ -476,7 +483,7 @@ def test_fcfs_policy_ignores_priority_when_admitting():
     scheduler = make_scheduler(policy="fcfs", max_num_seqs=1)
     driver = Driver(scheduler)
     driver.add(make_request("a", 2, max_tokens=1, priority=3), make_request("b", 2, max_tokens=1, priority=0))
-    assert [item.request_id for item in driver.step().scheduled] == ["a"]
+    assert [item.request_id for item in driver.step().all_rows()] == ["a"]
 
 
 def test_high_priority_arrival_preempts_a_lower_priority_running_request():
@@ -647,7 +654,7 @@ def test_prefix_cache_respects_cache_salt():
     driver.add(make_request("b", prompt, max_tokens=1), make_request("c", prompt, max_tokens=1, cache_salt="y"),
                make_request("d", prompt, max_tokens=1, cache_salt="x"))
     out = driver.step()
-    assert {item.request_id: item.num_computed_tokens for item in out.scheduled} == {"b": 0, "c": 0, "d": 8}
+    assert {item.request_id: item.num_computed_tokens for item in out.all_rows()} == {"b": 0, "c": 0, "d": 8}
 
 
 def test_preempted_request_resumes_from_its_cached_prefix():
@@ -690,6 +697,7 @@ def configs(draw):
                                enable_chunked_prefill=chunked,
                                long_prefill_token_threshold=draw(st.sampled_from([0, 0, 3, 8])),
                                policy=draw(st.sampled_from(["fcfs", "priority"]))),
+        overlap=draw(st.booleans()),
     )
 
 
@@ -717,6 +725,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.finish_events: dict[str, list[RequestStatus]] = {}
         self.next_id = 0
         self.clock = 0  # arrival times
+        # Overlap scheduling: step N+1 is scheduled (and run) before step N's tokens are given back.
+        self.overlap = setup["overlap"]
+        self.in_flight: tuple[SchedulerOutput, RunnerOutput] | None = None
 
     # ---- rules ----
     @rule(specs=st.lists(st.fixed_dictionaries(dict(
@@ -768,7 +779,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         work = sum(r.num_tokens + r.max_tokens for r in self.scheduler.requests.values())
         steps_left = 3 * work + 10
         idle_steps = 0
-        while self.scheduler.has_unfinished_requests():
+        while self.scheduler.has_unfinished_requests() or self.in_flight:
             patience = sum(r.num_tokens for r in self.scheduler.requests.values()) + 10
             idle_steps = 0 if self._step([rng.choice(VOCAB)]) else idle_steps + 1
             steps_left -= 1
@@ -782,23 +793,36 @@ class SchedulerMachine(RuleBasedStateMachine):
             num_preemptions = self.scheduler.num_preemptions
             event(f"preemptions: {'3+' if num_preemptions >= 3 else num_preemptions}")
             event(f"prefix hits: {self.kv.stats.hits > 0}")
+            event(f"overlap: {self.overlap}")
+            assert not self.scheduler._in_flight, "a step's sampled requests were never given back"
 
     def _step(self, tokens):
         scheduler = self.scheduler
         had_work = scheduler.has_unfinished_requests()
+        # (With overlap, running requests may all be waiting for the pending token that ends them.)
+        ends_pending = self.in_flight is not None and any(r.num_pending for r in scheduler.running)
         out = scheduler.schedule()
-        if had_work:
+        if had_work and not ends_pending:
             assert not out.is_empty, "unfinished requests but nothing scheduled (each fits alone)"
         assert out.num_scheduled_tokens <= self.config.max_num_batched_tokens
-        assert len(out.scheduled) <= self.config.max_num_seqs
-        for item in out.scheduled:
+        assert len(out.all_rows()) <= self.config.max_num_seqs
+        for item in out.all_rows():
             request = scheduler.requests[item.request_id]
             assert request.status == RequestStatus.RUNNING and request in scheduler.running
             if self.config.long_prefill_token_threshold:
                 assert item.num_new_tokens <= self.config.long_prefill_token_threshold
         runner_output = self.runner.execute(out, tokens)
+        if self.overlap:
+            (out, runner_output), self.in_flight = self.in_flight or (None, None), (
+                None if out.is_empty else (out, runner_output))
+            if out is None:
+                return 1 if self.in_flight else 0
+        live = [request_id for request_id in runner_output.request_ids
+                if request_id in scheduler.requests and scheduler.requests[request_id].status == RequestStatus.RUNNING]
+        if not self.overlap:
+            assert live == runner_output.request_ids
         updates = scheduler.update_from_output(out, runner_output)
-        assert [u.request_id for u in updates] == runner_output.request_ids  # nothing dropped without cause
+        assert [u.request_id for u in updates] == live  # nothing dropped without cause
         for update in updates:
             request = self.added[update.request_id]
             assert not self.finish_events[update.request_id], f"update for finished {update.request_id}"
@@ -849,7 +873,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             if not live:
                 assert block_ids == []
                 continue
-            assert request.num_computed_tokens <= request.num_tokens
+            assert request.num_computed_tokens <= request.num_tokens + request.num_pending
             assert len(block_ids) * self.kv.block_size >= request.num_computed_tokens
             if request.status != RequestStatus.RUNNING:
                 assert block_ids == [] and request.num_computed_tokens == 0

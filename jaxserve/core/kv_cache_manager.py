@@ -308,13 +308,9 @@ class KVCacheManager:
         appended to the request's block table, or None, with nothing changed, when blocks run out.
         """
         state = self._requests.get(request.request_id)
-        if state is not None and not new_computed_block_ids:
-            # Fast path (most decode steps): the last block has room and no block becomes full.
-            num_tokens_after = request.num_computed_tokens + num_new_tokens
-            if (num_tokens_after <= len(state.blocks) * self.block_size
-                    and (not self.enable_caching
-                         or min(num_tokens_after, request.num_tokens) // self.block_size <= state.num_cached_blocks)):
-                return []
+        if (state is not None and not new_computed_block_ids
+                and request.num_computed_tokens + num_new_tokens <= request.kv_fast_until):
+            return []  # the last block has room and no block fills (most decode steps)
         # A new state is stored only on success, so a refusal leaves no trace.
         state = state or _RequestState()
         computed = [self.pool.blocks[i] for i in new_computed_block_ids] if new_computed_block_ids else []
@@ -352,6 +348,9 @@ class KVCacheManager:
                 for i in range(state.num_cached_blocks, num_full_blocks):
                     self.pool.cache_full_block(state.blocks[i], state.block_hashes[i])
                 state.num_cached_blocks = num_full_blocks
+        room = len(state.blocks) * self.block_size
+        # With caching, the next block to fill must be registered, so the shortcut stops one token short.
+        request.kv_fast_until = min(room, (state.num_cached_blocks + 1) * self.block_size - 1) if self.enable_caching else room
         return [block.block_id for block in (computed + new_blocks if computed else new_blocks)]
 
     def free(self, request: Request) -> None:
@@ -362,6 +361,7 @@ class KVCacheManager:
         computed) leave the prefix cache: their K/V is never written.
         """
         state = self._requests.pop(request.request_id, None)
+        request.kv_fast_until = 0
         if state is None:
             return
         for block in state.blocks[request.num_computed_tokens // self.block_size:state.num_cached_blocks]:

@@ -5,9 +5,16 @@
 
 The scheduler sends only what changed: a request's sampling parameters and known tokens travel
 once (`NewRequestData`, when it is first scheduled or resumed after preemption); later steps
-carry only the step's tokens and the block ids appended to its block table, so block tables are
-append-only between (re)starts. The runner keeps its own per-request state keyed by request id
-and drops it when the id appears in `finished_request_ids`.
+carry only the step's positions and the block ids appended to its block table, so block tables
+are append-only between (re)starts. Each running request owns a row (0 .. max_num_seqs - 1) that
+the scheduler assigns when it starts and frees when it stops; the runner keeps per-row state and
+resets a row whenever `new` arrives for it. Plain decode rows travel as columns (ids, rows,
+positions), not one object each: at hundreds of running requests the per-request Python work of
+the step is the host's cost.
+
+With overlap scheduling, step N+1 is scheduled before step N's sampled tokens reach the host: a
+request's token sampled at N is "pending" (Request.num_pending) and the runner feeds it to N+1
+from the device.
 """
 
 from __future__ import annotations
@@ -30,16 +37,26 @@ class NewRequestData:
 @dataclasses.dataclass(slots=True)
 class ScheduledRequest:
     request_id: str
+    row: int  # the request's row in the runner's per-request arrays (assigned by the scheduler while running)
     num_computed_tokens: int  # tokens already in the cache; the position of this step's first token
     num_new_tokens: int  # tokens computed this step (a prefill chunk, or 1 for decode)
     new_block_ids: list[int]  # appended to the request's block table (all of them when `new` is set)
-    new: NewRequestData | None = None  # set when the runner has no state for this request yet
+    new: NewRequestData | None = None  # set when the request (re)starts: the runner resets the row
     # True when this step reaches the end of the request's known tokens, so a token is sampled.
     samples: bool = True
 
 
 @dataclasses.dataclass
 class SchedulerOutput:
+    """One step. The batch holds the plain decode rows first (columns: one token each, always
+    sampled), then `scheduled` (new or resumed requests, prefill chunks). Sampled tokens come back
+    in that order: every decode row, then each `scheduled` item with `samples` set.
+    """
+
+    decode_ids: list[str]
+    decode_rows: list[int]
+    decode_positions: list[int]  # the position of the row's one token (= its num_computed_tokens)
+    decode_new_blocks: list[tuple[int, int]]  # (index into the decode rows, block id) appended this step
     scheduled: list[ScheduledRequest]
     num_scheduled_tokens: int
     finished_request_ids: set[str]  # finished, aborted or preempted since the last step
@@ -47,7 +64,21 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.scheduled and not self.decode_rows
+
+    @property
+    def num_sampled(self) -> int:
+        return len(self.decode_rows) + sum(item.samples for item in self.scheduled)
+
+    def all_rows(self) -> list[ScheduledRequest]:
+        """Every row of the batch, in batch order, decode rows expanded (for tests and debugging)."""
+        new_blocks: dict[int, list[int]] = {}
+        for index, block_id in self.decode_new_blocks:
+            new_blocks.setdefault(index, []).append(block_id)
+        decode = [ScheduledRequest(request_id, row, position, 1, new_blocks.get(index, []))
+                  for index, (request_id, row, position) in
+                  enumerate(zip(self.decode_ids, self.decode_rows, self.decode_positions))]
+        return decode + self.scheduled
 
 
 @dataclasses.dataclass(slots=True)
@@ -62,6 +93,6 @@ class Logprobs:
 
 @dataclasses.dataclass
 class RunnerOutput:
-    request_ids: list[str]  # requests that sampled this step, in scheduled order
+    request_ids: list[str]  # requests that sampled this step, in batch order
     sampled_token_ids: list[int]
     logprobs: list[Logprobs | None] | None = None  # per sampled request when any asked for logprobs

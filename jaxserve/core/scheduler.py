@@ -66,6 +66,9 @@ class WaitingQueue:
         if self.policy != "fcfs":
             heapq.heapify(self._items)
 
+    def charge(self, tenant: str | None, num_tokens: int) -> None:
+        """Service accounting for fair sharing; FCFS and priority order ignore it."""
+
     def __len__(self) -> int:
         return len(self._items)
 
@@ -87,6 +90,9 @@ class Scheduler:
         self.waiting = WaitingQueue(config.policy)
         self.running: list[Request] = []
         self._finished_ids: set[str] = set()  # runner state to drop at the next step
+        self._free_rows = list(range(config.max_num_seqs - 1, -1, -1))
+        # Per scheduled step not yet updated: the requests that sample, in the step's sampling order.
+        self._in_flight: dict[int, list[Request]] = {}
         self.step_count = 0
         self.num_preemptions = 0
 
@@ -94,6 +100,11 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        params = request.sampling_params
+        request.token_limit = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
+        request.stop_ids = frozenset(params.stop_token_ids or ()) | frozenset(
+            () if params.ignore_eos else request.eos_token_ids)
+        request.min_stop_len = request.num_prompt_tokens + params.min_tokens
         self.requests[request.request_id] = request
         self.waiting.push(request)
 
@@ -112,8 +123,20 @@ class Scheduler:
     def abort_requests(self, request_ids) -> None:
         self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
+    def _refund_reservation(self, request: Request) -> None:
+        self.waiting.charge(request.tenant, request.num_computed_tokens - request.token_limit)
+
+    def _release_row(self, request: Request) -> None:
+        if request.row >= 0:
+            self._free_rows.append(request.row)
+            request.row = -1
+        request.num_pending = 0
+
     def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self._refund_reservation(request)
         request.status = status
+        self._release_row(request)
         self.kv_cache.free(request)
         self._finished_ids.add(request.request_id)
         del self.requests[request.request_id]
@@ -124,6 +147,8 @@ class Scheduler:
     # ---- one step ----
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        self._refund_reservation(request)
+        self._release_row(request)
         self.kv_cache.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -143,7 +168,12 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         threshold = self.config.long_prefill_token_threshold
         allocate = self.kv_cache.allocate_slots
-        scheduled: dict[str, tuple[Request, ScheduledRequest]] = {}
+        # Plain decode rows (one token each, sampled), as columns; a decode row's bookkeeping is done as
+        # it is scheduled (this loop runs for every running request every step).
+        decode: list[Request] = []
+        decode_positions: list[int] = []
+        decode_blocks: dict[str, list[int]] = {}  # blocks appended to decode rows (every block_size steps)
+        scheduled: list[tuple[Request, ScheduledRequest]] = []
         preempted = False
 
         # Running requests first, in order.
@@ -151,30 +181,49 @@ class Scheduler:
         running = self.running
         while index < len(running) and budget > 0:
             request = running[index]
-            num_new = len(request.all_token_ids) - request.num_computed_tokens
-            if num_new > budget:
-                num_new = budget
+            computed = request.num_computed_tokens
+            known = len(request.all_token_ids) + request.num_pending
+            remaining = known - computed
+            if request.num_pending and known >= request.token_limit:
+                index += 1  # its pending token ends it (length): nothing more to compute
+                continue
+            if remaining == 1 and computed < request.kv_fast_until:  # the hot path: its blocks have room
+                decode.append(request)
+                decode_positions.append(computed)
+                request.num_computed_tokens = computed + 1
+                request.num_pending += 1
+                budget -= 1
+                index += 1
+                continue
+            num_new = min(remaining, budget)
             if 0 < threshold < num_new:
                 num_new = threshold
             if num_new <= 0:
                 index += 1
                 continue
             while (new_blocks := allocate(request, num_new)) is None:
-                victim = max(reversed(self.running), key=_victim_key)  # ties: the latest scheduled
+                victim = max(reversed(running), key=_victim_key)  # ties: the latest scheduled
                 preempted = True
-                if victim.request_id in scheduled:
-                    # Taken out of this step again; the KV cache manager uncaches its blocks that this
-                    # step would have written, so no later prefix hit can read them unwritten.
-                    budget += scheduled.pop(victim.request_id)[1].num_new_tokens
-                if self.running.index(victim) < index:
+                # Taken out of this step again if it was scheduled; the KV cache manager uncaches its
+                # blocks that this step would have written, so no later prefix hit reads them unwritten.
+                budget += self._unschedule(victim, decode, decode_positions, decode_blocks, scheduled)
+                if running.index(victim) < index:
                     index -= 1
                 self._preempt(victim)
                 if victim is request:
                     break
             if new_blocks is None:
                 continue  # `request` itself was preempted; the list shifted under `index`
-            scheduled[request.request_id] = (request, ScheduledRequest(
-                request.request_id, request.num_computed_tokens, num_new, new_blocks))
+            if remaining == 1:
+                if new_blocks:
+                    decode_blocks[request.request_id] = new_blocks
+                decode.append(request)
+                decode_positions.append(computed)
+                request.num_computed_tokens = computed + 1
+                request.num_pending += 1
+            else:
+                scheduled.append((request, ScheduledRequest(request.request_id, request.row, computed, num_new,
+                                                            new_blocks)))
             budget -= num_new
             index += 1
 
@@ -193,22 +242,52 @@ class Scheduler:
             self.waiting.pop()
             self.running.append(request)
             request.status = RequestStatus.RUNNING
+            request.row = self._free_rows.pop()
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
-            scheduled[request.request_id] = (request, ScheduledRequest(
-                request.request_id, num_hit, num_new, new_blocks,
+            # Fair sharing charges a run's whole possible work when it starts (prompt past the prefix hit
+            # plus every token up to its limit) and refunds what it did not compute when it stops.
+            self.waiting.charge(request.tenant, request.token_limit - num_hit)
+            scheduled.append((request, ScheduledRequest(
+                request.request_id, request.row, num_hit, num_new, new_blocks,
                 new=NewRequestData(list(request.all_token_ids), request.num_prompt_tokens, request.sampling_params,
-                                   request.seed, request.eos_token_ids, request.max_tokens)))
+                                   request.seed, request.eos_token_ids, request.max_tokens))))
             budget -= num_new
 
-        items = []
-        for request, item in scheduled.values():
+        sampled = list(decode)
+        for request, item in scheduled:
             request.num_computed_tokens += item.num_new_tokens
-            item.samples = request.num_computed_tokens == len(request.all_token_ids)
-            items.append(item)
+            item.samples = request.num_computed_tokens == len(request.all_token_ids) + request.num_pending
+            if item.samples:
+                request.num_pending += 1
+                sampled.append(request)
+        decode_new_blocks = []
+        if decode_blocks:
+            for i, request in enumerate(decode):
+                decode_new_blocks += [(i, block_id) for block_id in decode_blocks.get(request.request_id, ())]
         finished, self._finished_ids = self._finished_ids, set()
         self.step_count += 1
-        return SchedulerOutput(items, self.config.max_num_batched_tokens - budget, finished, self.step_count)
+        if sampled:
+            self._in_flight[self.step_count] = sampled
+        return SchedulerOutput([request.request_id for request in decode], [request.row for request in decode],
+                               decode_positions, decode_new_blocks, [item for _, item in scheduled],
+                               self.config.max_num_batched_tokens - budget, finished, self.step_count)
+
+    @staticmethod
+    def _unschedule(victim: Request, decode: list[Request], decode_positions: list[int],
+                    decode_blocks: dict[str, list[int]], scheduled: list[tuple[Request, ScheduledRequest]]) -> int:
+        """Takes a request back out of the step being built; returns the tokens it had."""
+        for i, request in enumerate(decode):
+            if request is victim:
+                del decode[i], decode_positions[i]
+                decode_blocks.pop(victim.request_id, None)
+                victim.num_computed_tokens -= 1  # not computed after all (the KV manager's free() reads it)
+                return 1
+        for i, (request, item) in enumerate(scheduled):
+            if request is victim:
+                del scheduled[i]
+                return item.num_new_tokens
+        return 0
 
     def _make_room_for_priority_arrival(self) -> None:
         """Priority policy: while the best waiting request outranks the worst running one and its first
@@ -230,30 +309,38 @@ class Scheduler:
             self._preempt(victim)
 
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput) -> list[RequestUpdate]:
+        """Appends one step's sampled tokens (in the step's sampling order) and finishes requests that stop.
+
+        With overlap the next step was scheduled already: a request that finishes here had one more
+        token in flight, which is dropped when it arrives (the request is no longer running).
+        """
+        sampled = self._in_flight.pop(scheduler_output.step, [])
+        tokens = runner_output.sampled_token_ids
+        if len(tokens) != len(sampled):
+            raise ValueError(f"step {scheduler_output.step} sampled {len(sampled)} requests but the runner returned "
+                             f"{len(tokens)} tokens")
         updates = []
-        requests, running_status, max_model_len = self.requests, RequestStatus.RUNNING, self.max_model_len
-        logprobs = runner_output.logprobs or [None] * len(runner_output.request_ids)
-        for request_id, token, token_logprobs in zip(runner_output.request_ids, runner_output.sampled_token_ids,
-                                                     logprobs):
-            request = requests.get(request_id)
-            if request is None or request.status != running_status:
+        running_status, max_model_len = RequestStatus.RUNNING, self.max_model_len
+        logprobs = runner_output.logprobs or [None] * len(tokens)
+        for request, token, token_logprobs in zip(sampled, tokens, logprobs):
+            if request.status != running_status:
                 continue  # finished or preempted since it was scheduled: the token is dropped
-            tokens = request.all_token_ids
-            tokens.append(token)
-            # Stop checks (inlined: this loop runs for every running request every step).
-            params = request.sampling_params
-            num_output = len(tokens) - len(request.prompt_token_ids)
+            request.num_pending -= 1
+            all_tokens = request.all_token_ids
+            all_tokens.append(token)
+            # Stop checks (inlined: this loop runs for every running request every step). Length first, as
+            # vLLM: an eos that is also the max_tokens-th token finishes with "length".
+            num_tokens = len(all_tokens)
             status = stop_reason = None
-            # Length first, as vLLM: an eos that is also the max_tokens-th token finishes with "length".
-            if num_output >= request.max_tokens or len(tokens) >= max_model_len:
+            if num_tokens >= request.token_limit:
                 status = RequestStatus.FINISHED_LENGTH
-            elif num_output >= params.min_tokens and (token in request.eos_token_ids and not params.ignore_eos):
+            elif token in request.stop_ids and num_tokens >= request.min_stop_len:
                 status = RequestStatus.FINISHED_STOPPED
-            elif num_output >= params.min_tokens and params.stop_token_ids and token in params.stop_token_ids:
-                status, stop_reason = RequestStatus.FINISHED_STOPPED, token
+                if token not in request.eos_token_ids or request.sampling_params.ignore_eos:
+                    stop_reason = token  # a stop_token_id (eos reports no stop reason)
             if status is not None:
                 request.stop_reason = stop_reason
                 self.running.remove(request)
                 self._finish(request, status)
-            updates.append(RequestUpdate(request_id, [token], status, stop_reason, token_logprobs))
+            updates.append(RequestUpdate(request.request_id, [token], status, stop_reason, token_logprobs))
         return updates

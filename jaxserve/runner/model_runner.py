@@ -1,12 +1,17 @@
 """SchedulerOutput -> padded device arrays -> jitted forward + sampler -> RunnerOutput.
 
-    execute(out): drop state of finished ids; add state for new ones; for each scheduled request
-      take its step tokens, positions and slots (block id * S + offset) -> ModelBatch padded to the
-      (T, R) buckets -> forward(params, batch, kv_caches donated) -> logits of sampling rows
-      -> sample(logits, SamplingMetadata) -> token ids read back -> RunnerOutput
+    dispatch(out): reset the rows of (re)started requests, append new block ids; gather each row's
+      step tokens, positions and slots (block id * S + offset) -> ModelBatch padded to the (T, R)
+      buckets -> forward(params, batch, kv_caches donated, previous step's tokens on device)
+      -> logits of sampling rows -> sample(logits, SamplingMetadata) -> tokens copying to the host
+      -> StepHandle (returns without waiting)
+    collect(handle): wait for the tokens, append them to their rows -> RunnerOutput
+    execute(out) = collect(dispatch(out))
 
-Per-request state lives in fixed rows of preallocated numpy arrays (block tables, sampling
-parameters), so a step gathers rows with one fancy index instead of rebuilding them.
+Per-request state lives in fixed rows of preallocated numpy arrays (the scheduler assigns the
+rows), so a step gathers rows with one fancy index instead of rebuilding them. With overlap, step
+N+1 is dispatched before step N is collected: tokens not yet on the host are read on device from
+step N's sampled-token array (prev_index), and a row reset in between drops its stale token.
 Every jitted shape comes from core/buckets.py and all of them are compiled in `precompile()`.
 """
 
@@ -17,8 +22,10 @@ import logging
 import math
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
@@ -34,8 +41,16 @@ logger = logging.getLogger(__name__)
 
 MAX_BANNED = 16  # eos + stop token ids suppressed while a request is below min_tokens
 
+def _forward_step(params, cfg, batch: ModelBatch, kv_caches, prev_tokens, prev_index, attention_backend):
+    """The model step, with the tokens sampled by the previous step still on device fed in where
+    prev_index >= 0 (overlap scheduling: their values never went through the host)."""
+    from_prev = prev_tokens[jnp.maximum(prev_index, 0)]
+    batch = batch._replace(token_ids=jnp.where(prev_index >= 0, from_prev, batch.token_ids))
+    return llama.forward(params, cfg, batch, kv_caches, attention_backend=attention_backend)
+
+
 # One jitted step for the process, so engines with the same model config and shapes share compilations.
-_forward = jax.jit(llama.forward, static_argnames=("cfg", "attention_backend"), donate_argnames=("kv_caches",))
+_forward = jax.jit(_forward_step, static_argnames=("cfg", "attention_backend"), donate_argnames=("kv_caches",))
 
 
 def enable_compilation_cache(directory: str | None) -> None:
@@ -91,16 +106,28 @@ def kv_cache_num_blocks(cfg: llama.LlamaConfig, config: EngineConfig, max_model_
     return num_blocks
 
 
-@dataclasses.dataclass
-class _RequestState:
-    row: int  # this request's row in the runner's per-row arrays
-    num_tokens: int  # tokens known: prompt + sampled so far (their ids live in token_buf[row])
-    num_blocks: int
-    data: NewRequestData
+class HostStep(NamedTuple):
+    """The host side of one step, ready to dispatch."""
 
-    @property
-    def num_output_tokens(self) -> int:
-        return self.num_tokens - self.data.num_prompt_tokens
+    batch: ModelBatch
+    prev_index: np.ndarray  # [T]: >= 0 where the token is the previous step's sampled token at that index
+    rows: np.ndarray  # the sampling rows, in sampling order
+    generations: np.ndarray  # row_generation of those rows
+    request_ids: list[str]  # of the sampling rows
+    sampling: tuple | None  # (SamplingMetadata, all_greedy, use_penalties, num_logprobs); None: nothing sampled
+
+
+@dataclasses.dataclass
+class StepHandle:
+    """A dispatched step: its sampled tokens (on device, copying to the host) until collected."""
+
+    request_ids: list[str]
+    rows: np.ndarray  # the sampling rows, in sampling order
+    generations: np.ndarray  # row_generation of those rows at dispatch
+    tokens: jax.Array  # [max_rows] int32
+    logprobs: tuple | None
+    ready: jax.Array  # an output of the step that is never donated: ready when the device finished it
+    output: RunnerOutput | None = None
 
 
 class ModelRunner:
@@ -122,24 +149,38 @@ class ModelRunner:
         self.kv_caches = llama.init_kv_caches(self.cfg, self.num_blocks, self.block_size, self.attention_backend)
         self.max_logprobs = min(sched.max_logprobs, self.cfg.vocab_size)
 
-        # Per-row state, so a step gathers rows with fancy indexing instead of per-token Python.
+        # Per-row state (rows are assigned by the scheduler), so a step gathers rows with fancy indexing
+        # instead of per-request Python.
         rows = sched.max_num_seqs
-        self.token_buf = np.zeros((rows, max_model_len), np.int32)  # every known token id of a request
+        self.token_buf = np.zeros((rows, max_model_len), np.int32)  # every token id of a row known on the host
         self.block_table = np.zeros((rows, self.max_blocks), np.int32)
+        self.row_num_tokens = np.zeros(rows, np.int64)  # tokens of the row in token_buf
+        self.row_num_prompt = np.zeros(rows, np.int64)
+        self.row_num_blocks = np.zeros(rows, np.int64)
+        self.row_pending = np.zeros(rows, np.int64)  # tokens sampled by dispatched steps, not yet collected
+        self.row_prev_index = np.zeros(rows, np.int64)  # the row's index in the last step's sampled tokens
+        self.row_generation = np.zeros(rows, np.int64)  # bumped when a row is reset, to drop stale tokens
+        self.row_data: list[NewRequestData | None] = [None] * rows
         self.sampling_rows = sampler.empty_metadata(rows, MAX_BANNED, 1)
         self.row_greedy = np.zeros(rows, bool)
         self.row_penalties = np.zeros(rows, bool)
         self.row_logprobs = np.zeros(rows, bool)
-        self.row_min_tokens = np.zeros(rows, np.int32)
-        self.free_rows = list(range(rows - 1, -1, -1))
-        self.states: dict[str, _RequestState] = {}
+        self.row_min_tokens = np.zeros(rows, np.int64)
+        # Sampled tokens come back padded to the largest request bucket, so the next step reads them
+        # from the device with one compiled shape.
+        self.max_rows = self.buckets.request_buckets[-1]
+        self._last: StepHandle | None = None  # the last dispatched step
 
-    # ---- per-request state ----
-    def _add(self, request_id: str, data: NewRequestData) -> _RequestState:
-        row = self.free_rows.pop()
-        state = _RequestState(row, len(data.all_token_ids), 0, data)
-        self.states[request_id] = state
-        self.token_buf[row, : state.num_tokens] = data.all_token_ids
+    # ---- per-row state ----
+    def _reset_row(self, row: int, data: NewRequestData) -> None:
+        num_tokens = len(data.all_token_ids)
+        self.token_buf[row, :num_tokens] = data.all_token_ids
+        self.row_num_tokens[row] = num_tokens
+        self.row_num_prompt[row] = data.num_prompt_tokens
+        self.row_num_blocks[row] = 0
+        self.row_pending[row] = 0
+        self.row_generation[row] += 1
+        self.row_data[row] = data
         params = data.sampling_params
         md = self.sampling_rows
         md.temperature[row] = params.temperature
@@ -155,119 +196,153 @@ class ModelRunner:
                                    or params.frequency_penalty != 0.0)
         self.row_logprobs[row] = params.logprobs is not None
         self.row_min_tokens[row] = params.min_tokens
-        return state
 
-    def _drop(self, request_id: str) -> None:
-        state = self.states.pop(request_id, None)
-        if state is not None:
-            self.free_rows.append(state.row)
+    def _append_blocks(self, row: int, block_ids: list[int]) -> None:
+        start = self.row_num_blocks[row]
+        self.block_table[row, start: start + len(block_ids)] = block_ids
+        self.row_num_blocks[row] = start + len(block_ids)
 
     # ---- one step ----
-    def prepare(self, out: SchedulerOutput):
-        """Host arrays for one step: (ModelBatch, sampling requests [(index, id, state)], padded R)."""
-        for request_id in out.finished_request_ids:
-            self._drop(request_id)
-        states, block_table, scheduled = self.states, self.block_table, out.scheduled
-        # NOTE: comprehensions, not one loop of appends: this runs for every request every step.
-        step_states = [states.get(item.request_id) or self._add(item.request_id, item.new) for item in scheduled]
-        for item, state in zip(scheduled, step_states):
-            if item.new_block_ids:
-                end = state.num_blocks + len(item.new_block_ids)
-                block_table[state.row, state.num_blocks: end] = item.new_block_ids
-                state.num_blocks = end
-        rows = [state.row for state in step_states]
-        starts = [item.num_computed_tokens for item in scheduled]
-        counts = [item.num_new_tokens for item in scheduled]
-        samplers = [(index, item.request_id, state) for index, (item, state) in enumerate(zip(scheduled, step_states))
-                    if item.samples]
+    def prepare(self, out: SchedulerOutput) -> HostStep:
+        """The host work of dispatching one step: row updates, the step's arrays, sampling metadata.
 
+        prev_index[t] >= 0 marks a token sampled by the previous step and not yet on the host: the
+        step reads it from that step's device output at that index.
+        """
+        items = out.scheduled
+        for item in items:
+            if item.new is not None:
+                self._reset_row(item.row, item.new)
+            if item.new_block_ids:
+                self._append_blocks(item.row, item.new_block_ids)
+        for index, block_id in out.decode_new_blocks:
+            self._append_blocks(out.decode_rows[index], [block_id])
+        num_decode = len(out.decode_rows)
+        if items:
+            rows = np.array(out.decode_rows + [item.row for item in items], np.int64)
+            starts = np.array(out.decode_positions + [item.num_computed_tokens for item in items], np.int64)
+            counts = np.array([1] * num_decode + [item.num_new_tokens for item in items], np.int64)
+            ends = np.cumsum(counts)
+            num_tokens = int(ends[-1])
+            req = np.repeat(np.arange(len(rows)), counts)  # token t belongs to request req[t]
+            pos = np.arange(num_tokens) - (ends - counts)[req] + starts[req]
+            token_rows = rows[req]
+            sample_index = np.concatenate([np.arange(num_decode),
+                                           num_decode + np.flatnonzero([item.samples for item in items])])
+        else:  # decode only: one token per request
+            rows = token_rows = np.array(out.decode_rows, np.int64)
+            pos = starts = np.array(out.decode_positions, np.int64)
+            num_tokens = num_decode
+            counts = np.ones(num_decode, np.int64)
+            ends = np.arange(1, num_decode + 1)
+            sample_index = np.arange(num_decode)
         num_reqs = len(rows)
-        rows_arr = np.array(rows, np.int64)
-        counts_arr = np.array(counts, np.int64)
-        ends = np.cumsum(counts_arr)
-        num_tokens = int(ends[-1])
         t_pad, r_pad = self.buckets.pad_tokens(num_tokens), self.buckets.pad_requests(num_reqs)
-        # Token t belongs to request req[t] and sits at position pos[t] of that request.
-        req = np.repeat(np.arange(num_reqs), counts_arr)
-        pos = np.arange(num_tokens) - (ends - counts_arr)[req] + np.array(starts, np.int64)[req]
-        token_rows = rows_arr[req]
 
         token_ids = np.zeros(t_pad, np.int32)
         token_ids[:num_tokens] = self.token_buf[token_rows, pos]
+        prev_index = np.full(t_pad, -1, np.int32)
+        pending = pos >= self.row_num_tokens[token_rows]
+        prev_index[:num_tokens][pending] = self.row_prev_index[token_rows[pending]]
         positions = np.zeros(t_pad, np.int32)
         positions[:num_tokens] = pos
         slots = np.zeros(t_pad, np.int32)  # padding tokens write into the null block 0
         bs = self.block_size
-        slots[:num_tokens] = block_table[token_rows, pos // bs] * bs + pos % bs
+        slots[:num_tokens] = self.block_table[token_rows, pos // bs] * bs + pos % bs
         qsl = np.full(r_pad + 1, num_tokens, np.int32)
         qsl[0] = 0
         qsl[1: num_reqs + 1] = ends
         seq_lens = np.zeros(r_pad, np.int32)
-        seq_lens[:num_reqs] = np.array(starts, np.int64) + counts_arr
+        seq_lens[:num_reqs] = starts + counts
         tables = np.zeros((r_pad, self.max_blocks), np.int32)
-        tables[:num_reqs] = block_table[rows_arr]
+        tables[:num_reqs] = self.block_table[rows]
         logits_idx = np.zeros(r_pad, np.int32)
-        if samplers:
-            logits_idx[: len(samplers)] = ends[[index for index, _, _ in samplers]] - 1
+        logits_idx[: len(sample_index)] = ends[sample_index] - 1
         batch = ModelBatch(token_ids, positions, slots, qsl, seq_lens, tables, logits_idx)
-        return batch, samplers, r_pad
+        sample_rows = rows[sample_index]
+        request_ids = out.decode_ids + [item.request_id for item in items if item.samples]
+        sampling = self._sampling_metadata(sample_rows, r_pad) if len(sample_rows) else None
+        self.row_prev_index[sample_rows] = np.arange(len(sample_rows))
+        self.row_pending[sample_rows] += 1
+        return HostStep(batch, prev_index, sample_rows, self.row_generation[sample_rows], request_ids, sampling)
 
-    def _sampling_metadata(self, samplers, r_pad):
-        rows = np.array([state.row for _, _, state in samplers], np.int64)
-        num_tokens = np.array([state.num_tokens for _, _, state in samplers], np.int64)
-        num_prompt = np.array([state.data.num_prompt_tokens for _, _, state in samplers], np.int64)
+    def _sampling_metadata(self, rows: np.ndarray, r_pad: int):
+        num_output = self.row_num_tokens[rows] + self.row_pending[rows] - self.row_num_prompt[rows]
         use_penalties = bool(self.row_penalties[rows].any())
         history_len = self.max_model_len if use_penalties else 1
         md = sampler.empty_metadata(r_pad, MAX_BANNED, history_len)
-        n = len(samplers)
+        n = len(rows)
         src = self.sampling_rows
         for field in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                       "frequency_penalty", "seeds"):
             getattr(md, field)[:n] = getattr(src, field)[rows]
-        md.steps[:n] = num_tokens - num_prompt
-        for i in np.flatnonzero(num_tokens - num_prompt < self.row_min_tokens[rows]):
-            data = samplers[i][2].data
+        md.steps[:n] = num_output
+        for i in np.flatnonzero(num_output < self.row_min_tokens[rows]):
+            data = self.row_data[rows[i]]
             params = data.sampling_params
             banned = (list(data.eos_token_ids) if not params.ignore_eos else []) + list(params.stop_token_ids)
             md.banned_token_ids[i, : len(banned)] = banned
-        if use_penalties:
-            history = self.token_buf[rows]
-            md.token_history[:n] = np.where(np.arange(history_len)[None, :] < num_tokens[:, None], history, -1)
-            md.prompt_lens[:n] = num_prompt
+        if use_penalties:  # (dispatch collected the previous step first, so the history is complete)
+            num_tokens = self.row_num_tokens[rows]
+            md.token_history[:n] = np.where(np.arange(history_len)[None, :] < num_tokens[:, None],
+                                            self.token_buf[rows], -1)
+            md.prompt_lens[:n] = self.row_num_prompt[rows]
         all_greedy = bool(self.row_greedy[rows].all())
         num_logprobs = self.max_logprobs if self.row_logprobs[rows].any() else 0
         return md, all_greedy, use_penalties, num_logprobs
 
-    def record(self, samplers, tokens: np.ndarray, host_logprobs=None) -> RunnerOutput:
-        """Append this step's sampled tokens to the per-request state and package the RunnerOutput."""
-        states = [state for _, _, state in samplers]
-        rows = np.fromiter((state.row for state in states), np.int64, len(states))
-        positions = np.fromiter((state.num_tokens for state in states), np.int64, len(states))
-        self.token_buf[rows, positions] = tokens
-        for state in states:
-            state.num_tokens += 1
+    def dispatch(self, out: SchedulerOutput) -> StepHandle:
+        """Enqueues one step on the device and starts copying its sampled tokens back; returns at once."""
+        if self._last is not None and self._last.output is None and self.row_penalties.any():
+            rows = [item.row for item in out.scheduled if item.samples] + out.decode_rows
+            if (self.row_pending[rows] * self.row_penalties[rows]).any():
+                self._collect(self._last)  # penalties read the whole history, the pending tokens included
+        step = self.prepare(out)
+        prev_tokens = self._last.tokens if self._last is not None else jnp.zeros((self.max_rows,), jnp.int32)
+        logits, self.kv_caches = _forward(self.model.params, self.cfg, step.batch, self.kv_caches, prev_tokens,
+                                          step.prev_index, attention_backend=self.attention_backend)
+        if step.sampling is None:  # prefill chunks only: nothing to wait for
+            handle = StepHandle(step.request_ids, step.rows, step.generations, prev_tokens, None, logits,
+                                RunnerOutput([], []))
+        else:
+            md, all_greedy, use_penalties, num_logprobs = step.sampling
+            result = sampler.sample(logits, md, all_greedy=all_greedy, use_penalties=use_penalties,
+                                    num_logprobs=num_logprobs, out_rows=self.max_rows)
+            result.token_ids.copy_to_host_async()
+            handle = StepHandle(step.request_ids, step.rows, step.generations, result.token_ids, result.logprobs,
+                                result.token_ids)
+        self._last = handle
+        return handle
+
+    def collect(self, handle: StepHandle) -> RunnerOutput:
+        """Waits for a dispatched step's sampled tokens; records them in the rows; returns them."""
+        if handle.output is None:
+            self._collect(handle)
+        return handle.output
+
+    def _collect(self, handle: StepHandle) -> None:
+        rows = handle.rows
+        tokens = np.asarray(handle.tokens)[: len(rows)]
+        # A row reset since the dispatch (its request finished, or was preempted, and the row reused)
+        # does not take the stale token; the scheduler drops it too.
+        live = rows[self.row_generation[rows] == handle.generations]
+        live_tokens = tokens[self.row_generation[rows] == handle.generations]
+        self.token_buf[live, self.row_num_tokens[live]] = live_tokens
+        self.row_num_tokens[live] += 1
+        self.row_pending[live] -= 1
         logprobs = None
-        if host_logprobs is not None:
-            lp, rank, top_ids, top_lps = host_logprobs
+        if handle.logprobs is not None:
+            lp, rank, top_ids, top_lps = jax.device_get(handle.logprobs)
             logprobs = []
-            for i, state in enumerate(states):
-                wanted = state.data.sampling_params.logprobs
+            for i, row in enumerate(rows):
+                wanted = self.row_data[row].sampling_params.logprobs
                 logprobs.append(None if wanted is None else Logprobs(
                     float(lp[i]), int(rank[i]), top_ids[i, :wanted].tolist(), top_lps[i, :wanted].tolist()))
-        return RunnerOutput([request_id for _, request_id, _ in samplers], tokens.tolist(), logprobs)
+        handle.output = RunnerOutput(handle.request_ids, tokens.tolist(), logprobs)
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        batch, samplers, r_pad = self.prepare(out)
-        logits, self.kv_caches = _forward(self.model.params, self.cfg, batch, self.kv_caches,
-                                          attention_backend=self.attention_backend)
-        if not samplers:
-            return RunnerOutput([], [])
-        md, all_greedy, use_penalties, num_logprobs = self._sampling_metadata(samplers, r_pad)
-        result = sampler.sample(logits, md, all_greedy=all_greedy, use_penalties=use_penalties,
-                                num_logprobs=num_logprobs)
-        tokens = np.asarray(result.token_ids)[: len(samplers)]
-        host_logprobs = jax.device_get(result.logprobs) if result.logprobs is not None else None
-        return self.record(samplers, tokens, host_logprobs)
+        """One step without overlap: dispatch, then wait for its tokens."""
+        return self.collect(self.dispatch(out))
 
     # ---- start-up ----
     def precompile(self, progress: bool = True) -> int:
@@ -281,14 +356,15 @@ class ModelRunner:
                                np.zeros(r_pad + 1, np.int32), np.zeros(r_pad, np.int32),
                                np.zeros((r_pad, self.max_blocks), np.int32), np.zeros(r_pad, np.int32))
             logits, self.kv_caches = _forward(self.model.params, self.cfg, batch, self.kv_caches,
-                                                   attention_backend=self.attention_backend)
+                                              jnp.zeros((self.max_rows,), jnp.int32), np.full(t_pad, -1, np.int32),
+                                              attention_backend=self.attention_backend)
             bar.update()
         for r_pad in self.buckets.request_buckets:
             for all_greedy, use_penalties, num_logprobs in variants:
                 md = sampler.empty_metadata(r_pad, MAX_BANNED, self.max_model_len if use_penalties else 1)
-                logits = jax.numpy.zeros((r_pad, self.cfg.vocab_size), jax.numpy.float32)
+                logits = jnp.zeros((r_pad, self.cfg.vocab_size), jnp.float32)
                 jax.block_until_ready(sampler.sample(logits, md, all_greedy=all_greedy, use_penalties=use_penalties,
-                                                     num_logprobs=num_logprobs))
+                                                     num_logprobs=num_logprobs, out_rows=self.max_rows))
                 bar.update()
         jax.block_until_ready(self.kv_caches)
         bar.close()

@@ -192,7 +192,7 @@ def compute_logprobs(
     return sampled[:, 0], rank, top_ids.astype(jnp.int32), top_logprobs
 
 
-@functools.partial(jax.jit, static_argnames=("all_greedy", "use_penalties", "num_logprobs"))
+@functools.partial(jax.jit, static_argnames=("all_greedy", "use_penalties", "num_logprobs", "out_rows"))
 def sample(
     logits: jax.Array,
     md: SamplingMetadata,
@@ -200,10 +200,12 @@ def sample(
     all_greedy: bool,
     use_penalties: bool,
     num_logprobs: int,
+    out_rows: int | None = None,
 ) -> SamplerOutput:
     """logits [R, V] -> SamplerOutput. all_greedy compiles only the argmax path (the caller must
     only set it when every row's temperature is < GREEDY_EPS); use_penalties compiles the penalty
-    scatters; num_logprobs (0 = none) is the N of the top-N logprobs."""
+    scatters; num_logprobs (0 = none) is the N of the top-N logprobs. out_rows pads the token ids
+    to a fixed length, so the next step can read them from the device with one compiled shape."""
     processed = process_logits(logits, md, use_penalties)
     token_ids = jnp.argmax(processed, axis=-1).astype(jnp.int32)
     if not all_greedy:
@@ -214,4 +216,6 @@ def sample(
         sampled = jnp.argmax(filtered + noise, axis=-1).astype(jnp.int32)
         token_ids = jnp.where(greedy, token_ids, sampled)
     logprobs = compute_logprobs(logits, token_ids, num_logprobs) if num_logprobs > 0 else None
+    if out_rows is not None:
+        token_ids = jnp.pad(token_ids, (0, out_rows - token_ids.shape[0]))
     return SamplerOutput(token_ids, logprobs)
