@@ -1,6 +1,6 @@
 """Attention kernel benchmarks on one GPU: one function per section, a short table printed last.
 
-    PYTHONPATH=. python benchmarks/attention.py --section decode [--sweep] [--json FILE]
+    PYTHONPATH=. python benchmarks/attention.py --section decode|mixed|all [--sweep] [--json FILE]
 
 decode: paged decode (one query token per request), 32 q / 8 kv heads, head dim 128, page 16,
 bf16, pages randomly permuted. Effective TB/s = K+V bytes the requests own (sum of seq_lens x K x
@@ -9,6 +9,13 @@ the pure-jnp reference compiled by XLA (a gather). Times are per call, from many
 one jit (lax.fori_loop; each call's q depends on the previous output so nothing is hoisted),
 median of several repeats; `loop` is the same loop around a trivial body (its overhead is
 inside every figure).
+
+mixed: one ragged batch of 48 decode rows (ctx 4096) + 2 chunked-prefill rows (512 new tokens over
+a 4096-token cached context), same heads/page/dtype, through our entry point, against its two
+parts run alone through the same entry point (the same cache and block-table rows). Ratio =
+mixed / (decode alone + prefill alone), target <= 1.1. Decode TB/s = K+V bytes of the decode
+rows / time; prefill TFLOP/s = 4 x (q.k pairs under the causal mask) x N x H / time. `--sweep`
+also times general-kernel configs on the prefill part.
 """
 
 from __future__ import annotations
@@ -152,7 +159,116 @@ def _label(config) -> str:
             f"st={config.decode_num_stages} splits={splits}")
 
 
-SECTIONS = {"decode": decode_section}
+MIXED_DECODE = (48, 4096)  # (decode rows, context per row)
+MIXED_PREFILL = (2, 512, 4096)  # (chunked-prefill rows, new tokens per row, cached context)
+
+
+def _mixed_inputs(key):
+    """The mixed batch (decode rows first, then prefill rows) and its two parts, sharing one cache."""
+    from pallas_kernels.paged_attention import layout
+
+    num_dec, dec_ctx = MIXED_DECODE
+    num_pre, chunk, pre_ctx = MIXED_PREFILL
+    seq_lens = np.array([dec_ctx] * num_dec + [pre_ctx + chunk] * num_pre, np.int32)
+    max_blocks = -(-int(seq_lens.max()) // PAGE_SIZE)
+    pages = [-(-int(s) // PAGE_SIZE) for s in seq_lens]
+    num_pages = sum(pages) + 1  # page 0: the null block
+    kq, kk, kp = jax.random.split(key, 3)
+    kv = jax.random.normal(kk, layout.kv_cache_shape(num_pages, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM),
+                           jnp.bfloat16)
+    order = 1 + np.asarray(jax.random.permutation(kp, num_pages - 1))
+    block_tables = np.zeros((len(seq_lens), max_blocks), np.int32)
+    used = 0
+    for r, n in enumerate(pages):
+        block_tables[r, :n] = order[used:used + n]
+        used += n
+    q_lens = np.array([1] * num_dec + [chunk] * num_pre, np.int32)
+    q = jax.random.normal(kq, (int(q_lens.sum()), NUM_Q_HEADS, HEAD_DIM), jnp.bfloat16)
+
+    def batch(rows):
+        qsl = np.concatenate([[0], np.cumsum(q_lens[rows])]).astype(np.int32)
+        tokens = np.concatenate([np.arange(qsl_all[r], qsl_all[r] + q_lens[r]) for r in rows])
+        return (q[tokens], kv, jnp.asarray(qsl), jnp.asarray(seq_lens[rows]),
+                jnp.asarray(block_tables[rows]))
+
+    qsl_all = np.concatenate([[0], np.cumsum(q_lens)])
+    dec, pre = list(range(num_dec)), list(range(num_dec, num_dec + num_pre))
+    return batch(dec + pre), batch(dec), batch(pre)
+
+
+def _causal_pairs(q_len: int, seq_len: int) -> int:
+    """(query, key) pairs under the causal mask for the last q_len rows of a seq_len sequence."""
+    context = seq_len - q_len
+    return q_len * context + q_len * (q_len + 1) // 2
+
+
+def mixed_section(args) -> list[dict]:
+    from pallas_kernels.paged_attention import gpu
+
+    sm_scale = HEAD_DIM ** -0.5
+    mixed, dec, pre = _mixed_inputs(jax.random.key(4))
+    num_dec, dec_ctx = MIXED_DECODE
+    num_pre, chunk, pre_ctx = MIXED_PREFILL
+    kv_bytes_per_token = NUM_KV_HEADS * HEAD_DIM * 2 * 2  # K and V, bf16
+    dec_bytes = num_dec * dec_ctx * kv_bytes_per_token
+    pre_bytes = num_pre * (pre_ctx + chunk) * kv_bytes_per_token
+    pre_flops = 4 * num_pre * _causal_pairs(chunk, pre_ctx + chunk) * NUM_Q_HEADS * HEAD_DIM
+    dec_flops = 4 * num_dec * dec_ctx * NUM_Q_HEADS * HEAD_DIM
+    shape = f"{num_dec}x{dec_ctx}+{num_pre}x{chunk}/{pre_ctx}"
+
+    def ours(q, kv, qsl, lens, bt, config=None):
+        return gpu.ragged_paged_attention(q, kv, qsl, lens, bt, sm_scale=sm_scale, config=config)
+
+    out_mixed = jax.jit(ours)(*mixed)
+    parts = jnp.concatenate([jax.jit(ours)(*dec), jax.jit(ours)(*pre)])
+    diff = float(jnp.max(jnp.abs(out_mixed.astype(jnp.float32) - parts.astype(jnp.float32))))
+
+    rows, seconds = [], {}
+    for name, batch, nbytes, flops in (("mixed", mixed, dec_bytes + pre_bytes, dec_flops + pre_flops),
+                                       ("decode rows alone", dec, dec_bytes, dec_flops),
+                                       ("prefill rows alone", pre, pre_bytes, pre_flops)):
+        t = seconds[name] = time_per_call(ours, *batch)
+        note = f"{nbytes / t / 1e12:.2f} TB/s K+V, {flops / t / 1e12:.1f} TFLOP/s"
+        if name == "mixed":
+            note += f"; max|mixed - parts| {diff:.1e}"
+        value, unit = (flops / t / 1e12, "TFLOP/s") if name.startswith("prefill") else (
+            nbytes / t / 1e12, "TB/s")
+        rows.append(_row("mixed", shape, name, t, value, unit, note))
+    ratio = seconds["mixed"] / (seconds["decode rows alone"] + seconds["prefill rows alone"])
+    floor = dec_bytes / 4.3e12 + pre_flops / 790e12  # measured copy / GEMM ceilings
+    rows.append(_row("mixed", shape, "ratio mixed/(dec+pre)", None, ratio, "x",
+                     f"target <= 1.1; mixed / roofline floor {seconds['mixed'] / floor:.2f}x "
+                     f"(floor {floor * 1e6:.0f} us)"))
+    rows.append(_row("mixed", shape, "loop overhead", time_per_call(lambda q, *a: q, mixed[0],
+                                                                    mixed[2]), None, "", ""))
+    if args.sweep:
+        for cfg in _general_sweep_configs():
+            try:
+                t = time_per_call(lambda *a, cfg=cfg: ours(*a, config=cfg), *pre)
+                rows.append(_row("mixed", shape, _general_label(cfg), t, pre_flops / t / 1e12,
+                                 "TFLOP/s", "prefill rows alone"))
+            except Exception as e:  # a sweep point that fails to compile is reported, not fatal
+                rows.append(_row("mixed", shape, _general_label(cfg), None, None, "",
+                                 repr(e)[:300]))
+    return rows
+
+
+def _general_sweep_configs():
+    from pallas_kernels.paged_attention import gpu
+
+    variants = [dict(general_rows=128), dict(general_rows=128, general_num_warps=8),
+                dict(general_block_kv=128), dict(general_rows=128, general_block_kv=128,
+                                                 general_num_warps=8),
+                dict(general_num_stages=3), dict(general_rows=256, general_num_warps=8)]
+    return [gpu.TuningConfig(**v) for v in variants]
+
+
+def _general_label(config) -> str:
+    return (f"sweep rows={config.general_rows} bk={config.general_block_kv} "
+            f"w={config.general_num_warps} st={config.general_num_stages}")
+
+
+SECTIONS = {"decode": decode_section, "mixed": mixed_section}
 
 
 def main() -> None:
@@ -176,8 +292,8 @@ def main() -> None:
     print(f"\n{header}")
     print(f"{'section':8} {'shape':16} {'impl':28} {'us':>8} {'value':>13}  note")
     for row in rows:
-        if row["impl"].startswith("sweep"):
-            continue  # sweep points are in the JSON lines above
+        if row["section"] == "decode" and row["impl"].startswith("sweep"):
+            continue  # decode sweep points are in the JSON lines above
         us = "" if row["us"] is None else f"{row['us']:8.1f}"
         value = "" if row["value"] is None else f"{row['value']:.2f} {row['unit']}"
         print(f"{row['section']:8} {row['shape']:16} {row['impl']:28} {us:>8} {value:>13}  "

@@ -1,4 +1,4 @@
-"""Causal GQA prefill attention on one GPU: our Pallas Triton kernel against cuDNN and XLA.
+"""Causal GQA prefill attention on one GPU: our Pallas Triton and Mosaic GPU kernels against cuDNN and XLA.
 
 B=1, 32 q heads / 8 kv heads, head dim 128, bf16, S in (4096, 16384). Causal FLOPs are counted as
 2·B·S²·N·H (half of the 4·B·S²·N·H of full attention). Each time is the median over repeats of one
@@ -24,7 +24,7 @@ import numpy as np
 from jax import lax
 
 from pallas_kernels.flash_attention import FlashAttentionConfig, default_config, flash_attention
-from pallas_kernels.flash_attention import flash_attention_reference
+from pallas_kernels.flash_attention import flash_attention_reference, mosaic_gpu
 
 warnings.simplefilter("ignore", DeprecationWarning)  # every Triton lowering warns in JAX 0.11
 
@@ -35,6 +35,13 @@ SWEEP = (
     FlashAttentionConfig(block_q=128, block_k=128, num_warps=8, num_stages=3),
     FlashAttentionConfig(block_q=128, block_k=64, num_warps=4, num_stages=3),
     FlashAttentionConfig(block_q=64, block_k=64, num_warps=4, num_stages=3),
+)
+
+MOSAIC = (
+    mosaic_gpu.MosaicAttentionConfig(block_q=64, block_kv=128, num_stages=2),
+    mosaic_gpu.MosaicAttentionConfig(block_q=64, block_kv=128, num_stages=3),
+    mosaic_gpu.MosaicAttentionConfig(block_q=64, block_kv=128, num_stages=2, pingpong=True),
+    mosaic_gpu.MosaicAttentionConfig(block_q=64, block_kv=128, num_stages=3, pingpong=True),
 )
 
 
@@ -102,9 +109,14 @@ def bench_prefill(seq_lens=(4096, 16384), sweep: bool = True, num_q_heads: int =
         else:
             ref_name, ref = "cuDNN", cudnn(q, k, v)
 
-        impls = [(f"ours {c.block_q}x{c.block_k} w{c.num_warps} s{c.num_stages}"
+        impls = [(f"ours triton {c.block_q}x{c.block_k} w{c.num_warps} s{c.num_stages}"
                   + (" (default)" if c == default else ""),
                   jax.jit(lambda q, k, v, c=c: flash_attention(q, k, v, config=c)), (q, k, v)) for c in configs]
+        mosaic_default = mosaic_gpu.MosaicAttentionConfig()
+        impls += [(f"ours mosaic {c.block_q}x{c.block_kv} s{c.num_stages}"
+                   + (" pingpong" if c.pingpong else "") + (" (default)" if c == mosaic_default else ""),
+                   jax.jit(lambda q, k, v, c=c: mosaic_gpu.flash_attention(q, k, v, config=c)),
+                   (q, k, v)) for c in MOSAIC]
         half = tuple(x.astype(jnp.float16) for x in (q, k, v))
         impls += [("cuDNN", cudnn, (q, k, v)), ("jax attention_mgpu (fp16)", _mgpu, half), ("XLA", xla, (q, k, v))]
         for name, fn, args in impls:
@@ -116,6 +128,7 @@ def bench_prefill(seq_lens=(4096, 16384), sweep: bool = True, num_q_heads: int =
                 row["cupti_ms"] = _cupti_ms(fn, *args)
             except Exception as e:  # an OOM or unsupported baseline is a row, not a crash
                 row["note"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:80]}"
+                print(f"# {name} failed:\n{str(e)[:3000]}", flush=True)
             if row["err"] is not None and not row["err"] < 0.05:
                 row["note"] = "WRONG OUTPUT: its time is not comparable"
             rows.append(row)

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.flash_attention import FlashAttentionConfig, flash_attention, flash_attention_reference
+from pallas_kernels.flash_attention import mosaic_gpu, on_hopper
 
 # NOTE: JAX 0.11 warns on every Triton lowering that the backend is deprecated (kernels.md §0.1).
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -143,6 +144,39 @@ def test_lowers_for_cuda_without_layout_copies(with_lens):
     assert "stablehlo.transpose" not in text and "stablehlo.pad" not in text  # reads [B, T, N, H] in place
 
 
+# Mosaic GPU kernel (TMA + wgmma): GPU interpret mode on the CPU simulates its warpgroups,
+# barriers, TMA copies and wgmma (P staged through SMEM there, kept in registers on the device).
+
+
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim,tokens,config", [
+    (4, 2, 64, 200, mosaic_gpu.MosaicAttentionConfig(block_q=64, block_kv=64, num_stages=2)),
+    (8, 1, 128, 256, mosaic_gpu.MosaicAttentionConfig(block_q=64, block_kv=128, num_stages=3)),
+    (2, 1, 64, 256, mosaic_gpu.MosaicAttentionConfig(block_kv=64, pingpong=False)),
+], ids=["gqa2_hd64_pad", "gqa8_hd128_3stages", "no_pingpong"])
+def test_mosaic_interpret_matches_reference(q_heads, kv_heads, head_dim, tokens, config):
+    q, k, v = _inputs(8, 1, tokens, q_heads, kv_heads, head_dim, jnp.bfloat16)
+    out = mosaic_gpu.flash_attention(q, k, v, config=config, interpret=True)
+    _check(out, reference(q, k, v), jnp.bfloat16)
+
+
+def test_mosaic_outside_its_scope_runs_triton():
+    q, k, v = _inputs(9, 1, 40, 3, 3, 64, jnp.float32)  # float32, odd G: the Triton kernel
+    assert not mosaic_gpu.supports(q, k, causal=True, seq_lens=None)
+    _check(mosaic_gpu.flash_attention(q, k, v, interpret=True), reference(q, k, v), jnp.float32)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        mosaic_gpu.MosaicAttentionConfig(block_q=32)
+
+
+def test_mosaic_lowers_for_cuda():
+    gpu = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
+    q = jax.ShapeDtypeStruct((1, 4096, 32, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 4096, 8, 128), jnp.bfloat16)
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=gpu)):
+        text = jax.jit(mosaic_gpu.flash_attention).trace(q, kv, kv).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and "__gpu$xla.gpu.triton" not in text
+
+
 # GPU tier: the compiled Triton kernel at serving tiles.
 
 gpu_only = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
@@ -168,3 +202,26 @@ def test_gpu_seq_lens_and_padding():
     out = flash_attention(q, k, v, seq_lens=seq_lens)
     clean = [jnp.nan_to_num(x) for x in (q, k, v)]
     _check(out, reference(*clean, seq_lens=seq_lens), jnp.bfloat16, seq_lens)
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim,dtype,tokens,config", [
+    (32, 8, 128, jnp.bfloat16, 1024, None),
+    (32, 8, 128, jnp.bfloat16, 1000, mosaic_gpu.MosaicAttentionConfig(num_stages=3)),
+    (8, 2, 64, jnp.float16, 512, mosaic_gpu.MosaicAttentionConfig(block_kv=64, num_stages=4,
+                                                                   pingpong=False)),
+    (32, 8, 128, jnp.bfloat16, 1000, mosaic_gpu.MosaicAttentionConfig(pingpong=True)),
+], ids=["gqa4_hd128", "pad_3stages", "hd64_f16_4stages_no_pingpong", "pingpong"])
+def test_gpu_mosaic_causal(q_heads, kv_heads, head_dim, dtype, tokens, config):
+    q, k, v = _inputs(10, 2, tokens, q_heads, kv_heads, head_dim, dtype)
+    _check(mosaic_gpu.flash_attention(q, k, v, config=config), reference(q, k, v), jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@gpu_only
+def test_gpu_dispatch_picks_mosaic_on_hopper():
+    q, k, v = _inputs(11, 1, 256, 8, 2, 128, jnp.bfloat16)
+    text = jax.jit(flash_attention).lower(q, k, v).as_text()
+    assert ("mosaic_gpu" in text) == on_hopper()
+    assert ("__gpu$xla.gpu.triton" in text) != on_hopper()

@@ -19,8 +19,8 @@ without any mask arithmetic; the few tiles that cross the diagonal or the length
 wholly above the diagonal are never visited. Logits are scaled by sm_scale * log2(e) so the softmax
 uses exp2, with the running max kept in that scaled domain.
 
-TODO(flash): a Mosaic GPU (plgpu.kernel, TMA + wgmma, warp-specialised) variant for the last factor
-toward cuDNN at long S; JAX's `attention_mgpu` is the model (kernels.md §4.7, §5.3.7).
+NOTE: on Hopper the package's `flash_attention` runs `mosaic_gpu.py` (TMA + wgmma) for the calls it
+supports; this kernel serves the rest (seq_lens, non-causal, float32, odd G) and other GPUs.
 """
 
 from __future__ import annotations

@@ -35,6 +35,9 @@ last block exit at once.
 Measured on one H200 (2026-11-30, `benchmarks/attention.py --section decode`): decode at 32 q /
 8 kv heads, head dim 128, page 16, bf16 reads K+V at 3.6 TB/s (B=64, ctx 2048), 4.2 (B=64, ctx
 8192) and 4.1 (B=8, ctx 32768), against 1.9 / 2.3 / 2.3 for JAX's Pallas `paged_attention`.
+A mixed batch (48 decode rows at ctx 4096 + 2 chunks of 512 over 4096, `--section mixed`) takes
+0.97x the time of its decode and prefill parts run alone: the two launches share one jit, and the
+parts alone each pay a near-empty launch of the other kernel.
 
 NOTE: float32 dots run as TF32 on the GPU (Triton's reading of DEFAULT precision, like XLA's own
 float32 matmuls there); interpret mode on the CPU is exact.
