@@ -28,10 +28,14 @@ class ModelConfig:
     max_model_len: int | None = None  # defaults to the checkpoint's max_position_embeddings
     seed: int = 0  # seeds requests that give no seed, so runs repeat (as vLLM does)
     skip_tokenizer_init: bool = False  # no tokenizer: prompts as token ids, outputs as token ids only
+    load_format: str = "auto"  # auto: safetensors | dummy: random weights from config.json alone (benchmarks)
 
     def __post_init__(self):
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(f"model.dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"model.load_format must be auto (read the safetensors) or dummy (random weights), "
+                             f"got {self.load_format!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"model.max_model_len must be >= 1, got {self.max_model_len}")
 
@@ -94,7 +98,36 @@ class RunnerConfig:
                     raise ValueError(f"runner.{name} must be a non-empty list of positive integers")
 
 
-SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "runner": RunnerConfig}
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """The device mesh (README "Parallelism"): `data` engine replicas, each tensor-parallel over
+    `model` devices; and, for several hosts, how this process joins the others (jax.distributed)."""
+
+    data: int = 1  # data-parallel engine replicas, on disjoint device groups
+    model: int = 1  # tensor-parallel devices per replica (must divide the model's attention heads)
+    coordinator_address: str | None = None  # "host:port" of process 0, when num_processes > 1
+    num_processes: int = 1  # processes (hosts) running the same program
+    process_id: int = 0  # this process; 0 schedules and the others follow its steps
+
+    def __post_init__(self):
+        for name in ("data", "model", "num_processes"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"parallel.{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if not isinstance(self.process_id, int) or not 0 <= self.process_id < self.num_processes:
+            raise ValueError(f"parallel.process_id must be in [0, num_processes={self.num_processes}), "
+                             f"got {self.process_id!r}")
+        if self.num_processes > 1:
+            host, _, port = (self.coordinator_address or "").rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"parallel.coordinator_address must be 'host:port' of process 0 when "
+                                 f"num_processes > 1, got {self.coordinator_address!r}")
+            if self.data > 1:
+                raise ValueError("parallel.data > 1 with num_processes > 1 is not supported; span the hosts "
+                                 "with parallel.model, or run one server per host")
+
+
+SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "runner": RunnerConfig,
+            "parallel": ParallelConfig}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +136,7 @@ class EngineConfig:
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     runner: RunnerConfig = RunnerConfig()
+    parallel: ParallelConfig = ParallelConfig()
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "config") -> EngineConfig:

@@ -24,11 +24,14 @@ import threading
 import time
 from typing import Any
 
+from jax.sharding import Mesh
+
+from jaxserve import distributed
 from jaxserve.config import EngineConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.sched_types import SchedulerOutput
 from jaxserve.core.scheduler import Scheduler
-from jaxserve.models import loader
+from jaxserve.models import llama, loader
 from jaxserve.outputs import OutputStream, RequestMetrics, RequestOutput
 from jaxserve.request import Request, RequestStatus
 from jaxserve.runner.model_runner import MAX_BANNED, ModelRunner, StepHandle
@@ -66,9 +69,19 @@ class _Parent:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, progress: bool = True, record_step_stats: bool = False):
+    def __init__(self, config: EngineConfig, progress: bool = True, record_step_stats: bool = False,
+                 mesh: Mesh | None = None):
+        """`mesh`: this engine's devices (a data-parallel replica's [1, model] mesh); by default the first
+        parallel.model devices. With parallel.num_processes > 1 only process 0 returns from here: the
+        others follow its steps, then exit (jaxserve/distributed.py)."""
+        if mesh is None and config.parallel.data > 1:
+            raise ValueError(f"parallel.data={config.parallel.data} runs one engine per replica: use LLM or "
+                             "jaxserve.data_parallel.DataParallelEngine, or give each Engine its mesh")
         self.config = config
-        self.model = loader.load_model(config.model.path, dtype=config.model.dtype)
+        self.tp = distributed.engine_devices(config.parallel, mesh)
+        self.model = loader.load_model(config.model.path, dtype=config.model.dtype,
+                                       load_format=config.model.load_format,
+                                       place=llama.param_placer(self.tp) if self.tp is not None else None)
         self.tokenizer = (None if config.model.skip_tokenizer_init
                           else Tokenizer.from_dir(config.model.tokenizer or config.model.path))
         limit = self.model.config.max_position_embeddings
@@ -81,7 +94,9 @@ class Engine:
         self.eos_token_ids = self.model.generation.eos_token_ids or (
             (tokenizer_eos,) if tokenizer_eos is not None else ())
         start = time.monotonic()
-        self.runner = ModelRunner(self.model, config, self.max_model_len)
+        self.runner = ModelRunner(self.model, config, self.max_model_len, self.tp)
+        if config.parallel.num_processes > 1:
+            self.runner = distributed.connect(self.runner, config.parallel)
         self.kv_cache = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                        enable_caching=config.cache.enable_prefix_caching,
                                        hash_algo=config.cache.prefix_hash)

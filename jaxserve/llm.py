@@ -14,6 +14,7 @@ from typing import Any
 from tqdm import tqdm
 
 from jaxserve.config import EngineConfig, load_config
+from jaxserve.data_parallel import DataParallelEngine
 from jaxserve.engine import Engine
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
@@ -32,7 +33,9 @@ class LLM:
         if model is not None:
             engine_overrides["model"] = str(model)
         self.config = config.with_overrides(**engine_overrides) if engine_overrides else config
-        self.engine = Engine(self.config, progress=progress)
+        # parallel.data > 1: one engine per replica behind the same API (jaxserve/data_parallel.py).
+        self.engine = (Engine(self.config, progress=progress) if self.config.parallel.data == 1
+                       else DataParallelEngine(self.config, progress=progress))
 
     @classmethod
     def from_config(cls, path: str | os.PathLike, **engine_overrides: Any) -> LLM:

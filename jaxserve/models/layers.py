@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.paged_attention import reference as reference_attention
+from sharding import TensorParallel, psum
 
 
 class ModelBatch(NamedTuple):
@@ -81,13 +82,17 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return out.astype(x.dtype)
 
 
-def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, biases=None) -> jax.Array:
-    """SwiGLU: down(silu(x @ gate) * (x @ up)). x [T, D]; w_gate, w_up [D, F]; w_down [F, D]."""
+def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, biases=None,
+              tp: TensorParallel | None = None) -> jax.Array:
+    """SwiGLU: down(silu(x @ gate) * (x @ up)). x [T, D]; w_gate, w_up [D, F]; w_down [F, D].
+
+    With `tp` (inside shard_map) the weights hold F/tp columns: gate/up are column-parallel, down is
+    row-parallel, and one psum completes the block before the down bias."""
     gate = jnp.einsum("td,df->tf", x, w_gate)
     up = jnp.einsum("td,df->tf", x, w_up)
     if biases is not None:
         gate, up = gate + biases[0], up + biases[1]
-    out = jnp.einsum("tf,fd->td", jax.nn.silu(gate) * up, w_down)
+    out = psum(jnp.einsum("tf,fd->td", jax.nn.silu(gate) * up, w_down), tp, "mlp")
     if biases is not None:
         out = out + biases[2]
     return out
@@ -114,6 +119,16 @@ def attention_backend(name: str):
         raise ValueError(f"attention_backend 'pallas' needs a GPU or TPU, but JAX runs on {platform!r}; "
                          "use 'reference' (or 'auto')")
     raise ValueError(f"unknown attention_backend {name!r}; choose one of {list(ATTENTION_BACKENDS)}")
+
+
+def kv_cache_axes(name: str) -> tuple[str | None, ...]:
+    """Logical axes of one layer's cache array in backend `name`'s layout ("kv_heads" is what tensor
+    parallelism shards), read off the backend's own `kv_cache_shape` so the layout stays its own."""
+    probe = {"pages": 3, "page_slots": 5, "kv_heads": 7, "head_dim": 11}  # distinct sizes; the K/V axis is 2
+    shape = attention_backend(name).kv_cache_shape(probe["pages"], probe["page_slots"], probe["kv_heads"],
+                                                   probe["head_dim"])
+    by_size = {size: axis for axis, size in probe.items()}
+    return tuple(by_size.get(size) for size in shape)
 
 
 def paged_attention(

@@ -5,6 +5,10 @@
         (every expected tensor present exactly once, shape as expected, nothing unknown left over)
     --transpose to x @ W layout, cast--> jax.device_put (one tensor at a time, with its sharding)
 
+    load_format="dummy" (vLLM's name; benchmarks without a download): config.json only
+    --llama.abstract--> every tensor made on the device by a jitted jax.random per shape
+    (weights normal * 0.02, norms 1, biases 0; fixed seed), then `place`d like a real one
+
 Only safetensors are read: pickle-based weights (*.bin, *.pt, ...) are refused, and code named in
 config.json's `auto_map` is never imported. Every error names the file or tensor at fault.
 """
@@ -12,12 +16,14 @@ config.json's `auto_map` is never imported. Every error names the file or tensor
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from pathlib import Path
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from safetensors import safe_open
@@ -29,6 +35,9 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # Tensors some exporters include that carry nothing we need.
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+LOAD_FORMATS = ("auto", "dummy")
+DUMMY_SEED = 0  # dummy weights are the same in every run, so benchmark runs compare like with like
+DUMMY_STD = 0.02
 
 
 class CheckpointError(ValueError):
@@ -241,11 +250,41 @@ def load_params(model_dir: str | os.PathLike, cfg: LlamaConfig,
     return params
 
 
+@functools.partial(jax.jit, static_argnames=("shape", "dtype"))
+def _random_normal(key: jax.Array, shape: tuple[int, ...], dtype) -> jax.Array:
+    # NOTE: one compilation per distinct shape (about ten for a whole model); the float32 draw is
+    # fused with the cast, so an 8B model is made on the device in seconds with no host copy.
+    return (DUMMY_STD * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+def dummy_params(cfg: LlamaConfig, place: Callable[[tuple, jax.Array], jax.Array] | None = None) -> Params:
+    """Random params with exactly the shapes and dtypes `load_params` gives: weights normal * 0.02,
+    norms 1, biases 0, from a fixed seed. Each tensor is made on the default device, then `place`d."""
+    place = place or (lambda _path, array: array)
+    root = jax.random.key(DUMMY_SEED)
+    leaves, treedef = jax.tree.flatten_with_path(abstract(cfg))
+    out = []
+    for index, (keys, leaf) in enumerate(leaves):
+        name = str(keys[-1].key)
+        if name.endswith("norm"):
+            array = jnp.ones(leaf.shape, leaf.dtype)
+        elif name.startswith("b"):
+            array = jnp.zeros(leaf.shape, leaf.dtype)
+        else:
+            array = _random_normal(jax.random.fold_in(root, index), leaf.shape, leaf.dtype)
+        out.append(place(tuple(k.key if hasattr(k, "key") else k.idx for k in keys), array))
+    return jax.tree.unflatten(treedef, out)
+
+
 def load_model(model_dir: str | os.PathLike, dtype: str = "auto",
-               place: Callable[[tuple, np.ndarray], jax.Array] | None = None) -> LoadedModel:
+               place: Callable[[tuple, np.ndarray | jax.Array], jax.Array] | None = None,
+               load_format: str = "auto") -> LoadedModel:
+    """`load_format`: auto reads the safetensors; dummy needs only config.json (random weights)."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {list(LOAD_FORMATS)}, got {load_format!r}")
     model_dir = Path(model_dir)
     cfg, hf = load_config(model_dir, dtype)
-    params = load_params(model_dir, cfg, place)
+    params = dummy_params(cfg, place) if load_format == "dummy" else load_params(model_dir, cfg, place)
     return LoadedModel(model_dir, cfg, params, read_generation_defaults(model_dir, hf), hf)
 
 

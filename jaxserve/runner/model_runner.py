@@ -36,21 +36,23 @@ from jaxserve.models import llama
 from jaxserve.models.layers import ModelBatch
 from jaxserve.models.loader import LoadedModel
 from jaxserve.runner import sampler
+from sharding import TensorParallel
 
 logger = logging.getLogger(__name__)
 
 MAX_BANNED = 16  # eos + stop token ids suppressed while a request is below min_tokens
 
-def _forward_step(params, cfg, batch: ModelBatch, kv_caches, prev_tokens, prev_index, attention_backend):
+def _forward_step(params, cfg, batch: ModelBatch, kv_caches, prev_tokens, prev_index, attention_backend, tp=None):
     """The model step, with the tokens sampled by the previous step still on device fed in where
     prev_index >= 0 (overlap scheduling: their values never went through the host)."""
     from_prev = prev_tokens[jnp.maximum(prev_index, 0)]
     batch = batch._replace(token_ids=jnp.where(prev_index >= 0, from_prev, batch.token_ids))
-    return llama.forward(params, cfg, batch, kv_caches, attention_backend=attention_backend)
+    return llama.forward(params, cfg, batch, kv_caches, attention_backend=attention_backend, tp=tp)
 
 
 # One jitted step for the process, so engines with the same model config and shapes share compilations.
-_forward = jax.jit(_forward_step, static_argnames=("cfg", "attention_backend"), donate_argnames=("kv_caches",))
+_forward = jax.jit(_forward_step, static_argnames=("cfg", "attention_backend", "tp"),
+                   donate_argnames=("kv_caches",))
 
 
 def enable_compilation_cache(directory: str | None) -> None:
@@ -85,15 +87,25 @@ def resolve_attention_backend(name: str, cfg: llama.LlamaConfig, block_size: int
     return name
 
 
-def kv_cache_num_blocks(cfg: llama.LlamaConfig, config: EngineConfig, max_model_len: int, dtype_bytes: int) -> int:
+def kv_block_bytes(cfg: llama.LlamaConfig, block_size: int, dtype_bytes: int, tp: TensorParallel | None = None) -> int:
+    """Bytes of one KV block (all layers, K and V) on one device: with tensor parallelism a device holds
+    its kv heads only (num_kv_heads / tp, or one replicated head when num_kv_heads < tp)."""
+    kv_heads = cfg.num_kv_heads if tp is None else tp.local_size("kv_heads", cfg.num_kv_heads, "num_key_value_heads")
+    return cfg.num_layers * 2 * block_size * kv_heads * cfg.head_dim * dtype_bytes
+
+
+def kv_cache_num_blocks(cfg: llama.LlamaConfig, config: EngineConfig, max_model_len: int, dtype_bytes: int,
+                       tp: TensorParallel | None = None) -> int:
+    """Blocks that fit in the free memory of one of the engine's devices (or the configured count)."""
     cache = config.cache
-    per_block = cfg.num_layers * 2 * cache.block_size * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
+    per_block = kv_block_bytes(cfg, cache.block_size, dtype_bytes, tp)
     if cache.num_blocks is not None:
         num_blocks = cache.num_blocks
     elif jax.default_backend() == "cpu":
         num_blocks = cache.cpu_num_blocks
     else:
-        stats = jax.devices()[0].memory_stats() or {}
+        device = jax.devices()[0] if tp is None else tp.mesh.local_devices[0]
+        stats = device.memory_stats() or {}
         free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
         num_blocks = int(free * cache.memory_fraction) // per_block
     needed = math.ceil(max_model_len / cache.block_size) + 1  # + the null block
@@ -131,9 +143,15 @@ class StepHandle:
 
 
 class ModelRunner:
-    def __init__(self, model: LoadedModel, config: EngineConfig, max_model_len: int):
+    def __init__(self, model: LoadedModel, config: EngineConfig, max_model_len: int,
+                 tp: TensorParallel | None = None):
+        """`tp`: the mesh the step runs on (params already placed by `llama.param_placer(tp)`); None
+        runs on the default device."""
         enable_compilation_cache(config.runner.compilation_cache_dir)
         self.model = model
+        self.tp = tp
+        # Small device arrays made where the step runs (the mesh under tensor parallelism).
+        self._zeros = tp.zeros if tp is not None else jnp.zeros
         self.cfg = model.config
         self.config = config
         self.max_model_len = max_model_len
@@ -145,8 +163,9 @@ class ModelRunner:
                                            config.runner.token_buckets, config.runner.request_buckets)
         self.max_blocks = math.ceil(max_model_len / self.block_size)
         dtype = self.cfg.jnp_dtype
-        self.num_blocks = kv_cache_num_blocks(self.cfg, config, max_model_len, np.dtype(dtype).itemsize)
-        self.kv_caches = llama.init_kv_caches(self.cfg, self.num_blocks, self.block_size, self.attention_backend)
+        self.num_blocks = kv_cache_num_blocks(self.cfg, config, max_model_len, np.dtype(dtype).itemsize, tp)
+        self.kv_caches = llama.init_kv_caches(self.cfg, self.num_blocks, self.block_size, self.attention_backend,
+                                              tp=tp)
         self.max_logprobs = min(sched.max_logprobs, self.cfg.vocab_size)
 
         # Per-row state (rows are assigned by the scheduler), so a step gathers rows with fancy indexing
@@ -298,9 +317,9 @@ class ModelRunner:
             if (self.row_pending[rows] * self.row_penalties[rows]).any():
                 self._collect(self._last)  # penalties read the whole history, the pending tokens included
         step = self.prepare(out)
-        prev_tokens = self._last.tokens if self._last is not None else jnp.zeros((self.max_rows,), jnp.int32)
+        prev_tokens = self._last.tokens if self._last is not None else self._zeros((self.max_rows,), jnp.int32)
         logits, self.kv_caches = _forward(self.model.params, self.cfg, step.batch, self.kv_caches, prev_tokens,
-                                          step.prev_index, attention_backend=self.attention_backend)
+                                          step.prev_index, attention_backend=self.attention_backend, tp=self.tp)
         if step.sampling is None:  # prefill chunks only: nothing to wait for
             handle = StepHandle(step.request_ids, step.rows, step.generations, prev_tokens, None, logits,
                                 RunnerOutput([], []))
@@ -356,13 +375,13 @@ class ModelRunner:
                                np.zeros(r_pad + 1, np.int32), np.zeros(r_pad, np.int32),
                                np.zeros((r_pad, self.max_blocks), np.int32), np.zeros(r_pad, np.int32))
             logits, self.kv_caches = _forward(self.model.params, self.cfg, batch, self.kv_caches,
-                                              jnp.zeros((self.max_rows,), jnp.int32), np.full(t_pad, -1, np.int32),
-                                              attention_backend=self.attention_backend)
+                                              self._zeros((self.max_rows,), jnp.int32), np.full(t_pad, -1, np.int32),
+                                              attention_backend=self.attention_backend, tp=self.tp)
             bar.update()
         for r_pad in self.buckets.request_buckets:
             for all_greedy, use_penalties, num_logprobs in variants:
                 md = sampler.empty_metadata(r_pad, MAX_BANNED, self.max_model_len if use_penalties else 1)
-                logits = jnp.zeros((r_pad, self.cfg.vocab_size), jnp.float32)
+                logits = self._zeros((r_pad, self.cfg.vocab_size), jnp.float32)
                 jax.block_until_ready(sampler.sample(logits, md, all_greedy=all_greedy, use_penalties=use_penalties,
                                                      num_logprobs=num_logprobs, out_rows=self.max_rows))
                 bar.update()

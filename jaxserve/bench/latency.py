@@ -1,0 +1,93 @@
+"""`jaxserve bench latency`: the latency of one batch of B requests with fixed lengths (vLLM's `bench latency`).
+
+    per iteration: B random token-id prompts of --input-len (fresh ones, so the prefix cache never turns
+    the prefill into a hit), each generating exactly --output-len tokens (ignore_eos), queued together
+    and stepped to the end; --num-iters-warmup untimed iterations, then --num-iters timed ones
+    -> batch latency (mean, p50/p90/p99), TTFT, TPOT, ITL, decode tokens/s, per-step breakdown,
+       device idle share, compiled shapes, start-up compile time, roofline share
+
+    decode tokens/s of an iteration = sum over requests of (output tokens - 1)
+                                      / (last finish - first first token)
+    roofline (formula in common.py): B rows at mean context input_len + output_len / 2
+
+    jaxserve bench latency --config configs/llama3-8b-dummy.yaml --batch-size 1 --input-len 128 --output-len 512
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from jaxserve.bench import common
+
+
+def decode_tokens_per_s(outputs) -> float | None:
+    decoded = sum(len(out.outputs[0].token_ids) - 1 for out in outputs)
+    window = (max(out.metrics.finished_time for out in outputs)
+              - min(out.metrics.first_token_time for out in outputs))
+    return decoded / window if decoded and window > 0 else None
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    for name in ("input_len", "output_len", "batch_size", "num_iters"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.num_iters_warmup < 0:
+        raise ValueError(f"--num-iters-warmup must be >= 0, got {args.num_iters_warmup}")
+    config = common.engine_config(args)
+    engine, init_s = common.make_engine(config, progress=not args.disable_tqdm)
+    rng = np.random.default_rng(args.seed)
+    params = [common.sampling_params(args, args.output_len)] * args.batch_size
+
+    def iteration():
+        prompts = common.random_prompts(rng, args.batch_size, args.input_len, engine.vocab_size)
+        return common.run_batch(engine, prompts, params, progress=False)
+
+    for _ in tqdm(range(args.num_iters_warmup), desc="warmup iterations", disable=args.disable_tqdm):
+        iteration()
+    runs = [iteration() for _ in tqdm(range(args.num_iters), desc="timed iterations", disable=args.disable_tqdm)]
+
+    latencies = [r.elapsed_s for r in runs]
+    decode_rates = [rate for rate in (decode_tokens_per_s(r.outputs) for r in runs) if rate is not None]
+    decode_rate = float(np.mean(decode_rates)) if decode_rates else None
+    roofline = common.roofline(engine.model.config, args.batch_size, args.input_len + args.output_len / 2)
+    return {
+        "mode": "latency",
+        "args": common.args_dict(args),
+        "latency_ms": common.summary(latencies),
+        "latencies_s": latencies,
+        "decode_tokens_per_s": decode_rate,
+        **common.request_report([out for r in runs for out in r.outputs]),
+        "steps": common.step_report([r.steps for r in runs]),
+        "engine": common.engine_report(engine, init_s),
+        "roofline": roofline,
+        "roofline_share": decode_rate / roofline["tokens_per_s"] if decode_rate is not None else None,
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxserve bench latency", description=__doc__.split("\n")[0])
+    parser.add_argument("--input-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--num-iters-warmup", type=int, default=10)
+    parser.add_argument("--num-iters", type=int, default=30)
+    common.add_sampling_args(parser)
+    common.add_engine_args(parser)
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    def body(args: argparse.Namespace) -> None:
+        report = run(args)
+        latency, rate = report["latency_ms"], report["decode_tokens_per_s"]
+        print(f"Avg latency: {latency['mean'] / 1e3:.4f} s  (p50 {latency['p50'] / 1e3:.4f}, "
+              f"p90 {latency['p90'] / 1e3:.4f}, p99 {latency['p99'] / 1e3:.4f}; {args.num_iters} iterations)")
+        print(f"Decode: {'n/a' if rate is None else f'{rate:.1f}'} tokens/s at batch {args.batch_size}")
+        common.print_report(report)
+        common.write_json(args.output_json, report)
+
+    return common.run_main(body, argv, build_parser())

@@ -1,0 +1,333 @@
+"""Devices of an engine, and one engine over several processes (hosts) with jax.distributed.
+
+    every process: engine_devices(parallel) -> jax.distributed.initialize (before any device is used)
+                   -> the same mesh over every process's devices -> the same params and caches
+    process 0:     connect(runner) -> BroadcastingRunner: each runner call that runs device code
+                   (execute / dispatch / collect / precompile) is first sent to the others, then made
+    the others:    connect(runner) -> follow(): receive each call, make it on their own runner (the same
+                   SPMD program on their devices), until process 0 closes the channel; then the
+                   process exits
+
+Every process runs the same program; only process 0 schedules. The channel is TCP from process 0
+(listening on the coordinator's host, on a free port) to each other process; the port and a random
+32-byte token reach the others through one broadcast_one_to_all over the devices, and a follower
+must show the token when it connects. Messages are length-prefixed JSON: `encode` writes any
+dataclass field by field (numpy arrays as lists with their dtype), and `decode` rebuilds only the
+dataclasses and enums named in SchedulerOutput's type hints. No pickle. The coordination service of
+jax.distributed is itself unauthenticated: keep the hosts on a private network.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import dataclasses
+import enum
+import hmac
+import itertools
+import json
+import logging
+import secrets
+import socket
+import struct
+import time
+import typing
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxserve.config import ParallelConfig
+from jaxserve.core.sched_types import SchedulerOutput
+from sharding import TensorParallel, make_mesh
+
+logger = logging.getLogger(__name__)
+
+# Runner methods that run device code: every process must make the same calls in the same order.
+BROADCAST_METHODS = ("execute", "dispatch", "collect", "precompile")
+HANDLE_METHODS = ("dispatch",)  # their result is passed back later (to collect)
+KEPT_HANDLES = 64  # a follower forgets handles older than this many dispatches
+CONNECT_TIMEOUT_S = 300.0
+TOKEN_BYTES = 32
+
+
+def engine_devices(parallel: ParallelConfig, mesh: Mesh | None = None) -> TensorParallel | None:
+    """The mesh an engine runs on: `mesh` (a data-parallel replica's), else the first parallel.model
+    devices of all processes. None for one device of one process: the plain single-device path."""
+    if parallel.num_processes > 1 and not jax.distributed.is_initialized():
+        jax.distributed.initialize(parallel.coordinator_address, parallel.num_processes, parallel.process_id)
+    if mesh is None:
+        if parallel.model == 1 and parallel.num_processes == 1:
+            return None
+        mesh = make_mesh(1, parallel.model)
+    processes = {device.process_index for device in mesh.devices.flat}
+    if len(processes) != parallel.num_processes:
+        raise ValueError(f"the mesh of parallel.model={parallel.model} devices covers {len(processes)} of the "
+                         f"{parallel.num_processes} processes; every process must hold part of it (set "
+                         f"parallel.model to num_processes x devices per process = {jax.device_count()})")
+    return TensorParallel(mesh)
+
+
+def connect(runner, parallel: ParallelConfig):
+    """Process 0: the runner wrapped to lead the others. Other processes: follow process 0's steps,
+    then end the process (SystemExit(0)) when it closes the channel."""
+    channel = Channel.open(parallel)
+    if parallel.process_id == 0:
+        atexit.register(channel.close)
+        return BroadcastingRunner(runner, channel)
+    follow(runner, channel)
+    channel.close()
+    raise SystemExit(0)
+
+
+# ---- the codec ----
+def codec_types(root: type = SchedulerOutput) -> dict[str, type]:
+    """Every dataclass and enum reachable from `root`'s field type hints, by qualified name."""
+    found: dict[str, type] = {}
+
+    def visit(hint) -> None:
+        for arg in typing.get_args(hint):
+            visit(arg)
+        if not isinstance(hint, type) or not (dataclasses.is_dataclass(hint) or issubclass(hint, enum.Enum)):
+            return
+        name = f"{hint.__module__}.{hint.__qualname__}"
+        if name not in found:
+            found[name] = hint
+            if dataclasses.is_dataclass(hint):
+                for field_hint in typing.get_type_hints(hint).values():
+                    visit(field_hint)
+
+    visit(root)
+    return found
+
+
+def encode(obj: Any) -> Any:
+    """A JSON-able form of `obj`. Every JSON object in it is a tagged node, so decoding is unambiguous."""
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, enum.Enum):
+        cls = type(obj)
+        return {"enum": f"{cls.__module__}.{cls.__qualname__}", "value": encode(obj.value)}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        cls = type(obj)
+        return {"type": f"{cls.__module__}.{cls.__qualname__}",
+                "fields": {f.name: encode(getattr(obj, f.name)) for f in dataclasses.fields(obj)}}
+    if isinstance(obj, np.ndarray):
+        return {"ndarray": obj.tolist(), "dtype": obj.dtype.str, "shape": list(obj.shape)}
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, list):
+        return [encode(item) for item in obj]
+    if isinstance(obj, tuple):
+        return {"tuple": [encode(item) for item in obj]}
+    if isinstance(obj, (set, frozenset)):
+        return {"set": [encode(item) for item in obj]}
+    if isinstance(obj, dict):
+        return {"dict": [[encode(key), encode(value)] for key, value in obj.items()]}
+    raise TypeError(f"cannot encode a {type(obj).__name__} for the other processes; add it to "
+                    "jaxserve/distributed.py encode/decode")
+
+
+def decode(data: Any, types: dict[str, type]) -> Any:
+    if not isinstance(data, (list, dict)):
+        return data
+    if isinstance(data, list):
+        return [decode(item, types) for item in data]
+    if "type" in data:
+        cls = types.get(data["type"])
+        if cls is None or not dataclasses.is_dataclass(cls):
+            raise ValueError(f"message names type {data['type']!r}, which is not part of SchedulerOutput")
+        obj = object.__new__(cls)  # the sender's exact state: no __init__ / __post_init__ re-run
+        for name, value in data["fields"].items():
+            object.__setattr__(obj, name, decode(value, types))
+        return obj
+    if "enum" in data:
+        cls = types.get(data["enum"])
+        if cls is None or not issubclass(cls, enum.Enum):
+            raise ValueError(f"message names enum {data['enum']!r}, which is not part of SchedulerOutput")
+        return cls(decode(data["value"], types))
+    if "ndarray" in data:
+        return np.asarray(data["ndarray"], dtype=np.dtype(data["dtype"])).reshape(data["shape"])
+    if "tuple" in data:
+        return tuple(decode(item, types) for item in data["tuple"])
+    if "set" in data:
+        return {decode(item, types) for item in data["set"]}
+    if "dict" in data:
+        return {decode(key, types): decode(value, types) for key, value in data["dict"]}
+    raise ValueError(f"unknown node in message: keys {sorted(data)}")
+
+
+# ---- the channel ----
+def _send_frame(sock: socket.socket, payload: bytes) -> None:
+    sock.sendall(struct.pack(">Q", len(payload)) + payload)
+
+
+def _recv_exact(sock: socket.socket, size: int) -> bytes | None:
+    chunks, remaining = [], size
+    while remaining:
+        chunk = sock.recv(min(remaining, 1 << 20))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        remaining -= len(chunk)
+    return b"".join(chunks)
+
+
+def _recv_frame(sock: socket.socket) -> bytes | None:
+    header = _recv_exact(sock, 8)
+    return None if header is None else _recv_exact(sock, struct.unpack(">Q", header)[0])
+
+
+class Channel:
+    """Process 0 -> every other process: JSON messages over TCP. Process 0 sends; the others receive."""
+
+    def __init__(self, sockets: list[socket.socket], process_id: int):
+        self.sockets = sockets
+        self.process_id = process_id
+
+    @classmethod
+    def open(cls, parallel: ParallelConfig, timeout_s: float = CONNECT_TIMEOUT_S) -> Channel:
+        host = parallel.coordinator_address.rpartition(":")[0]
+        leader = parallel.process_id == 0
+        server = socket.create_server((host, 0)) if leader else None
+        secret = np.zeros(2 + TOKEN_BYTES, np.uint8)
+        if leader:
+            secret[:] = np.frombuffer(struct.pack(">H", server.getsockname()[1]) + secrets.token_bytes(TOKEN_BYTES),
+                                      np.uint8)
+        from jax.experimental import multihost_utils
+        secret = np.asarray(multihost_utils.broadcast_one_to_all(secret)).astype(np.uint8).tobytes()
+        port, token = struct.unpack(">H", secret[:2])[0], secret[2:]
+        if leader:
+            return cls(cls._accept(server, token, parallel.num_processes, timeout_s), 0)
+        return cls([cls._connect(host, port, token, parallel.process_id, timeout_s)], parallel.process_id)
+
+    @staticmethod
+    def _accept(server: socket.socket, token: bytes, num_processes: int, timeout_s: float) -> list[socket.socket]:
+        followers: dict[int, socket.socket] = {}
+        deadline = time.monotonic() + timeout_s
+        with server:
+            while len(followers) < num_processes - 1:
+                server.settimeout(max(deadline - time.monotonic(), 0.001))
+                try:
+                    sock, address = server.accept()
+                except TimeoutError:
+                    raise TimeoutError(f"only {len(followers)} of {num_processes - 1} processes connected to "
+                                       f"process 0 within {timeout_s:.0f} s; start every process with the same "
+                                       "config") from None
+                sock.settimeout(timeout_s)
+                hello = _recv_frame(sock)
+                try:
+                    message = json.loads(hello or b"null")
+                    process_id = int(message["process_id"])
+                    valid = hmac.compare_digest(bytes.fromhex(message["token"]), token)
+                except (ValueError, KeyError, TypeError):
+                    valid = False
+                if not valid or not 0 < process_id < num_processes or process_id in followers:
+                    logger.warning("refused a connection from %s: not a process of this run", address)
+                    sock.close()
+                    continue
+                sock.settimeout(None)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                followers[process_id] = sock
+        return [followers[i] for i in sorted(followers)]
+
+    @staticmethod
+    def _connect(host: str, port: int, token: bytes, process_id: int, timeout_s: float) -> socket.socket:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                sock = socket.create_connection((host, port), timeout=10)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"process {process_id} could not reach process 0 at {host}:{port} within "
+                                       f"{timeout_s:.0f} s") from None
+                time.sleep(0.2)
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _send_frame(sock, json.dumps({"process_id": process_id, "token": token.hex()}).encode())
+        return sock
+
+    def send(self, message: dict[str, Any]) -> None:
+        payload = json.dumps(message, separators=(",", ":")).encode()
+        for process_id, sock in enumerate(self.sockets, start=1):
+            try:
+                _send_frame(sock, payload)
+            except OSError as err:
+                raise RuntimeError(f"process {process_id} is gone ({err}); the multi-host engine cannot continue "
+                                   "without it, restart every process") from None
+
+    def recv(self) -> dict[str, Any] | None:
+        """The next message from process 0; None once it closed the channel."""
+        payload = _recv_frame(self.sockets[0])
+        return None if payload is None else json.loads(payload)
+
+    def close(self) -> None:
+        for sock in self.sockets:
+            sock.close()
+        self.sockets = []
+
+
+# ---- leader and followers ----
+class BroadcastingRunner:
+    """Process 0's runner: each call that runs device code goes to the other processes first (so they
+    enqueue the same SPMD step), then to the real runner. Everything else is the real runner's."""
+
+    def __init__(self, runner, channel: Channel):
+        self.runner = runner
+        self.channel = channel
+        # id(handle) -> (handle, number); holding the handle keeps its id from being reused meanwhile.
+        self._handles: collections.OrderedDict[int, tuple[Any, int]] = collections.OrderedDict()
+        self._numbers = itertools.count()
+
+    def __getattr__(self, name: str):
+        method = getattr(self.runner, name)
+        if name not in BROADCAST_METHODS:
+            return method
+
+        def broadcast(*args, **kwargs):
+            message = {"method": name, "args": [self._ref(a) for a in args],
+                       "kwargs": {key: self._ref(value) for key, value in kwargs.items()}}
+            number = next(self._numbers) if name in HANDLE_METHODS else None
+            if number is not None:
+                message["handle"] = number
+            self.channel.send(message)
+            result = method(*args, **kwargs)
+            if number is not None:
+                self._handles[id(result)] = (result, number)
+                while len(self._handles) > KEPT_HANDLES:
+                    self._handles.popitem(last=False)
+            return result
+
+        return broadcast
+
+    def _ref(self, value):
+        entry = self._handles.get(id(value))
+        return {"handle": entry[1]} if entry is not None and entry[0] is value else encode(value)
+
+
+def follow(runner, channel: Channel) -> int:
+    """A follower's loop: make process 0's runner calls on `runner` until it closes; returns the count."""
+    types = codec_types(SchedulerOutput)
+    handles: collections.OrderedDict[int, Any] = collections.OrderedDict()
+
+    def resolve(value):
+        if isinstance(value, dict) and set(value) == {"handle"}:
+            return handles[value["handle"]]
+        return decode(value, types)
+
+    calls = 0
+    while (message := channel.recv()) is not None:
+        name = message["method"]
+        if name not in BROADCAST_METHODS:
+            raise ValueError(f"process 0 asked for runner.{name}, which is not a step method")
+        result = getattr(runner, name)(*[resolve(a) for a in message["args"]],
+                                       **{key: resolve(value) for key, value in message["kwargs"].items()})
+        if "handle" in message:
+            handles[message["handle"]] = result
+            while len(handles) > KEPT_HANDLES:
+                handles.popitem(last=False)
+        calls += 1
+    logger.info("process %d: process 0 closed the channel after %d steps", channel.process_id, calls)
+    return calls

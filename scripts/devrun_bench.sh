@@ -1,0 +1,42 @@
+# End-to-end figures of issue 5 on the device machine (Llama-3-8B shape, random bf16 weights), in one
+# call; logs and JSON reports under $OUT.
+#   bash scripts/devrun_bench.sh [decode|throughput]
+#   decode (default): the tight-loop peer, then `jaxserve bench latency` at batch 1 and at batch 64 /
+#     context 2048, overlap on and off. The first bench process starts cold (empty compilation cache);
+#     later ones start warm from the persistent cache.
+#   throughput: `jaxserve bench throughput`, 1000 prompts of 1024 in / 256 out, overlap on.
+#   tp (on nvidia-h200-x2): batch-1 latency at T=1, then T=2 (configs/llama3-8b-dummy-tp2.yaml).
+set -o pipefail
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
+BENCH="python3 -m jaxserve.cli bench"
+CFG="--config configs/llama3-8b-dummy.yaml --disable-tqdm"
+case "${1:-decode}" in
+decode)
+  python3 benchmarks/tight_loop_decode.py --config-json configs/models/llama3-8b/config.json \
+    --batch-sizes 1,64 --context 128,2048 --steps 64 --cache-layout blkh,bklh \
+    --output-json $OUT/peer.json 2>&1 | grep -v Warning | tee $OUT/peer.log | tail -8
+  for overlap in true false; do
+    $BENCH latency $CFG --batch-size 1 --input-len 128 --output-len 256 --num-iters-warmup 1 --num-iters 3 \
+      --async-scheduling $overlap --output-json $OUT/latency_b1_$overlap.json > $OUT/latency_b1_$overlap.log 2>&1
+    tail -30 $OUT/latency_b1_$overlap.log
+  done
+  for overlap in true false; do
+    $BENCH latency $CFG --batch-size 64 --input-len 2048 --output-len 128 --num-iters-warmup 1 --num-iters 2 \
+      --async-scheduling $overlap --output-json $OUT/latency_b64_$overlap.json > $OUT/latency_b64_$overlap.log 2>&1
+    tail -30 $OUT/latency_b64_$overlap.log
+  done
+  ;;
+tp)
+  for cfg in llama3-8b-dummy llama3-8b-dummy-tp2; do
+    $BENCH latency --config configs/$cfg.yaml --disable-tqdm --batch-size 1 --input-len 128 --output-len 256 \
+      --num-iters-warmup 1 --num-iters 3 --precompile false --output-json $OUT/tp_$cfg.json > $OUT/tp_$cfg.log 2>&1
+    tail -12 $OUT/tp_$cfg.log
+  done
+  ;;
+throughput)
+  $BENCH throughput $CFG --num-prompts 1000 --input-len 1024 --output-len 256 \
+    --output-json $OUT/throughput.json > $OUT/throughput.log 2>&1
+  tail -40 $OUT/throughput.log
+  ;;
+esac

@@ -1,0 +1,86 @@
+"""Where the host time of ModelRunner.dispatch goes, on the device machine (8B dummy, batch 1).
+
+    PYTHONPATH=. python3 scripts/profile_dispatch.py [--config configs/llama3-8b-dummy.yaml]
+
+Times each piece of dispatch with perf_counter after a warm-up: prepare (host numpy), the jitted
+forward call (returns once enqueued), the sampler call, the async copy; then the same forward call
+with its inputs already on device, to separate argument transfer from dispatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.config import load_config
+from jaxserve.engine import Engine
+from jaxserve.runner import model_runner as mr
+from jaxserve.runner import sampler
+from jaxserve.sampling_params import SamplingParams
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", default="configs/llama3-8b-dummy.yaml")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=40)
+    args = parser.parse_args()
+    config = load_config(args.config, precompile=False, async_scheduling=False)
+    engine = Engine(config, progress=False)
+    rng = np.random.default_rng(0)
+    for _ in range(args.batch):
+        engine.add_request({"prompt_token_ids": rng.integers(0, engine.vocab_size, 16).tolist()},
+                           SamplingParams(temperature=0.0, max_tokens=engine.max_model_len - 16, ignore_eos=True))
+    for _ in range(5):
+        engine.step()
+    runner = engine.runner
+    times = {k: [] for k in ("schedule", "prepare", "forward", "sample", "copy", "wait", "forward_dev_args",
+                              "leaves")}
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        out = engine.scheduler.schedule()
+        t1 = time.perf_counter()
+        step = runner.prepare(out)
+        t2 = time.perf_counter()
+        prev = runner._last.tokens
+        logits, runner.kv_caches = mr._forward(runner.model.params, runner.cfg, step.batch, runner.kv_caches, prev,
+                                               step.prev_index, attention_backend=runner.attention_backend,
+                                               **({"tp": runner.tp} if hasattr(runner, "tp") else {}))
+        t3 = time.perf_counter()
+        md, all_greedy, use_penalties, num_logprobs = step.sampling
+        result = sampler.sample(logits, md, all_greedy=all_greedy, use_penalties=use_penalties,
+                                num_logprobs=num_logprobs, out_rows=runner.max_rows)
+        t4 = time.perf_counter()
+        result.token_ids.copy_to_host_async()
+        t5 = time.perf_counter()
+        handle = mr.StepHandle(step.request_ids, step.rows, step.generations, result.token_ids, None, result.token_ids)
+        runner._last = handle
+        engine.scheduler.update_from_output(out, runner.collect(handle))
+        t6 = time.perf_counter()
+        # The same forward with every input already on device: dispatch cost alone.
+        batch_dev = jax.device_put(step.batch)
+        prev_index_dev = jax.device_put(step.prev_index)
+        jax.block_until_ready((batch_dev, prev_index_dev))
+        t7 = time.perf_counter()
+        logits, runner.kv_caches = mr._forward(runner.model.params, runner.cfg, batch_dev, runner.kv_caches, prev,
+                                               prev_index_dev, attention_backend=runner.attention_backend,
+                                               **({"tp": runner.tp} if hasattr(runner, "tp") else {}))
+        t8 = time.perf_counter()
+        jax.block_until_ready(logits)
+        t9 = time.perf_counter()
+        jax.tree.leaves((runner.model.params, runner.kv_caches))
+        t10 = time.perf_counter()
+        for name, value in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5, t8 - t7, t10 - t9)):
+            times[name].append(value * 1e3)
+    leaves = len(jax.tree.leaves(runner.model.params)) + len(jax.tree.leaves(runner.kv_caches))
+    print(f"batch {args.batch}, {leaves} param+cache leaves, {jax.devices()[0].device_kind}; median ms:")
+    for name, values in times.items():
+        print(f"  {name:18s} {np.median(values):8.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""`--load-format dummy`, `jaxserve bench throughput | latency`, the step-record report and the tight-loop
+decode peer, on tiny shapes (speed is never asserted: benchmarks/RESULTS.md holds the figures)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.bench import common
+from jaxserve.cli import main as cli_main
+from jaxserve.config import load_config
+from jaxserve.models import loader, reference_generate
+from jaxserve.step_stats import StepStats
+from tests.conftest import HF_FIXTURES, ROOT
+
+TINY_CONFIG = ROOT / "configs" / "tiny.yaml"
+FIXTURE = HF_FIXTURES / "llama3_gqa4_tied"
+
+
+@pytest.fixture
+def config_only_dir(tmp_path):
+    """A checkpoint directory holding only config.json: no weights, tokenizer or generation_config."""
+    shutil.copy(FIXTURE / "config.json", tmp_path / "config.json")
+    return tmp_path
+
+
+@pytest.mark.parametrize("name, dtype", [("llama2_mha_untied", "float32"), ("qwen2_gqa4_tied", "bfloat16"),
+                                         ("qwen3_gqa4_tied", "float32")])
+def test_dummy_params_match_the_real_loader(name, dtype):
+    real = loader.load_model(HF_FIXTURES / name, dtype=dtype)
+    dummy = loader.load_model(HF_FIXTURES / name, dtype=dtype, load_format="dummy")
+    assert dummy.config == real.config
+    assert jax.tree.structure(dummy.params) == jax.tree.structure(real.params)
+    for ours, theirs in zip(jax.tree.leaves(dummy.params), jax.tree.leaves(real.params)):
+        assert (ours.shape, ours.dtype) == (theirs.shape, theirs.dtype)
+    layer = dummy.params["layers"][0]
+    assert np.all(np.asarray(layer["attn_norm"], np.float32) == 1.0)
+    assert 0.015 < float(np.std(np.asarray(layer["w_up"], np.float32))) < 0.025
+    if "bq" in layer:
+        assert not np.any(np.asarray(layer["bq"], np.float32))
+
+
+def test_dummy_load_needs_only_config_json_and_repeats(config_only_dir):
+    first = loader.load_model(config_only_dir, load_format="dummy")
+    second = loader.load_model(config_only_dir, load_format="dummy")
+    for a, b in zip(jax.tree.leaves(first.params), jax.tree.leaves(second.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert first.generation.eos_token_ids == (1,)  # from config.json, with no generation_config.json
+    with pytest.raises(ValueError, match="load_format"):
+        loader.load_model(config_only_dir, load_format="pt")
+    with pytest.raises(ValueError, match="model.load_format"):
+        load_config(None, load_format="safetensors")
+
+
+def test_engine_greedy_on_dummy_weights_matches_the_oracle(config_only_dir):
+    llm = LLM(model=config_only_dir, load_format="dummy", dtype="float32", skip_tokenizer_init=True,
+              max_model_len=64, block_size=4, num_blocks=64, max_num_batched_tokens=16, max_num_seqs=4,
+              token_buckets=[16], request_buckets=[4], precompile=False, progress=False)
+    prompts = [[5, 9, 200, 17, 3], [42, 1, 7]]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    oracle = reference_generate.greedy_generate(llm.engine.model.params, llm.engine.model.config, prompts, 6,
+                                                keep_logits=False)
+    assert [out.outputs[0].token_ids for out in outputs] == oracle.tokens
+
+
+def test_llama3_8b_dummy_config_resolves_the_model_shape():
+    config = load_config(ROOT / "configs" / "llama3-8b-dummy.yaml")
+    assert config.model.load_format == "dummy" and config.model.skip_tokenizer_init
+    cfg, _ = loader.load_config(config.model.path, config.model.dtype)
+    assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
+            cfg.vocab_size, cfg.dtype) == (4096, 32, 32, 8, 128, 14336, 128256, "bfloat16")
+    roofline = common.roofline(cfg, batch=64, mean_context=2048)
+    assert roofline["weight_bytes"] == 16_060_522_496  # 8.03B parameters in bf16
+    assert roofline["kv_bytes_per_token"] == 131_072
+
+
+def test_step_report_by_hand():
+    def step(k, t_start, dispatch, done, t_end, tokens, prefill):
+        return StepStats(k, tokens, tokens - prefill + (1 if prefill else 0), prefill, t_start, 0.001, 0.002,
+                         dispatch, readback_s=0.003, update_s=0.004, done_t=done, t_end=t_end)
+
+    steps = [step(0, 0.0, 0.1, 0.5, 0.6, tokens=8, prefill=8),  # prefill only: no ITL sample
+             step(1, 0.6, 0.7, 0.9, 1.0, tokens=2, prefill=0),  # 2 decode rows, 0.4 s after step 0
+             step(2, 0.9, 0.85, 1.1, 1.1, tokens=3, prefill=0)]  # dispatched before step 1 finished
+    report = common.step_report([steps])
+    assert report["num_steps"] == 3 and report["num_prefill_steps"] == 1
+    itl = report["itl_ms"]
+    assert itl["count"] == 5 and itl["mean"] == pytest.approx((2 * 400 + 3 * 100) / 5)
+    # device: 0.4 (0.1 -> 0.5), 0.2 (0.7 -> 0.9), 0.2 (0.9 -> 1.1); idle 0.2 (0.5 -> 0.7) of the 1.0 s from 0.1 to 1.1
+    assert report["breakdown_ms"]["device"] == pytest.approx(800 / 3)
+    assert report["breakdown_ms"]["update"] == pytest.approx(4.0)
+    assert report["device_idle_share"] == pytest.approx(0.2)
+    assert report["mean_decode_rows_per_step"] == pytest.approx(2.5)
+
+
+def bench(tmp_path, *argv) -> dict:
+    out = tmp_path / "report.json"
+    assert cli_main(["bench", *argv, "--output-json", str(out), "--disable-tqdm", "--precompile", "false"]) == 0
+    return json.loads(out.read_text())
+
+
+SHARED_FIELDS = {"ttft_ms", "tpot_ms", "steps", "engine", "roofline", "roofline_share"}
+
+
+def test_bench_throughput_on_the_embedded_model(tmp_path):
+    report = bench(tmp_path, "throughput", "--config", str(TINY_CONFIG), "--num-prompts", "6", "--input-len", "5",
+                   "--output-len", "4")
+    assert SHARED_FIELDS | {"requests_per_s", "total_tokens_per_s", "output_tokens_per_s"} <= set(report)
+    assert report["num_requests"] == 6 and report["total_output_tokens"] == 24 and report["total_prompt_tokens"] == 30
+    assert report["ttft_ms"]["count"] == 6 and report["tpot_ms"]["p99"] > 0
+    assert report["engine"]["num_compiled"] == 0 and report["engine"]["startup_compile_s"] >= 0
+    steps = report["steps"]
+    assert steps["num_steps"] >= 4 and steps["itl_ms"]["count"] == 6 * 3  # 3 decode tokens per request
+    assert set(steps["breakdown_ms"]) == {"schedule", "prepare", "device", "readback", "update"}
+    assert 0.0 <= steps["device_idle_share"] <= 1.0
+    assert report["roofline"]["tokens_per_s"] > 0
+
+
+def test_bench_throughput_dummy_weights_from_a_dataset(tmp_path, config_only_dir):
+    dataset = tmp_path / "requests.jsonl"
+    dataset.write_text('{"prompt_token_ids": [1, 2, 3], "output_len": 2}\n\n{"prompt_token_ids": [4, 5]}\n')
+    report = bench(tmp_path, "throughput", "--config", str(TINY_CONFIG), "--model", str(config_only_dir),
+                   "--load-format", "dummy", "--skip-tokenizer-init", "--dataset-path", str(dataset),
+                   "--output-len", "3")
+    assert report["num_requests"] == 2 and report["total_output_tokens"] == 5
+    assert report["engine"]["config"]["model"]["load_format"] == "dummy"
+
+
+def test_bench_latency_on_the_embedded_model(tmp_path):
+    report = bench(tmp_path, "latency", "--config", str(TINY_CONFIG), "--batch-size", "2", "--input-len", "4",
+                   "--output-len", "3", "--num-iters-warmup", "1", "--num-iters", "2")
+    assert SHARED_FIELDS | {"latency_ms", "latencies_s", "decode_tokens_per_s"} <= set(report)
+    assert len(report["latencies_s"]) == 2 and report["latency_ms"]["p50"] > 0
+    assert report["decode_tokens_per_s"] > 0 and report["roofline"]["batch"] == 2
+
+
+def test_bench_rejects_bad_flags(tmp_path, capsys):
+    assert cli_main(["bench", "latency", "--config", str(TINY_CONFIG), "--batch-size", "0"]) == 2
+    assert "--batch-size must be >= 1" in capsys.readouterr().err
+
+
+def test_tight_loop_decode_smoke(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("tight_loop_decode", ROOT / "benchmarks" / "tight_loop_decode.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclass resolves annotations through it
+    spec.loader.exec_module(module)
+    out = tmp_path / "tight.json"
+    assert module.main(["--config-json", str(FIXTURE / "config.json"), "--batch-sizes", "2", "--context", "4",
+                        "--steps", "2", "--output-json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["batch"], r["context"]) for r in rows] == [(2, 4)]
+    assert all(r["tokens_per_s"] > 0 and 0 < r["roofline_share"] for r in rows)

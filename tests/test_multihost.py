@@ -1,0 +1,151 @@
+"""Multi-host on one machine: 2 processes x 4 fake CPU devices joined by jax.distributed on loopback
+run one engine tensor-parallel over all 8 devices (process 0 schedules and broadcasts each step;
+process 1 follows). Greedy tokens equal one process's (the HF reference, which the single-process
+engine matches in test_engine_parity). Also the step codec, on its own.
+
+Run as a script, this file is one of those processes: `python tests/test_multihost.py ID PORT`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURE = ROOT / "tests" / "fixtures" / "hf" / "llama3_gqa4_tied"  # 8 q / 2 kv heads: kv heads replicated at T=8
+NUM_PROCESSES, DEVICES_PER_PROCESS = 2, 4
+TIMEOUT_S = 240
+
+
+def _engine_config(process_id: int, port: int):
+    from jaxserve.config import EngineConfig, ParallelConfig
+
+    config = EngineConfig().with_overrides(
+        model=FIXTURE, dtype="float32", skip_tokenizer_init=True, max_model_len=96, block_size=4, num_blocks=96,
+        max_num_batched_tokens=16, max_num_seqs=4, token_buckets=[16], request_buckets=[4], precompile=False,
+        compilation_cache_dir=None)
+    return dataclasses.replace(config, parallel=ParallelConfig(
+        model=NUM_PROCESSES * DEVICES_PER_PROCESS, coordinator_address=f"127.0.0.1:{port}",
+        num_processes=NUM_PROCESSES, process_id=process_id))
+
+
+def _run_process(process_id: int, port: int) -> None:
+    from jaxserve import LLM, SamplingParams
+
+    llm = LLM(config=_engine_config(process_id, port), progress=False)  # process 1 follows, then exits in here
+    prompts = json.loads((FIXTURE / "reference.json").read_text())["prompts"]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    print("TOKENS " + json.dumps([o.outputs[0].token_ids for o in outputs]), flush=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_processes_match_one():
+    port = _free_port()
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS}",
+               JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    procs = [subprocess.Popen([sys.executable, __file__, str(i), str(port)], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(NUM_PROCESSES)]
+    try:
+        logs = [proc.communicate(timeout=TIMEOUT_S)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for i, (proc, log) in enumerate(zip(procs, logs)):
+        assert proc.returncode == 0, f"process {i} failed:\n{log[-4000:]}"
+    tokens = json.loads(next(line for line in logs[0].splitlines() if line.startswith("TOKENS "))[7:])
+    assert tokens == json.loads((FIXTURE / "reference.json").read_text())["generated"]
+    assert "TOKENS" not in logs[1], "the follower must not run the program past Engine()"
+
+
+def scheduler_output(step: int):
+    from jaxserve.core.sched_types import NewRequestData, ScheduledRequest, SchedulerOutput
+    from jaxserve.sampling_params import SamplingParams
+
+    new = NewRequestData([5, 6, 7], 3, SamplingParams(temperature=0.7, top_k=5, stop=["x"], logprobs=2), seed=2**62,
+                         eos_token_ids=(1, 2), max_tokens=9)
+    item = ScheduledRequest(**{"request_id": "a", "row": 3, "num_computed_tokens": 0, "num_new_tokens": 3,
+                               "new_block_ids": [4, 5], "new": new, "samples": True})
+    values = {"scheduled": [item], "num_scheduled_tokens": 4, "finished_request_ids": {"b", "c"}, "step": step,
+              "decode_ids": ["d"], "decode_rows": [0], "decode_positions": [11], "decode_new_blocks": [(0, 9)]}
+    return SchedulerOutput(**{f.name: values[f.name] for f in dataclasses.fields(SchedulerOutput) if f.name in values})
+
+
+def test_codec_round_trips_scheduler_output():
+    from jaxserve import distributed
+
+    out = scheduler_output(7)
+    back = distributed.decode(json.loads(json.dumps(distributed.encode(out))), distributed.codec_types())
+    assert back == out
+    assert isinstance(back.finished_request_ids, set) and back.scheduled[0].new.eos_token_ids == (1, 2)
+    array = np.arange(6, dtype=np.int32).reshape(2, 3)
+    back_array = distributed.decode(json.loads(json.dumps(distributed.encode(array))), {})
+    assert back_array.dtype == np.int32 and (back_array == array).all()
+
+
+def test_follower_mirrors_dispatch_collect_and_precompile():
+    import threading
+
+    from jaxserve import distributed
+
+    class Recorder:
+        num_blocks = 17
+
+        def __init__(self):
+            self.calls = []
+
+        def dispatch(self, out):
+            self.calls.append(("dispatch", out.step))
+            return {"step": out.step}  # a handle: only its identity travels back
+
+        def collect(self, handle):
+            self.calls.append(("collect", handle["step"]))
+
+        def precompile(self, progress=True):
+            self.calls.append(("precompile", progress))
+
+    leader_sock, follower_sock = socket.socketpair()
+    follower_channel = distributed.Channel([follower_sock], 1)
+    follower = Recorder()
+    thread = threading.Thread(target=distributed.follow, args=(follower, follower_channel), daemon=True)
+    thread.start()
+    leader = distributed.BroadcastingRunner(Recorder(), distributed.Channel([leader_sock], 0))
+    leader.precompile(progress=False)
+    first, second = leader.dispatch(scheduler_output(1)), leader.dispatch(scheduler_output(2))  # overlap: 2 in flight
+    leader.collect(first)
+    leader.collect(second)
+    assert leader.num_blocks == 17  # everything else is the real runner's
+    leader.channel.close()
+    thread.join(10)
+    assert not thread.is_alive() and follower.calls == leader.runner.calls == [
+        ("precompile", False), ("dispatch", 1), ("dispatch", 2), ("collect", 1), ("collect", 2)]
+    follower_channel.close()
+
+
+def test_codec_refuses_unknown_types():
+    from jaxserve import distributed
+
+    with pytest.raises(ValueError, match="not part of SchedulerOutput"):
+        distributed.decode({"type": "os.system", "fields": {}}, distributed.codec_types())
+    with pytest.raises(TypeError, match="cannot encode"):
+        distributed.encode(object())
+
+
+if __name__ == "__main__":
+    _run_process(int(sys.argv[1]), int(sys.argv[2]))
