@@ -66,7 +66,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256  # running requests at most
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # > 0: cap one request's prefill chunk per step
-    policy: str = "fcfs"  # fcfs | priority (lower value first, then arrival)
+    policy: str = "fcfs"  # fcfs | priority (lower value first, then arrival) | fair (per-tenant VTC, core/fairness.py)
     max_n: int = 64  # cap on SamplingParams.n
     max_logprobs: int = 20
     # Overlap scheduling: step N+1 is dispatched before step N's tokens are read back (DESIGN §7).
@@ -75,8 +75,8 @@ class SchedulerConfig:
     def __post_init__(self):
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("scheduler.max_num_batched_tokens and scheduler.max_num_seqs must be >= 1")
-        if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduler.policy must be fcfs or priority, got {self.policy!r}")
+        if self.policy not in ("fcfs", "priority", "fair"):
+            raise ValueError(f"scheduler.policy must be fcfs, priority or fair, got {self.policy!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,8 +126,42 @@ class ParallelConfig:
                                  "with parallel.model, or run one server per host")
 
 
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """`jaxserve serve` only; the engine ignores this section (docs: README "Serving")."""
+
+    host: str = "127.0.0.1"  # 0.0.0.0 to listen on every interface
+    port: int = 8000
+    api_key: str | tuple[str, ...] | None = None  # one key or a list; every route but /health and /metrics
+    served_model_name: str | None = None  # the `model` clients send; default: the model directory's name
+    max_queued_requests: int = 1024  # accepted but not yet started; more answer 429
+    max_body_bytes: int = 1 << 20  # larger request bodies answer 413
+    max_header_bytes: int = 16 << 10  # larger request heads answer 431
+    tenant_header: str | None = "x-tenant-id"  # fair-share tenant; else the API key; null: API key only
+    drain_timeout_s: float = 30.0  # SIGTERM: wait this long for in-flight requests, then abort them
+    retry_after_s: int = 1  # Retry-After of 429 and 503 answers
+    trust_request_chat_template: bool = False  # accept `chat_template` in requests
+    access_log: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.api_key, (list, tuple)):
+            object.__setattr__(self, "api_key", tuple(self.api_key))
+        keys = self.api_key if isinstance(self.api_key, tuple) else (self.api_key,) if self.api_key is not None else ()
+        if not all(isinstance(key, str) and key for key in keys):
+            raise ValueError("server.api_key must be a non-empty string, a list of them, or null")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"server.port must be in [0, 65535], got {self.port}")
+        for name in ("max_queued_requests", "max_body_bytes", "max_header_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"server.{name} must be >= 1, got {getattr(self, name)}")
+        if self.tenant_header is not None:
+            object.__setattr__(self, "tenant_header", self.tenant_header.lower())
+        if self.drain_timeout_s < 0 or self.retry_after_s < 0:
+            raise ValueError("server.drain_timeout_s and server.retry_after_s must be >= 0")
+
+
 SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "runner": RunnerConfig,
-            "parallel": ParallelConfig}
+            "parallel": ParallelConfig, "server": ServerConfig}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +171,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     runner: RunnerConfig = RunnerConfig()
     parallel: ParallelConfig = ParallelConfig()
+    server: ServerConfig = ServerConfig()
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "config") -> EngineConfig:

@@ -696,7 +696,7 @@ def configs(draw):
         config=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=draw(st.integers(1, 5)),
                                enable_chunked_prefill=chunked,
                                long_prefill_token_threshold=draw(st.sampled_from([0, 0, 3, 8])),
-                               policy=draw(st.sampled_from(["fcfs", "priority"]))),
+                               policy=draw(st.sampled_from(["fcfs", "priority", "fair"]))),
         overlap=draw(st.booleans()),
     )
 
@@ -733,7 +733,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(specs=st.lists(st.fixed_dictionaries(dict(
         prompt=prompts(), max_tokens=st.integers(1, 12), priority=st.integers(0, 2),
         salt=st.sampled_from([None, "s"]), ignore_eos=st.booleans(), stop=st.booleans(),
-        min_tokens=st.integers(0, 3))), min_size=1, max_size=3), siblings=st.booleans())
+        min_tokens=st.integers(0, 3), tenant=st.sampled_from([None, "a", "b"]))), min_size=1, max_size=3),
+        siblings=st.booleans())
     def add_requests(self, specs, siblings):
         """siblings: like the children of an n > 1 request (same prompt, arrival time, priority, salt)."""
         for spec in specs:
@@ -744,13 +745,13 @@ class SchedulerMachine(RuleBasedStateMachine):
             self._add(**spec, arrival=self.clock)
         self.clock += 1
 
-    def _add(self, prompt, max_tokens, priority, salt, ignore_eos, stop, min_tokens, arrival):
+    def _add(self, prompt, max_tokens, priority, salt, ignore_eos, stop, min_tokens, tenant, arrival):
         request_id = f"r{self.next_id}"
         self.next_id += 1
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos,
                                 stop_token_ids=[STOP_ID] if stop else None, min_tokens=min(min_tokens, max_tokens))
         request = Request(request_id, prompt, params, eos_token_ids=(EOS,), max_tokens=max_tokens,
-                          arrival_time=float(arrival), priority=priority, cache_salt=salt)
+                          arrival_time=float(arrival), priority=priority, cache_salt=salt, tenant=tenant)
         self.scheduler.add_request(request)
         self.added[request_id] = request
         self.outputs[request_id] = []

@@ -8,9 +8,12 @@
                  free finished requests -> RequestUpdates for the engine
 
 NOTE: there is no "prefill phase" or "decode phase": a request has `num_computed_tokens`, and a
-step gives it up to `num_tokens - num_computed_tokens` new tokens within the budget.
+step gives it up to `num_tokens + num_pending - num_computed_tokens` new tokens within the budget
+(num_pending: tokens sampled by steps still in flight, under overlap scheduling).
 When blocks run out, the running request with the lowest priority (then the latest arrival) is
 preempted by recompute: its blocks are freed, it keeps its generated tokens and waits again.
+The waiting queue orders FCFS, by priority, or per-tenant fair (core/fairness.py: each step charges
+every tenant the tokens computed for it).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import dataclasses
 import heapq
 
 from jaxserve.config import SchedulerConfig
+from jaxserve.core.fairness import FairWaitingQueue
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.sched_types import (Logprobs, NewRequestData, RunnerOutput, ScheduledRequest,
                                        SchedulerOutput)
@@ -66,9 +70,6 @@ class WaitingQueue:
         if self.policy != "fcfs":
             heapq.heapify(self._items)
 
-    def charge(self, tenant: str | None, num_tokens: int) -> None:
-        """Service accounting for fair sharing; FCFS and priority order ignore it."""
-
     def __len__(self) -> int:
         return len(self._items)
 
@@ -87,7 +88,8 @@ class Scheduler:
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
-        self.waiting = WaitingQueue(config.policy)
+        self._fair = config.policy == "fair"
+        self.waiting = FairWaitingQueue() if self._fair else WaitingQueue(config.policy)
         self.running: list[Request] = []
         self._finished_ids: set[str] = set()  # runner state to drop at the next step
         self._free_rows = list(range(config.max_num_seqs - 1, -1, -1))
@@ -123,9 +125,6 @@ class Scheduler:
     def abort_requests(self, request_ids) -> None:
         self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
-    def _refund_reservation(self, request: Request) -> None:
-        self.waiting.charge(request.tenant, request.num_computed_tokens - request.token_limit)
-
     def _release_row(self, request: Request) -> None:
         if request.row >= 0:
             self._free_rows.append(request.row)
@@ -133,8 +132,6 @@ class Scheduler:
         request.num_pending = 0
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
-        if request.status == RequestStatus.RUNNING:
-            self._refund_reservation(request)
         request.status = status
         self._release_row(request)
         self.kv_cache.free(request)
@@ -147,7 +144,6 @@ class Scheduler:
     # ---- one step ----
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self._refund_reservation(request)
         self._release_row(request)
         self.kv_cache.free(request)
         request.status = RequestStatus.PREEMPTED
@@ -245,15 +241,18 @@ class Scheduler:
             request.row = self._free_rows.pop()
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
-            # Fair sharing charges a run's whole possible work when it starts (prompt past the prefix hit
-            # plus every token up to its limit) and refunds what it did not compute when it stops.
-            self.waiting.charge(request.tenant, request.token_limit - num_hit)
             scheduled.append((request, ScheduledRequest(
                 request.request_id, request.row, num_hit, num_new, new_blocks,
                 new=NewRequestData(list(request.all_token_ids), request.num_prompt_tokens, request.sampling_params,
                                    request.seed, request.eos_token_ids, request.max_tokens))))
             budget -= num_new
 
+        if self._fair:  # service is charged as it is given: every token computed this step
+            charge = self.waiting.charge
+            for request in decode:
+                charge(request.tenant, 1)
+            for request, item in scheduled:
+                charge(request.tenant, item.num_new_tokens)
         sampled = list(decode)
         for request, item in scheduled:
             request.num_computed_tokens += item.num_new_tokens

@@ -1,0 +1,258 @@
+"""The async bridge: the engine loop in its own thread, fed by the HTTP event loop.
+
+    event loop                                    engine thread (the only caller of Engine mutators)
+    ----------                                    -------------
+    submit(prepared...) -> RequestGroup  --inbox (+ notify)-->  enqueue / abort
+    group.abort()                         --inbox (+ notify)-->  abort_request
+                                                                 step() -> RequestOutputs
+    RequestGroup queue  <--call_soon_threadsafe (one call per step)--  dispatch
+    async for updates in group: {index: latest RequestOutput}
+
+The engine thread sleeps on a condition while it has nothing to do (no busy spin). Outputs are
+cumulative, so a consumer that falls behind reads only the latest output of each request: nothing is
+lost. Admission: requests accepted but not yet producing tokens are "queued"; more than
+`max_queued_requests` answer 429, and after `start_drain()` every new request answers 503.
+An exception inside the engine fails every open request and marks the bridge dead (health 503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+
+from jaxserve.engine import Engine, PreparedRequest
+from jaxserve.outputs import RequestOutput
+from jaxserve.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+
+class AdmissionError(Exception):
+    """The request was not accepted; `status` is 429 (queue full) or 503 (draining or engine dead)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclasses.dataclass(slots=True)
+class _Tracked:
+    """Engine-thread state of one submitted request."""
+
+    group: RequestGroup
+    index: int
+    num_tokens: int = 0  # generated tokens seen so far, over all n sequences
+    last_token_time: float = 0.0
+
+
+class RequestGroup:
+    """The requests of one HTTP call (several prompts, or one); iterate for {index: latest output}."""
+
+    def __init__(self, bridge: EngineBridge, request_ids: list[str]):
+        self.bridge = bridge
+        self.request_ids = request_ids
+        self.queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
+        self.unstarted = set(range(len(request_ids)))  # admitted, no token yet (counted as queued)
+        self.unfinished = set(range(len(request_ids)))
+
+    @property
+    def finished(self) -> bool:
+        return not self.unfinished
+
+    async def __aiter__(self) -> AsyncIterator[dict[int, RequestOutput]]:
+        # NOTE: ends on the final outputs read here, not on `finished`: that is set when they are queued.
+        remaining = set(range(len(self.request_ids)))
+        while remaining:
+            updates = {}
+            index, item = await self.queue.get()
+            while True:
+                if isinstance(item, BaseException):
+                    raise item
+                updates[index] = item
+                if item.finished:
+                    remaining.discard(index)
+                if self.queue.empty():
+                    break
+                index, item = self.queue.get_nowait()
+            yield updates
+
+    def abort(self) -> None:
+        """Abort every request of the group that has not finished (idempotent; e.g. client gone)."""
+        if self.unfinished:
+            self.bridge.post_abort([self.request_ids[i] for i in self.unfinished])
+
+
+class EngineBridge:
+    def __init__(self, engine: Engine, metrics: ServerMetrics, max_queued_requests: int):
+        self.engine = engine
+        self.metrics = metrics
+        self.max_queued_requests = max_queued_requests
+        self.draining = False
+        self.dead: BaseException | None = None
+        # Event-loop state (touched only on the loop's thread).
+        self.num_queued = 0
+        self.num_in_flight = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._idle: asyncio.Event | None = None
+        # Shared with the engine thread, under the condition's lock.
+        self._cond = threading.Condition()
+        self._inbox: list[tuple[str, object]] = []
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
+        # Engine-thread state.
+        self._commands: collections.deque[tuple[str, object]] = collections.deque()  # taken from the inbox
+        self._tracked: dict[str, _Tracked] = {}
+
+    # ---- event loop side ----
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Abort what is left, end the engine thread and wait for it."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join()
+
+    def check_admission(self, num_requests: int) -> None:
+        """Raise AdmissionError unless `num_requests` more requests would be accepted now."""
+        if self.dead is not None:
+            raise AdmissionError(503, f"the engine failed and is not serving: {self.dead!r}")
+        if self.draining:
+            raise AdmissionError(503, "the server is shutting down and accepts no new requests; retry on another "
+                                      "replica")
+        if self.num_queued + num_requests > self.max_queued_requests:
+            raise AdmissionError(429, f"the waiting queue is full ({self.num_queued} requests queued, "
+                                      f"max_queued_requests={self.max_queued_requests}); retry later")
+
+    def submit(self, prepared: Sequence[PreparedRequest]) -> RequestGroup:
+        """Admit all of `prepared` or none (AdmissionError); outputs arrive on the returned group."""
+        self.check_admission(len(prepared))
+        group = RequestGroup(self, [p.request_id for p in prepared])
+        self.num_queued += len(prepared)
+        self.num_in_flight += len(prepared)
+        self._idle.clear()
+        with self._cond:
+            self._inbox.extend(("add", (p, group, i)) for i, p in enumerate(prepared))
+            self._cond.notify()
+        return group
+
+    def post_abort(self, request_ids: list[str]) -> None:
+        with self._cond:
+            self._inbox.append(("abort", request_ids))
+            self._cond.notify()
+
+    def start_drain(self) -> None:
+        self.draining = True
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no request is in flight; False if `timeout` seconds passed first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    def _deliver(self, batch: list[tuple[RequestGroup, int, RequestOutput | BaseException]]) -> None:
+        for group, index, item in batch:
+            group.queue.put_nowait((index, item))
+            finished = isinstance(item, BaseException) or item.finished
+            if index in group.unstarted and (finished or any(c.token_ids for c in item.outputs)):
+                group.unstarted.discard(index)
+                self.num_queued -= 1
+            if finished and index in group.unfinished:
+                group.unfinished.discard(index)
+                self.num_in_flight -= 1
+        if self.num_in_flight == 0:
+            self._idle.set()
+
+    # ---- engine thread ----
+    def _run(self) -> None:
+        try:
+            self._serve()
+        except Exception as err:  # noqa: BLE001 - any engine failure ends serving, loudly
+            logger.exception("engine loop failed; failing every open request")
+            self.dead = err
+            self._fail_forever(RuntimeError(f"engine failed: {err!r}"))
+
+    def _serve(self) -> None:
+        engine = self.engine
+        while True:
+            with self._cond:
+                while not self._inbox and not self._stopping and not engine.has_unfinished_requests():
+                    self._cond.wait()
+                self._commands.extend(self._inbox)
+                self._inbox = []
+                stopping = self._stopping
+            while self._commands:
+                kind, payload = self._commands.popleft()
+                if kind == "add":
+                    self._add(*payload)
+                else:
+                    engine.abort_request(payload)
+            if stopping:
+                engine.abort_request(list(self._tracked))
+            outputs = engine.step()
+            self._dispatch(outputs)
+            self.metrics.record_step(engine)
+            if stopping and not engine.has_unfinished_requests():
+                return
+
+    def _fail_forever(self, error: BaseException) -> None:
+        """After an engine failure: fail every open request, then every new one, until stopped."""
+        batch = [(t.group, t.index, error) for t in self._tracked.values()]
+        self._tracked.clear()
+        while True:
+            batch += [(group, index, error) for kind, payload in self._commands if kind == "add"
+                      for _, group, index in [payload]]
+            self._commands.clear()
+            if batch:
+                self._loop.call_soon_threadsafe(self._deliver, batch)
+                batch = []
+            with self._cond:
+                while not self._inbox and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                self._commands.extend(self._inbox)
+                self._inbox = []
+
+    def _add(self, prepared: PreparedRequest, group: RequestGroup, index: int) -> None:
+        try:
+            self.engine.enqueue(prepared)
+        except Exception as err:  # noqa: BLE001 - the request fails either way; only a ValueError is its own
+            self._loop.call_soon_threadsafe(self._deliver, [(group, index, err)])
+            if isinstance(err, ValueError):
+                return
+            raise
+        self._tracked[prepared.request_id] = _Tracked(group, index)
+        self.metrics.record_arrival(len(prepared.prompt_token_ids))
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        if not outputs:
+            return
+        now = time.monotonic()
+        batch = []
+        for output in outputs:
+            tracked = self._tracked.get(output.request_id)
+            if tracked is None:
+                continue
+            num_tokens = sum(len(c.token_ids) for c in output.outputs)
+            previous_token_time = tracked.last_token_time if tracked.num_tokens else None
+            self.metrics.record_tokens(output, num_tokens - tracked.num_tokens, previous_token_time, now)
+            if num_tokens > tracked.num_tokens:
+                tracked.num_tokens, tracked.last_token_time = num_tokens, now
+            if output.finished:
+                del self._tracked[output.request_id]
+                self.metrics.record_finished(output)
+            batch.append((tracked.group, tracked.index, output))
+        if batch:
+            self._loop.call_soon_threadsafe(self._deliver, batch)

@@ -1,0 +1,99 @@
+"""Prometheus metrics with vLLM's names under the `jaxserve:` prefix, one registry per app.
+
+    engine thread, after each step:  record_step   -> gauges (running, waiting, KV usage) and the
+                                                      prefix-cache / preemption counters (engine totals)
+    engine thread, per output:       record_arrival / record_tokens / record_finished
+                                                   -> token counters, TTFT / ITL / E2E histograms
+    GET /metrics:                    render() -> text exposition format
+
+Every metric carries a `model_name` label, as vLLM's do, so dashboards built for vLLM work unchanged.
+Times are `time.monotonic()` seconds taken by the engine (RequestOutput.metrics).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
+                               disable_created_metrics, generate_latest)
+
+from jaxserve.outputs import RequestOutput
+
+PREFIX = "jaxserve:"
+disable_created_metrics()  # no `*_created` series per counter and histogram (vLLM does the same)
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
+                 160.0, 640.0)
+_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0)
+_E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0, 960.0,
+                1920.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ["model_name"]
+
+        def gauge(name, doc):
+            return Gauge(PREFIX + name, doc, labels, registry=self.registry).labels(model_name)
+
+        def counter(name, doc):
+            return Counter(PREFIX + name, doc, labels, registry=self.registry).labels(model_name)
+
+        def histogram(name, doc, buckets):
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
+
+        self.running = gauge("num_requests_running", "Requests being computed (prefill or decode).")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled (preempted ones included).")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Share of KV-cache blocks in use, from 0 to 1.")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.preemptions = counter("num_preemptions", "Requests preempted (KV blocks ran out).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of accepted requests.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first generated token.", _TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between successive tokens of a request.",
+                             _ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to the last token.", _E2E_BUCKETS)
+        self._success = Counter(PREFIX + "request_success", "Finished requests, by finish reason.",
+                                ["model_name", "finished_reason"], registry=self.registry)
+        self._model_name = model_name
+        self._seen_queries = self._seen_hits = self._seen_preemptions = 0
+
+    def record_step(self, engine) -> None:
+        scheduler, kv_cache = engine.scheduler, engine.kv_cache
+        self.running.set(len(scheduler.running))
+        self.waiting.set(len(scheduler.waiting))
+        self.kv_usage.set(kv_cache.usage)
+        stats = kv_cache.stats
+        self.prefix_queries.inc(stats.queries - self._seen_queries)
+        self.prefix_hits.inc(stats.hits - self._seen_hits)
+        self.preemptions.inc(scheduler.num_preemptions - self._seen_preemptions)
+        self._seen_queries, self._seen_hits, self._seen_preemptions = (stats.queries, stats.hits,
+                                                                       scheduler.num_preemptions)
+
+    def record_arrival(self, num_prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(num_prompt_tokens)
+
+    def record_tokens(self, output: RequestOutput, num_new: int, previous_token_time: float | None,
+                      now: float) -> None:
+        """`num_new` tokens of `output` reached the host at `now`; the one before them at `previous_token_time`
+        (None: these are its first)."""
+        if num_new <= 0:
+            return
+        self.generation_tokens.inc(num_new)
+        if previous_token_time is None:
+            self.ttft.observe(output.metrics.first_token_time - output.metrics.arrival_time)
+        else:
+            gap = (now - previous_token_time) / num_new
+            for _ in range(num_new):
+                self.itl.observe(gap)
+
+    def record_finished(self, output: RequestOutput) -> None:
+        metrics = output.metrics
+        if metrics.finished_time is not None and any(c.finish_reason != "abort" for c in output.outputs):
+            self.e2e.observe(metrics.finished_time - metrics.arrival_time)
+        for completion in output.outputs:
+            self._success.labels(self._model_name, completion.finish_reason or "abort").inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

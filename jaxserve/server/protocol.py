@@ -1,0 +1,301 @@
+"""OpenAI-compatible request and response models (pydantic v2), with vLLM's extra request fields.
+
+    JSON body --model_validate--> CompletionRequest | ChatCompletionRequest    (bounds: 400 before any work)
+              --.sampling_params(defaults)--> SamplingParams                  (vLLM ranges, engine.py limits)
+    RequestOutput --serving.py--> CompletionResponse | ChatCompletionResponse | *StreamResponse chunks
+    any failure --> ErrorResponse {"error": {"message", "type", "param", "code"}}
+
+Every count-like field has a hard upper bound here, so no request makes the server loop or allocate in
+proportion to a number it sends (vLLM CVE-2026-34756: a huge `n`). Limits that depend on the engine
+config (scheduler.max_n, scheduler.max_logprobs, max_model_len) are checked again by the engine before
+anything is queued. Unknown fields are accepted and logged (clients send vendor fields in `extra_body`);
+known fields jaxserve does not implement (logit_bias, tools, suffix, structured output) answer 400.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from jaxserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+MAX_N = 128  # hard cap; scheduler.max_n (default 64) is the configured one
+MAX_LOGPROBS = 1024  # hard cap; scheduler.max_logprobs (default 20) is the configured one
+MAX_TOKENS = 1 << 24
+MAX_PROMPTS = 64  # prompts in one /v1/completions call
+MAX_STOP = 32
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 256
+MAX_MESSAGES = 4096
+MAX_TEMPLATE_KWARGS = 32
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+TokenId = Annotated[int, Field(strict=True, ge=0, le=INT64_MAX)]
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+
+# Request fields that map 1:1 onto SamplingParams (None: not sent, the default applies).
+_SAMPLING_FIELDS = ("n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p",
+                    "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
+                    "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output")
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class OpenAIRequest(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's plus vLLM's extras)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    n: Annotated[int, Field(strict=True, ge=1, le=MAX_N)] | None = None
+    max_tokens: Annotated[int, Field(strict=True, ge=1, le=MAX_TOKENS)] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: Annotated[int, Field(strict=True, ge=INT64_MIN, le=INT64_MAX)] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extra sampling fields.
+    top_k: Annotated[int, Field(strict=True, ge=-(2**31), le=2**31 - 1)] | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    ignore_eos: bool | None = None
+    min_tokens: Annotated[int, Field(strict=True, ge=0, le=MAX_TOKENS)] | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    # vLLM's extra scheduling fields.
+    priority: Annotated[int, Field(strict=True, ge=-(2**31), le=2**31 - 1)] = 0  # lower first; policy "priority"
+    cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self):
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported by jaxserve; leave it out")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream=true")
+        if self.model_extra:
+            logger.warning("ignoring unknown request fields %s", sorted(self.model_extra)[:16])
+        return self
+
+    def _sampling_params(self, defaults: dict[str, Any], max_tokens: int | None,
+                         logprobs: int | None) -> SamplingParams:
+        """SamplingParams from the fields sent, over `defaults` (the checkpoint's generation config);
+        raises ValueError naming the field (vLLM's ranges)."""
+        values = dict(defaults)
+        values.update({name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None})
+        return SamplingParams(**values, max_tokens=max_tokens, logprobs=logprobs)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(OpenAIRequest):
+    prompt: (Annotated[str, Field(min_length=1)]
+             | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)]
+             | Annotated[list[TokenId], Field(min_length=1)]
+             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1,
+                                                                                   max_length=MAX_PROMPTS)])
+    logprobs: Annotated[int, Field(strict=True, ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _refuse_unsupported_completion(self):
+        if self.suffix:
+            raise ValueError("suffix is not supported by jaxserve; leave it out")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs needs prompt logprobs, which jaxserve does not support; drop one")
+        return self
+
+    def sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
+        # As OpenAI and vLLM: a completion without max_tokens stops after 16 tokens.
+        return self._sampling_params(defaults, self.max_tokens if self.max_tokens is not None else 16,
+                                     self.logprobs)
+
+    def prompts(self) -> list[str | dict[str, list[int]]]:
+        """One engine prompt per entry: text, or {"prompt_token_ids": [...]}."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if isinstance(prompt[0], int):
+            return [{"prompt_token_ids": prompt}]
+        return [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompt]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # tool_calls, reasoning_content, ... reach the template
+
+    role: Annotated[str, Field(min_length=1, max_length=64)]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def template_dict(self, index: int) -> dict[str, Any]:
+        """The message for the chat template; text content parts are joined (vLLM's "string" format)."""
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            texts = []
+            for number, part in enumerate(self.content):
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError(f"messages[{index}].content[{number}]: only text parts "
+                                     f"({{'type': 'text', 'text': ...}}) are supported, got type {part.get('type')!r}")
+                texts.append(part["text"])
+            message["content"] = "\n".join(texts)
+        return message
+
+
+class ChatCompletionRequest(OpenAIRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    max_completion_tokens: Annotated[int, Field(strict=True, ge=1, le=MAX_TOKENS)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(strict=True, ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    # vLLM's chat extras.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=MAX_TEMPLATE_KWARGS)] | None = None
+
+    @model_validator(mode="after")
+    def _refuse_unsupported_chat(self):
+        if self.tools:
+            raise ValueError("tools are not supported by jaxserve yet; leave them out")
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise ValueError("response_format other than {'type': 'text'} (structured output) is not supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise ValueError("max_tokens and max_completion_tokens are the same limit; send only one")
+        return self
+
+    def sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
+        # A chat completion without a limit may fill the context (None: the engine resolves it).
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self._sampling_params(defaults, max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+
+
+# ---- responses -------------------------------------------------------------------------------------------------
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = []
+    token_logprobs: list[float | None] = []
+    tokens: list[str] = []
+    top_logprobs: list[dict[str, float] | None] = []
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = []
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatLogprob] | None = None
+
+
+class ChatMessageOut(BaseModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "jaxserve"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
