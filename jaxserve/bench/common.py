@@ -218,9 +218,11 @@ def step_report(runs: list[list[StepStats]]) -> dict[str, Any]:
     }
 
 
-def roofline(cfg: llama.LlamaConfig, batch: float, mean_context: float,
+def roofline(cfg: llama.LlamaConfig, batch: float, mean_context: float, num_devices: int = 1,
              bandwidth: float = HBM_BYTES_PER_S) -> dict[str, float]:
-    """Decode tokens/s if a step only had to read the weights and the batch's KV once (module docstring)."""
+    """Decode tokens/s if a step only had to read the weights and the batch's KV once (module docstring).
+    Under tensor parallelism each of the `num_devices` devices reads its share at its own bandwidth."""
+    bandwidth = bandwidth * num_devices
     weight_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(llama.abstract(cfg)))
     kv_bytes_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * np.dtype(cfg.jnp_dtype).itemsize
     step_bytes = weight_bytes + batch * mean_context * kv_bytes_per_token

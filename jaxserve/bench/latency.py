@@ -53,7 +53,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     latencies = [r.elapsed_s for r in runs]
     decode_rates = [rate for rate in (decode_tokens_per_s(r.outputs) for r in runs) if rate is not None]
     decode_rate = float(np.mean(decode_rates)) if decode_rates else None
-    roofline = common.roofline(engine.model.config, args.batch_size, args.input_len + args.output_len / 2)
+    roofline = common.roofline(engine.model.config, args.batch_size, args.input_len + args.output_len / 2,
+                               engine.config.parallel.model)
+    steps = common.step_report([r.steps for r in runs])
+    # The roofline share compares a decode step's rate: the steady pure-decode rate when the run had
+    # such steps (prefill steps of other requests otherwise stretch the decode window).
+    rate = steps["steady_decode"]["tokens_per_s"] or decode_rate
     return {
         "mode": "latency",
         "args": common.args_dict(args),
@@ -61,10 +66,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "latencies_s": latencies,
         "decode_tokens_per_s": decode_rate,
         **common.request_report([out for r in runs for out in r.outputs]),
-        "steps": common.step_report([r.steps for r in runs]),
+        "steps": steps,
         "engine": common.engine_report(engine, init_s),
         "roofline": roofline,
-        "roofline_share": decode_rate / roofline["tokens_per_s"] if decode_rate is not None else None,
+        "roofline_share": rate / roofline["tokens_per_s"] if rate is not None else None,
     }
 
 
