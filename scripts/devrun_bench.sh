@@ -39,4 +39,25 @@ throughput)
     --output-json $OUT/throughput.json > $OUT/throughput.log 2>&1
   tail -40 $OUT/throughput.log
   ;;
+final)
+  # Everything of issue 5 and 6 in one call on nvidia-h200-x2 (T=1 runs use one of its GPUs).
+  CFG1="--config configs/llama3-8b-dummy.yaml --disable-tqdm --precompile false"
+  $BENCH throughput $CFG1 --num-prompts 1000 --input-len 1024 --output-len 256 \
+    --output-json $OUT/throughput.json > $OUT/throughput.log 2>&1; tail -14 $OUT/throughput.log
+  python3 benchmarks/tight_loop_decode.py --config-json configs/models/llama3-8b/config.json \
+    --batch-sizes 1,64 --context 128,2048 --steps 64 --cache-layout blkh,bklh \
+    --output-json $OUT/peer.json 2>&1 | grep -v Warning | tee $OUT/peer.log | tail -6
+  for overlap in true false; do
+    $BENCH latency $CFG1 --batch-size 1 --input-len 128 --output-len 256 --num-iters-warmup 1 --num-iters 3 \
+      --async-scheduling $overlap --output-json $OUT/b1_$overlap.json > $OUT/b1_$overlap.log 2>&1
+    tail -11 $OUT/b1_$overlap.log
+    $BENCH latency $CFG1 --batch-size 64 --input-len 2048 --output-len 128 --num-iters-warmup 1 --num-iters 2 \
+      --async-scheduling $overlap --output-json $OUT/b64_$overlap.json > $OUT/b64_$overlap.log 2>&1
+    tail -11 $OUT/b64_$overlap.log
+  done
+  $BENCH latency --config configs/llama3-8b-dummy-tp2.yaml --disable-tqdm --precompile false --batch-size 1 \
+    --input-len 128 --output-len 256 --num-iters-warmup 1 --num-iters 3 --output-json $OUT/tp2_b1.json \
+    > $OUT/tp2_b1.log 2>&1; tail -11 $OUT/tp2_b1.log
+  python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_flash_attention.py 2>&1 | tail -4
+  ;;
 esac
