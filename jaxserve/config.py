@@ -137,7 +137,7 @@ class ServerConfig:
     max_queued_requests: int = 1024  # accepted but not yet started; more answer 429
     max_body_bytes: int = 1 << 20  # larger request bodies answer 413
     max_header_bytes: int = 16 << 10  # larger request heads answer 431
-    tenant_header: str | None = "x-tenant-id"  # fair-share tenant; else the API key; null: API key only
+    tenant_header: str | None = "x-tenant-id"  # fair-share tenant when no api_key is set; with keys: the key
     drain_timeout_s: float = 30.0  # SIGTERM: wait this long for in-flight requests, then abort them
     retry_after_s: int = 1  # Retry-After of 429 and 503 answers
     trust_request_chat_template: bool = False  # accept `chat_template` in requests

@@ -345,9 +345,18 @@ def test_auth_accepts_the_key_and_leaves_health_and_metrics_open(live):
     assert status == 200 and json.loads(body)["data"][0]["id"] == MODEL
 
 
-def test_bad_tenant_header(http):
-    response = http.post("/v1/completions", json=GOOD, headers={"x-tenant-id": "a b"})
-    assert response.status_code == 400 and response.json()["error"]["param"] == "x-tenant-id"
+def test_tenant_is_the_api_key_whatever_the_header(live, http, monkeypatch):
+    """With API keys the tenant header is ignored: a client can neither mint a tenant per request nor claim
+    another key's, so `scheduler.policy: fair` shares by key. (test_server_load.py: the header without keys.)"""
+    from jaxserve.server.middleware import tenant_of_key
+
+    tenants = []
+    enqueue = live.engine.enqueue
+    monkeypatch.setattr(live.engine, "enqueue", lambda prepared: tenants.append(prepared.tenant) or enqueue(prepared))
+    for header in ("tenant-1", "tenant-2", tenant_of_key(b"another-key"), "a b"):  # "a b": malformed, not even read
+        response = http.post("/v1/completions", json=GOOD, headers={"x-tenant-id": header})
+        assert response.status_code == 200, response.text
+    assert tenants == [tenant_of_key(KEY.encode())] * 4
 
 
 # ---- packaging and CLI ------------------------------------------------------------------------------------------

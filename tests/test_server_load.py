@@ -1,8 +1,8 @@
 """The server under load, on loopback, serving the embedded model: 200 concurrent streaming clients with no
 lost or duplicated token (against the same engine run offline) and no leaked KV block; a client that goes
-away mid-stream frees its blocks; a full queue answers 429; per-tenant fairness (a tenant sending 10x
-another's rate leaves the other's median latency within 2x of its latency alone); SIGTERM drains in-flight
-requests, then exits 0.
+away mid-stream frees its blocks; a full queue answers 429; per-sequence inter-token latency; per-tenant
+fairness (a tenant sending 10x another's rate leaves the other's median latency within 2x of its latency
+alone); SIGTERM drains in-flight requests, then exits 0, aborting what outlasts drain_timeout_s.
 
 Servers here use one token bucket of 256 and one request bucket of 64, so every step costs about the same
 whatever the batch (~10-20 ms on the CPU): a request lasts long enough to be caught mid-stream.
@@ -11,6 +11,7 @@ whatever the batch (~10-20 ms on the CPU): a request lasts long enough to be cau
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -20,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -161,6 +163,41 @@ def test_client_disconnect_aborts_and_frees_blocks(load_server, stream):
     assert metric(metrics, "num_requests_running") == 0 and metric(metrics, "kv_cache_usage_perc") == 0
 
 
+# ---- metrics and tenants ----------------------------------------------------------------------------------------
+def test_inter_token_latency_is_per_sequence(load_server):
+    """n sequences step together: each one's inter-token latency is a step, not a step divided by n."""
+    n, max_tokens = 4, 16
+    names = ("inter_token_latency_seconds_count", "inter_token_latency_seconds_sum",
+             "time_to_first_token_seconds_sum", "e2e_request_latency_seconds_sum")
+
+    def histograms() -> dict[str, float]:
+        text = httpx.get(load_server.url + "/metrics").text
+        return {name: metric(text, name) for name in names}
+
+    before = histograms()
+    body = {"prompt": "12+34=", "n": n, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 1.0, "seed": 0}
+    response = httpx.post(load_server.url + "/v1/completions", json=body, timeout=30)
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == n * max_tokens
+    itl_count, itl_sum, ttft, e2e = (after - before[name] for name, after in histograms().items())
+    assert itl_count == n * (max_tokens - 1)  # one gap between successive tokens of each sequence
+    step = (e2e - ttft) / (max_tokens - 1)  # first token to last, over the gaps of one sequence
+    assert itl_sum / itl_count == pytest.approx(step, rel=0.25)
+
+
+def test_tenant_header_without_api_key(load_server, monkeypatch):
+    """No API key configured: the tenant header names the tenant (checked), and no header means no tenant."""
+    tenants = []
+    enqueue = load_server.engine.enqueue
+    monkeypatch.setattr(load_server.engine, "enqueue",
+                        lambda prepared: tenants.append(prepared.tenant) or enqueue(prepared))
+    body = {"prompt": "12+34=", "max_tokens": 4}
+    for headers in ({"x-tenant-id": "team-a@example.com"}, {}):
+        assert httpx.post(load_server.url + "/v1/completions", json=body, headers=headers).status_code == 200
+    assert tenants == ["team-a@example.com", None]
+    bad = httpx.post(load_server.url + "/v1/completions", json=body, headers={"x-tenant-id": "a b"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-tenant-id"
+
+
 # ---- admission control ------------------------------------------------------------------------------------------
 def test_full_queue_answers_429():
     server = LiveServer(server_config(max_queued_requests=2, max_num_seqs=1, retry_after_s=3, **FLAT_STEPS))
@@ -205,33 +242,43 @@ def test_engine_failure_fails_open_requests_and_health():
         server.stop()
 
 
-# ---- a server process: fairness, then SIGTERM ---------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def server_process():
+# ---- server processes: fairness, then SIGTERM ---------------------------------------------------------------------
+@contextlib.contextmanager
+def serve_process(*flags: str) -> Iterator[subprocess.Popen]:
+    """`jaxserve serve FLAGS` on a free loopback port, once /health answers (its URL in `.url`); killed at
+    the end if still running."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(port), "--policy", "fair",
-               "--max-num-seqs", "4", "--max-num-batched-tokens", "256", "--token-buckets", "[256]",
-               "--request-buckets", "[64]", "--max-queued-requests", "100000", "--access-log", "false",
-               "--log-level", "warning"]
+    command = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(port), "--access-log", "false",
+               "--log-level", "warning", *flags]
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        assert process.poll() is None, process.stderr.read().decode()[-3000:]
-        assert time.monotonic() < deadline, "the server process did not start"
-        try:
-            if httpx.get(url + "/health").status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.2)
-    process.url = url
-    yield process
-    if process.poll() is None:
-        process.kill()
-    process.wait()
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, process.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "the server process did not start"
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        process.url = url
+        yield process
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+
+
+@pytest.fixture(scope="module")
+def server_process():
+    with serve_process("--policy", "fair", "--max-num-seqs", "4", "--max-num-batched-tokens", "256",
+                       "--token-buckets", "[256]", "--request-buckets", "[64]",
+                       "--max-queued-requests", "100000") as process:
+        yield process
 
 
 def run_schedule(url: str, rate_b: float, seconds: float, with_a: bool) -> list[float]:
@@ -301,3 +348,33 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(server_process):
     assert all(r.json()["choices"][0]["finish_reason"] == "length" and r.json()["usage"]["completion_tokens"] == 20
                for r in responses)
     assert server_process.wait(timeout=30) == 0
+
+
+def test_sigterm_aborts_what_outlasts_the_drain_timeout_then_exits_0():
+    """Streams still running when drain_timeout_s ends are aborted (finish_reason "abort", then [DONE]) and the
+    process exits 0 right after, however much work they had left."""
+    drain_timeout_s = 0.5
+    # One sequence at a time: 32 streams of 25 tokens are 800 steps, far more than the drain timeout allows.
+    with serve_process("--max-num-seqs", "1", "--max-num-batched-tokens", "16", "--token-buckets", "[16]",
+                       "--request-buckets", "[4]", "--drain-timeout-s", str(drain_timeout_s)) as process:
+        params = SamplingParams(temperature=0.0, max_tokens=25, ignore_eos=True)
+
+        async def scenario():
+            limits = httpx.Limits(max_connections=100)
+            async with httpx.AsyncClient(base_url=process.url, timeout=60, limits=limits) as client:
+                streams = [asyncio.create_task(stream_one(client, 2 * i, "12+34=", params))  # even: completions
+                           for i in range(32)]
+                while metric((await client.get("/metrics")).text, "num_requests_waiting") < 16:
+                    await asyncio.sleep(0.01)
+                process.send_signal(signal.SIGTERM)
+                signalled = time.monotonic()
+                return await asyncio.gather(*streams), signalled
+
+        results, signalled = asyncio.run(asyncio.wait_for(scenario(), timeout=60))
+        assert process.wait(timeout=drain_timeout_s + 10) == 0
+        exited = time.monotonic() - signalled
+    finishes = [result["finish"] for result in results]
+    assert set(finishes) <= {"length", "abort"} and finishes.count("abort") >= 8, finishes  # ended, with [DONE]
+    assert all(len(r["tokens"]) == r["usage"]["completion_tokens"] for r in results)  # nothing lost on the way
+    assert all(len(r["tokens"]) == 25 for r in results if r["finish"] == "length")
+    assert exited < drain_timeout_s + 5, f"exited {exited:.1f} s after SIGTERM"

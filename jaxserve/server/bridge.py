@@ -4,6 +4,7 @@
     ----------                                    -------------
     submit(prepared...) -> RequestGroup  --inbox (+ notify)-->  enqueue / abort
     group.abort()                         --inbox (+ notify)-->  abort_request
+    abort_all() (drain timeout)           --inbox (+ notify)-->  abort_request(every tracked request)
                                                                  step() -> RequestOutputs
     RequestGroup queue  <--call_soon_threadsafe (one call per step)--  dispatch
     async for updates in group: {index: latest RequestOutput}
@@ -46,8 +47,8 @@ class _Tracked:
 
     group: RequestGroup
     index: int
-    num_tokens: int = 0  # generated tokens seen so far, over all n sequences
-    last_token_time: float = 0.0
+    # sequence index -> (generated tokens seen so far, when the latest of them reached the host)
+    seen: dict[int, tuple[int, float]] = dataclasses.field(default_factory=dict)
 
 
 class RequestGroup:
@@ -150,6 +151,13 @@ class EngineBridge:
             self._inbox.append(("abort", request_ids))
             self._cond.notify()
 
+    def abort_all(self) -> None:
+        """Abort every request in flight (the drain timed out): each ends with finish_reason "abort" and
+        frees its KV blocks."""
+        with self._cond:
+            self._inbox.append(("abort_all", None))
+            self._cond.notify()
+
     def start_drain(self) -> None:
         self.draining = True
 
@@ -196,8 +204,10 @@ class EngineBridge:
                 kind, payload = self._commands.popleft()
                 if kind == "add":
                     self._add(*payload)
-                else:
+                elif kind == "abort":
                     engine.abort_request(payload)
+                else:  # "abort_all"
+                    engine.abort_request(list(self._tracked))
             if stopping:
                 engine.abort_request(list(self._tracked))
             outputs = engine.step()
@@ -245,11 +255,19 @@ class EngineBridge:
             tracked = self._tracked.get(output.request_id)
             if tracked is None:
                 continue
-            num_tokens = sum(len(c.token_ids) for c in output.outputs)
-            previous_token_time = tracked.last_token_time if tracked.num_tokens else None
-            self.metrics.record_tokens(output, num_tokens - tracked.num_tokens, previous_token_time, now)
-            if num_tokens > tracked.num_tokens:
-                tracked.num_tokens, tracked.last_token_time = num_tokens, now
+            is_first = not tracked.seen
+            num_new = 0
+            gaps = []  # (new tokens, seconds since the previous token) of each sequence that had tokens before
+            for c in output.outputs:
+                num_seen, previous_token_time = tracked.seen.get(c.index, (0, None))
+                new = len(c.token_ids) - num_seen
+                if new <= 0:
+                    continue
+                num_new += new
+                if previous_token_time is not None:
+                    gaps.append((new, now - previous_token_time))
+                tracked.seen[c.index] = (len(c.token_ids), now)
+            self.metrics.record_tokens(output, num_new, is_first, gaps)
             if output.finished:
                 del self._tracked[output.request_id]
                 self.metrics.record_finished(output)

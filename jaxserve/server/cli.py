@@ -5,7 +5,8 @@
     --> Engine (compiles its buckets) --> build_app --> DrainingServer (uvicorn, h11) --> 0 on a clean exit
 
 SIGTERM drains: new requests answer 503, in-flight ones finish (at most server.drain_timeout_s, then they
-are aborted), then the process exits 0. A second SIGTERM, or SIGINT, stops at once.
+are aborted: streams end with finish_reason "abort"), then the process exits 0. A second SIGTERM, or
+SIGINT, stops at once. Either way open connections get at most _SHUTDOWN_GRACE_S to close.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent.parent / "configs" / "tiny.yaml"
 _HEAD_SLACK = 8 << 10  # h11's hard limit on a request head: the request line on top of max_header_bytes
+# Past the drain: how long aborted requests get to deliver their last output, and open connections to
+# close (uvicorn's timeout_graceful_shutdown; then their tasks are cancelled).
+_SHUTDOWN_GRACE_S = 3
 
 
 class DrainingServer(uvicorn.Server):
@@ -58,6 +62,8 @@ class DrainingServer(uvicorn.Server):
                     self.drain_timeout_s)
         if not await self.bridge.wait_idle(self.drain_timeout_s):
             logger.warning("drain timeout: aborting %d requests", self.bridge.num_in_flight)
+            self.bridge.abort_all()
+            await self.bridge.wait_idle(_SHUTDOWN_GRACE_S)
         self.should_exit = True
 
 
@@ -67,7 +73,8 @@ def build_server(config: EngineConfig, engine, log_level: str = "info") -> Drain
     server = config.server
     uv_config = uvicorn.Config(app, host=server.host, port=server.port, http="h11", lifespan="on",
                                log_level=log_level, access_log=server.access_log,
-                               h11_max_incomplete_event_size=server.max_header_bytes + _HEAD_SLACK)
+                               h11_max_incomplete_event_size=server.max_header_bytes + _HEAD_SLACK,
+                               timeout_graceful_shutdown=_SHUTDOWN_GRACE_S)
     return DrainingServer(uv_config, app.state.bridge, server.drain_timeout_s)
 
 
@@ -127,6 +134,9 @@ def main(argv: list[str]) -> int:
     engine = Engine(config, progress=True)
     if config.scheduler.policy == "fcfs" and config.server.tenant_header:
         logger.info("scheduler.policy is fcfs: tenants are recorded but not scheduled fairly (set policy: fair)")
+    if config.server.api_key and config.server.tenant_header:
+        logger.info("server.api_key is set: the tenant is the API key; the %s header is ignored",
+                    config.server.tenant_header)
     logger.info("serving %s on http://%s:%d", served_model_name(config), config.server.host, config.server.port)
     build_server(config, engine, log_level).run()
     return 0

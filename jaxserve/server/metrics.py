@@ -74,19 +74,20 @@ class ServerMetrics:
     def record_arrival(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)
 
-    def record_tokens(self, output: RequestOutput, num_new: int, previous_token_time: float | None,
-                      now: float) -> None:
-        """`num_new` tokens of `output` reached the host at `now`; the one before them at `previous_token_time`
-        (None: these are its first)."""
+    def record_tokens(self, output: RequestOutput, num_new: int, is_first: bool,
+                      gaps: list[tuple[int, float]]) -> None:
+        """`num_new` tokens of `output` (over its n sequences) reached the host; `is_first`: the request's
+        first ones. `gaps` holds, per sequence that had tokens before, (its new tokens, seconds since its
+        previous token): inter-token latency is per sequence, so n sequences stepping together do not
+        divide it by n."""
         if num_new <= 0:
             return
         self.generation_tokens.inc(num_new)
-        if previous_token_time is None:
+        if is_first:
             self.ttft.observe(output.metrics.first_token_time - output.metrics.arrival_time)
-        else:
-            gap = (now - previous_token_time) / num_new
-            for _ in range(num_new):
-                self.itl.observe(gap)
+        for count, seconds in gaps:
+            for _ in range(count):
+                self.itl.observe(seconds / count)
 
     def record_finished(self, output: RequestOutput) -> None:
         metrics = output.metrics

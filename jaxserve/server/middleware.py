@@ -3,8 +3,9 @@
     request head --> more than max_header_bytes or MAX_HEADER_COUNT headers: 431
                  --> API key (when configured): only GET/HEAD of the exact raw paths /health and /metrics
                      are public; anything else needs `Authorization: Bearer <key>` (hmac.compare_digest): 401
-                 --> tenant: the tenant header when configured and sent, else "key-<sha256 prefix>" of the
-                     API key, else None                                      -> scope["jaxserve.tenant"]
+                 --> tenant: with API keys, "key-<sha256 prefix>" of the request's key (the tenant header is
+                     ignored); without, the tenant header when configured and sent (400 unless well
+                     formed); else None                                      -> scope["jaxserve.tenant"]
                  --> body: read (chunked included) and counted; past max_body_bytes: 413 (at once when
                      Content-Length is far past it); else replayed to the app
 
@@ -12,6 +13,9 @@ NOTE: authentication looks at the raw request target (scope["raw_path"]) and lis
 not the protected ones, so `//v1/...`, `%2F`-encoded or absolute-form paths cannot reach a resource
 without a key (vLLM GHSA-94f4-hr76-p5j6: a path rebuilt by the framework bypassed the key check).
 uvicorn's own h11 limit (set slightly above max_header_bytes by the CLI) bounds what is buffered at all.
+
+NOTE: with API keys the tenant comes from the key alone: a header a client may set freely would let it
+mint a fresh tenant per request (or claim another key's "key-..." tenant) and defeat fair scheduling.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ _TENANT = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
 
 
 def tenant_of_key(key: bytes) -> str:
+    """The fair-share tenant of an API key: a prefix of its SHA-256, so the key itself never shows."""
     return "key-" + hashlib.sha256(key).hexdigest()[:12]
 
 
@@ -39,7 +44,8 @@ class Guard:
         self.config = config
         keys = config.api_key if isinstance(config.api_key, tuple) else (config.api_key,) if config.api_key else ()
         self.keys = [key.encode() for key in keys]
-        self.tenant_header = config.tenant_header.encode() if config.tenant_header else None
+        # The tenant header counts only when no key is configured (the key is the tenant otherwise).
+        self.tenant_header = config.tenant_header.encode() if config.tenant_header and not self.keys else None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -58,20 +64,19 @@ class Guard:
                 tenant = value
             elif name == b"content-length":
                 content_length = value
-        key = _bearer(authorization)
         if self.keys and not self._is_public(scope):
+            key = _bearer(authorization)
             if key is None or not self._key_matches(key):
                 await _reply(send, 401, "missing or invalid API key; send the header 'Authorization: Bearer <key>'",
                              extra_headers=[(b"www-authenticate", b"Bearer")])
                 return
-        if tenant is not None:
+            tenant = tenant_of_key(key)
+        elif tenant is not None:
             tenant = tenant.decode("latin-1")
             if not _TENANT.match(tenant):
                 await _reply(send, 400, f"the {self.config.tenant_header} header must be 1 to 128 characters of "
                                         f"A-Z a-z 0-9 . _ : @ -", param=self.config.tenant_header)
                 return
-        elif key is not None and self.keys:
-            tenant = tenant_of_key(key)
         scope["jaxserve.tenant"] = tenant
         await self._with_body(scope, receive, send, content_length)
 
