@@ -11,16 +11,24 @@
 Every process runs the same program; only process 0 schedules. The channel is TCP from process 0
 (listening on the coordinator's host, on a free port) to each other process; the port and a random
 32-byte token reach the others through one broadcast_one_to_all over the devices, and a follower
-must show the token when it connects. Messages are length-prefixed JSON: `encode` writes any
-dataclass field by field (numpy arrays as lists with their dtype), and `decode` rebuilds only the
-dataclasses and enums named in SchedulerOutput's type hints. No pickle. The coordination service of
-jax.distributed is itself unauthenticated: keep the hosts on a private network.
+must show the token when it connects. Process 0 reads every connection's hello side by side, and
+drops one that is not a follower of this run (a wrong token, a malformed or oversized hello, or none
+within HELLO_TIMEOUT_S) without holding up the others. Messages are length-prefixed JSON, each frame
+capped (MAX_FRAME_BYTES): `encode` writes any dataclass field by field (numpy arrays as lists with
+their dtype), and `decode` rebuilds only the dataclasses and enums named in SchedulerOutput's type
+hints. No pickle. The coordination service of jax.distributed is itself unauthenticated: keep the
+hosts on a private network.
+
+Each side keeps the handles of dispatched steps until they are collected (two at most, with overlap
+scheduling). A follower whose runner call fails reports the error to process 0 and closes its
+channel; process 0 raises it at its next runner call. Limit: if process 0 is already waiting on a
+step's collectives that the failed follower never joined, it waits until jax.distributed's heartbeat
+timeout (100 s by default) ends the processes.
 """
 
 from __future__ import annotations
 
 import atexit
-import collections
 import dataclasses
 import enum
 import hmac
@@ -28,6 +36,8 @@ import itertools
 import json
 import logging
 import secrets
+import select
+import selectors
 import socket
 import struct
 import time
@@ -47,9 +57,13 @@ logger = logging.getLogger(__name__)
 # Runner methods that run device code: every process must make the same calls in the same order.
 BROADCAST_METHODS = ("execute", "dispatch", "collect", "precompile")
 HANDLE_METHODS = ("dispatch",)  # their result is passed back later (to collect)
-KEPT_HANDLES = 64  # a follower forgets handles older than this many dispatches
+RELEASE_METHODS = ("collect",)  # the handles passed to them are not passed again
 CONNECT_TIMEOUT_S = 300.0
 TOKEN_BYTES = 32
+HELLO_MAX_BYTES = 4096  # a follower's hello: its process id and the token
+HELLO_TIMEOUT_S = 5.0  # a connection that has not sent its whole hello by then is dropped
+MAX_FRAME_BYTES = 256 << 20  # one runner call from process 0
+REPORT_MAX_BYTES = 64 << 10  # a follower's failure report
 
 
 def engine_devices(parallel: ParallelConfig, mesh: Mesh | None = None) -> TensorParallel | None:
@@ -76,8 +90,10 @@ def connect(runner, parallel: ParallelConfig):
     if parallel.process_id == 0:
         atexit.register(channel.close)
         return BroadcastingRunner(runner, channel)
-    follow(runner, channel)
-    channel.close()
+    try:
+        follow(runner, channel)
+    finally:
+        channel.close()
     raise SystemExit(0)
 
 
@@ -174,13 +190,56 @@ def _recv_exact(sock: socket.socket, size: int) -> bytes | None:
     return b"".join(chunks)
 
 
-def _recv_frame(sock: socket.socket) -> bytes | None:
+def _recv_frame(sock: socket.socket, max_bytes: int) -> bytes | None:
+    """The next frame; None once the peer closed. ValueError for a frame over `max_bytes`."""
     header = _recv_exact(sock, 8)
-    return None if header is None else _recv_exact(sock, struct.unpack(">Q", header)[0])
+    if header is None:
+        return None
+    size = struct.unpack(">Q", header)[0]
+    if size > max_bytes:
+        raise ValueError(f"the peer announced a message of {size} bytes, over the limit of {max_bytes}: it is not "
+                         "a jaxserve process of this run, or the channel is corrupt; restart every process")
+    return _recv_exact(sock, size)
+
+
+def _hello_process_id(frame: bytes, token: bytes, num_processes: int) -> int:
+    """The follower a hello comes from; ValueError unless it shows the token and a follower's process id."""
+    message = json.loads(frame)
+    process_id = message["process_id"]
+    if type(process_id) is not int or not 0 < process_id < num_processes:
+        raise ValueError(f"process_id {process_id!r} is not a follower of {num_processes} processes")
+    if not hmac.compare_digest(bytes.fromhex(message["token"]), token):
+        raise ValueError("wrong token")
+    return process_id
+
+
+class _Hello:
+    """A connection to process 0 whose hello frame is still arriving (read without blocking)."""
+
+    def __init__(self, sock: socket.socket, address):
+        sock.setblocking(False)
+        self.sock, self.address = sock, address
+        self.expiry = time.monotonic() + HELLO_TIMEOUT_S
+        self.data = bytearray()
+        self.size: int | None = None  # of the frame, once its header arrived
+
+    def read(self) -> bytes | None:
+        """Takes what has arrived; the hello once whole, else None. ValueError for a closed connection or
+        an oversized hello."""
+        chunk = self.sock.recv((8 if self.size is None else 8 + self.size) - len(self.data))
+        if not chunk:
+            raise ValueError("closed before its hello")
+        self.data += chunk
+        if self.size is None and len(self.data) == 8:
+            self.size = struct.unpack(">Q", self.data)[0]
+            if self.size > HELLO_MAX_BYTES:
+                raise ValueError(f"a hello of {self.size} bytes (at most {HELLO_MAX_BYTES})")
+        return bytes(self.data[8:]) if self.size is not None and len(self.data) == 8 + self.size else None
 
 
 class Channel:
-    """Process 0 -> every other process: JSON messages over TCP. Process 0 sends; the others receive."""
+    """Process 0 -> every other process: JSON messages over TCP. Process 0 sends; the others receive (and
+    send back one report if they fail)."""
 
     def __init__(self, sockets: list[socket.socket], process_id: int):
         self.sockets = sockets
@@ -204,32 +263,59 @@ class Channel:
 
     @staticmethod
     def _accept(server: socket.socket, token: bytes, num_processes: int, timeout_s: float) -> list[socket.socket]:
+        """The followers' connections, in process order. Hellos are read side by side, so a connection that
+        sends nothing, garbage or too much is dropped without holding up the others."""
         followers: dict[int, socket.socket] = {}
+        hellos: dict[socket.socket, _Hello] = {}
         deadline = time.monotonic() + timeout_s
-        with server:
-            while len(followers) < num_processes - 1:
-                server.settimeout(max(deadline - time.monotonic(), 0.001))
-                try:
-                    sock, address = server.accept()
-                except TimeoutError:
-                    raise TimeoutError(f"only {len(followers)} of {num_processes - 1} processes connected to "
-                                       f"process 0 within {timeout_s:.0f} s; start every process with the same "
-                                       "config") from None
-                sock.settimeout(timeout_s)
-                hello = _recv_frame(sock)
-                try:
-                    message = json.loads(hello or b"null")
-                    process_id = int(message["process_id"])
-                    valid = hmac.compare_digest(bytes.fromhex(message["token"]), token)
-                except (ValueError, KeyError, TypeError):
-                    valid = False
-                if not valid or not 0 < process_id < num_processes or process_id in followers:
-                    logger.warning("refused a connection from %s: not a process of this run", address)
-                    sock.close()
-                    continue
-                sock.settimeout(None)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                followers[process_id] = sock
+        with server, selectors.DefaultSelector() as selector:
+
+            def drop(hello: _Hello, reason: str) -> None:
+                logger.warning("refused a connection from %s: not a process of this run (%s)", hello.address, reason)
+                selector.unregister(hello.sock)
+                del hellos[hello.sock]
+                hello.sock.close()
+
+            server.setblocking(False)
+            selector.register(server, selectors.EVENT_READ)
+            try:
+                while len(followers) < num_processes - 1:
+                    now = time.monotonic()
+                    if now >= deadline:
+                        raise TimeoutError(f"only {len(followers)} of {num_processes - 1} processes connected to "
+                                           f"process 0 within {timeout_s:.0f} s; start every process with the "
+                                           "same config")
+                    for hello in [h for h in hellos.values() if h.expiry <= now]:
+                        drop(hello, f"no hello within {HELLO_TIMEOUT_S:g} s")
+                    wake = min([deadline, *(hello.expiry for hello in hellos.values())])
+                    for key, _ in selector.select(max(wake - now, 0.001)):
+                        if key.fileobj is server:
+                            try:
+                                hello = _Hello(*server.accept())
+                            except (BlockingIOError, ConnectionAbortedError):
+                                continue
+                            hellos[hello.sock] = hello
+                            selector.register(hello.sock, selectors.EVENT_READ)
+                            continue
+                        hello = hellos[key.fileobj]
+                        try:
+                            frame = hello.read()
+                            if frame is None:
+                                continue
+                            process_id = _hello_process_id(frame, token, num_processes)
+                            if process_id in followers:
+                                raise ValueError(f"process {process_id} is already connected")
+                        except Exception as err:  # whatever a peer sends, it must not stop the others joining
+                            drop(hello, f"{type(err).__name__}: {err}")
+                            continue
+                        selector.unregister(hello.sock)
+                        del hellos[hello.sock]
+                        hello.sock.setblocking(True)
+                        hello.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                        followers[process_id] = hello.sock
+            finally:
+                for hello in hellos.values():
+                    hello.sock.close()
         return [followers[i] for i in sorted(followers)]
 
     @staticmethod
@@ -250,7 +336,13 @@ class Channel:
         return sock
 
     def send(self, message: dict[str, Any]) -> None:
+        """Process 0: `message` to every follower; RuntimeError if one failed or is gone."""
+        self._check_followers()
         payload = json.dumps(message, separators=(",", ":")).encode()
+        if len(payload) > MAX_FRAME_BYTES:
+            raise ValueError(f"runner.{message['method']} makes a message of {len(payload) >> 20} MiB for the other "
+                             f"processes, over the limit of {MAX_FRAME_BYTES >> 20} MiB; schedule fewer new requests "
+                             "per step (lower scheduler.max_num_seqs or scheduler.max_num_batched_tokens)")
         for process_id, sock in enumerate(self.sockets, start=1):
             try:
                 _send_frame(sock, payload)
@@ -258,10 +350,34 @@ class Channel:
                 raise RuntimeError(f"process {process_id} is gone ({err}); the multi-host engine cannot continue "
                                    "without it, restart every process") from None
 
+    def _check_followers(self) -> None:
+        """Raises the failure of a follower that sent its report or closed its connection (a follower sends
+        nothing else, so any readable connection is one)."""
+        poller = select.poll()
+        for sock in self.sockets:
+            poller.register(sock, select.POLLIN)
+        for fd, _ in poller.poll(0):
+            process_id, sock = next((i, sock) for i, sock in enumerate(self.sockets, start=1) if sock.fileno() == fd)
+            sock.settimeout(1.0)
+            try:
+                report = _recv_frame(sock, REPORT_MAX_BYTES)
+                error = json.loads(report)["error"] if report is not None else "it closed its connection"
+            except (OSError, ValueError, KeyError, TypeError) as err:
+                error = f"its connection broke ({err})"
+            raise RuntimeError(f"process {process_id} failed: {error}; the multi-host engine cannot continue "
+                               "without it, restart every process (see that process's log)")
+
     def recv(self) -> dict[str, Any] | None:
-        """The next message from process 0; None once it closed the channel."""
-        payload = _recv_frame(self.sockets[0])
+        """A follower: the next message from process 0; None once it closed the channel."""
+        payload = _recv_frame(self.sockets[0], MAX_FRAME_BYTES)
         return None if payload is None else json.loads(payload)
+
+    def report(self, error: str) -> None:
+        """A follower: tells process 0 that it failed (best effort: process 0 may be gone already)."""
+        try:
+            _send_frame(self.sockets[0], json.dumps({"error": error[:4000]}).encode())  # < REPORT_MAX_BYTES
+        except OSError:
+            logger.warning("process %d could not report its failure to process 0", self.process_id)
 
     def close(self) -> None:
         for sock in self.sockets:
@@ -277,8 +393,9 @@ class BroadcastingRunner:
     def __init__(self, runner, channel: Channel):
         self.runner = runner
         self.channel = channel
-        # id(handle) -> (handle, number); holding the handle keeps its id from being reused meanwhile.
-        self._handles: collections.OrderedDict[int, tuple[Any, int]] = collections.OrderedDict()
+        # id(handle) -> (handle, number) of the dispatched steps not yet collected; holding the handle keeps
+        # its id from being reused meanwhile.
+        self._handles: dict[int, tuple[Any, int]] = {}
         self._numbers = itertools.count()
 
     def __getattr__(self, name: str):
@@ -296,38 +413,49 @@ class BroadcastingRunner:
             result = method(*args, **kwargs)
             if number is not None:
                 self._handles[id(result)] = (result, number)
-                while len(self._handles) > KEPT_HANDLES:
-                    self._handles.popitem(last=False)
+            if name in RELEASE_METHODS:
+                for value in (*args, *kwargs.values()):
+                    self._handles.pop(id(value), None)
             return result
 
         return broadcast
 
     def _ref(self, value):
         entry = self._handles.get(id(value))
-        return {"handle": entry[1]} if entry is not None and entry[0] is value else encode(value)
+        return {"handle": entry[1]} if entry is not None else encode(value)
+
+
+def _is_ref(value) -> bool:
+    return isinstance(value, dict) and set(value) == {"handle"}
 
 
 def follow(runner, channel: Channel) -> int:
-    """A follower's loop: make process 0's runner calls on `runner` until it closes; returns the count."""
+    """A follower's loop: make process 0's runner calls on `runner` until it closes; returns the count. If a
+    call fails, the error goes to process 0 (which raises it at its next call) and is raised here."""
     types = codec_types(SchedulerOutput)
-    handles: collections.OrderedDict[int, Any] = collections.OrderedDict()
+    handles: dict[int, Any] = {}  # number -> handle of the dispatched steps not yet collected
 
     def resolve(value):
-        if isinstance(value, dict) and set(value) == {"handle"}:
-            return handles[value["handle"]]
-        return decode(value, types)
+        return handles[value["handle"]] if _is_ref(value) else decode(value, types)
 
     calls = 0
-    while (message := channel.recv()) is not None:
-        name = message["method"]
-        if name not in BROADCAST_METHODS:
-            raise ValueError(f"process 0 asked for runner.{name}, which is not a step method")
-        result = getattr(runner, name)(*[resolve(a) for a in message["args"]],
-                                       **{key: resolve(value) for key, value in message["kwargs"].items()})
-        if "handle" in message:
-            handles[message["handle"]] = result
-            while len(handles) > KEPT_HANDLES:
-                handles.popitem(last=False)
-        calls += 1
+    try:
+        while (message := channel.recv()) is not None:
+            name = message["method"]
+            if name not in BROADCAST_METHODS:
+                raise ValueError(f"process 0 asked for runner.{name}, which is not a step method")
+            args, kwargs = message["args"], message["kwargs"]
+            result = getattr(runner, name)(*[resolve(a) for a in args],
+                                           **{key: resolve(value) for key, value in kwargs.items()})
+            if "handle" in message:
+                handles[message["handle"]] = result
+            if name in RELEASE_METHODS:
+                for value in (*args, *kwargs.values()):
+                    if _is_ref(value):
+                        del handles[value["handle"]]
+            calls += 1
+    except Exception as err:
+        channel.report(f"{type(err).__name__}: {err} (after {calls} runner calls)")
+        raise
     logger.info("process %d: process 0 closed the channel after %d steps", channel.process_id, calls)
     return calls

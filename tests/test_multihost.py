@@ -1,7 +1,8 @@
 """Multi-host on one machine: 2 processes x 4 fake CPU devices joined by jax.distributed on loopback
 run one engine tensor-parallel over all 8 devices (process 0 schedules and broadcasts each step;
 process 1 follows). Greedy tokens equal one process's (the HF reference, which the single-process
-engine matches in test_engine_parity). Also the step codec, on its own.
+engine matches in test_engine_parity), and the processes agree on the KV cache size. Also the step
+codec, the leader/follower protocol and the channel's handshake, on their own.
 
 Run as a script, this file is one of those processes: `python tests/test_multihost.py ID PORT`.
 """
@@ -12,8 +13,11 @@ import dataclasses
 import json
 import os
 import socket
+import struct
 import subprocess
 import sys
+import threading
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -23,15 +27,16 @@ ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "tests" / "fixtures" / "hf" / "llama3_gqa4_tied"  # 8 q / 2 kv heads: kv heads replicated at T=8
 NUM_PROCESSES, DEVICES_PER_PROCESS = 2, 4
 TIMEOUT_S = 240
+CPU_NUM_BLOCKS = (128, 96)  # by process: as if their devices had different free memory; both must use 96
 
 
 def _engine_config(process_id: int, port: int):
     from jaxserve.config import EngineConfig, ParallelConfig
 
     config = EngineConfig().with_overrides(
-        model=FIXTURE, dtype="float32", skip_tokenizer_init=True, max_model_len=96, block_size=4, num_blocks=96,
-        max_num_batched_tokens=16, max_num_seqs=4, token_buckets=[16], request_buckets=[4], precompile=False,
-        compilation_cache_dir=None)
+        model=FIXTURE, dtype="float32", skip_tokenizer_init=True, max_model_len=96, block_size=4,
+        cpu_num_blocks=CPU_NUM_BLOCKS[process_id], max_num_batched_tokens=16, max_num_seqs=4, token_buckets=[16],
+        request_buckets=[4], precompile=False, compilation_cache_dir=None)
     return dataclasses.replace(config, parallel=ParallelConfig(
         model=NUM_PROCESSES * DEVICES_PER_PROCESS, coordinator_address=f"127.0.0.1:{port}",
         num_processes=NUM_PROCESSES, process_id=process_id))
@@ -45,6 +50,7 @@ def _run_process(process_id: int, port: int) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     print("TOKENS " + json.dumps([o.outputs[0].token_ids for o in outputs]), flush=True)
+    print(f"NUM_BLOCKS {llm.engine.runner.num_blocks}", flush=True)
 
 
 def _free_port() -> int:
@@ -71,6 +77,7 @@ def test_two_processes_match_one():
         assert proc.returncode == 0, f"process {i} failed:\n{log[-4000:]}"
     tokens = json.loads(next(line for line in logs[0].splitlines() if line.startswith("TOKENS "))[7:])
     assert tokens == json.loads((FIXTURE / "reference.json").read_text())["generated"]
+    assert f"NUM_BLOCKS {min(CPU_NUM_BLOCKS)}" in logs[0].splitlines()
     assert "TOKENS" not in logs[1], "the follower must not run the program past Engine()"
 
 
@@ -99,43 +106,161 @@ def test_codec_round_trips_scheduler_output():
     assert back_array.dtype == np.int32 and (back_array == array).all()
 
 
-def test_follower_mirrors_dispatch_collect_and_precompile():
-    import threading
+class Handle:
+    def __init__(self, step: int):
+        self.step = step
 
+
+class Recorder:
+    """A runner that records its calls, and how many of its handles are alive at each precompile."""
+
+    num_blocks = 17
+
+    def __init__(self):
+        self.calls = []
+        self.handles = []  # weak references to the handles it returned
+        self.live_handles = []
+
+    def dispatch(self, out):
+        self.calls.append(("dispatch", out.step))
+        handle = Handle(out.step)  # only its identity travels back
+        self.handles.append(weakref.ref(handle))
+        return handle
+
+    def collect(self, handle):
+        self.calls.append(("collect", handle.step))
+
+    def precompile(self, progress=True):
+        self.calls.append(("precompile", progress))
+        self.live_handles.append(sum(ref() is not None for ref in self.handles))
+
+
+def start_follower(runner):
+    """A follower thread on one end of a socket pair; returns (leader channel, thread, raised errors)."""
     from jaxserve import distributed
 
-    class Recorder:
-        num_blocks = 17
-
-        def __init__(self):
-            self.calls = []
-
-        def dispatch(self, out):
-            self.calls.append(("dispatch", out.step))
-            return {"step": out.step}  # a handle: only its identity travels back
-
-        def collect(self, handle):
-            self.calls.append(("collect", handle["step"]))
-
-        def precompile(self, progress=True):
-            self.calls.append(("precompile", progress))
-
     leader_sock, follower_sock = socket.socketpair()
-    follower_channel = distributed.Channel([follower_sock], 1)
-    follower = Recorder()
-    thread = threading.Thread(target=distributed.follow, args=(follower, follower_channel), daemon=True)
+    errors = []
+
+    def run():
+        try:
+            distributed.follow(runner, distributed.Channel([follower_sock], 1))
+        except Exception as err:
+            errors.append(err)
+        follower_sock.close()
+
+    thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    leader = distributed.BroadcastingRunner(Recorder(), distributed.Channel([leader_sock], 0))
+    return distributed.Channel([leader_sock], 0), thread, errors
+
+
+def test_follower_mirrors_calls_and_releases_collected_handles():
+    from jaxserve import distributed
+
+    follower = Recorder()
+    channel, thread, errors = start_follower(follower)
+    leader = distributed.BroadcastingRunner(Recorder(), channel)
     leader.precompile(progress=False)
     first, second = leader.dispatch(scheduler_output(1)), leader.dispatch(scheduler_output(2))  # overlap: 2 in flight
     leader.collect(first)
+    assert [number for _, number in leader._handles.values()] == [1]  # only the uncollected one is kept
+    leader.precompile(progress=False)
     leader.collect(second)
+    leader.precompile(progress=False)
+    assert leader._handles == {}
     assert leader.num_blocks == 17  # everything else is the real runner's
     leader.channel.close()
     thread.join(10)
-    assert not thread.is_alive() and follower.calls == leader.runner.calls == [
-        ("precompile", False), ("dispatch", 1), ("dispatch", 2), ("collect", 1), ("collect", 2)]
-    follower_channel.close()
+    assert not thread.is_alive() and not errors
+    assert follower.calls == leader.runner.calls == [
+        ("precompile", False), ("dispatch", 1), ("dispatch", 2), ("collect", 1), ("precompile", False),
+        ("collect", 2), ("precompile", False)]
+    assert follower.live_handles == [0, 1, 0]  # the follower drops each handle once collected
+
+
+def test_leader_raises_a_follower_failure():
+    from jaxserve import distributed
+
+    class Failing(Recorder):
+        def collect(self, handle):
+            raise RuntimeError("device lost")
+
+    channel, thread, errors = start_follower(Failing())
+    leader = distributed.BroadcastingRunner(Recorder(), channel)
+    leader.collect(leader.dispatch(scheduler_output(1)))
+    thread.join(10)
+    assert not thread.is_alive() and [str(err) for err in errors] == ["device lost"]
+    with pytest.raises(RuntimeError, match=r"process 1 failed: RuntimeError: device lost \(after 1 runner calls\)"):
+        leader.dispatch(scheduler_output(2))
+
+    leader_sock, follower_sock = socket.socketpair()
+    follower_sock.close()  # gone without a report
+    with pytest.raises(RuntimeError, match="process 1 failed: it closed its connection"):
+        distributed.BroadcastingRunner(Recorder(), distributed.Channel([leader_sock], 0)).precompile()
+    leader_sock.close()
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    sock.settimeout(5)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_accept_drops_bogus_peers_and_takes_the_follower(monkeypatch):
+    from jaxserve import distributed
+
+    monkeypatch.setattr(distributed, "HELLO_TIMEOUT_S", 0.2)
+    token = os.urandom(distributed.TOKEN_BYTES)
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    joined = []
+    leader = threading.Thread(target=lambda: joined.extend(distributed.Channel._accept(server, token, 2, 30)),
+                              daemon=True)
+    leader.start()
+
+    def hello(payload: bytes) -> bytes:
+        return struct.pack(">Q", len(payload)) + payload
+
+    valid = json.dumps({"process_id": 1, "token": token.hex()})
+    frames = {
+        "silent": b"",
+        "partial": hello(b"x" * 100)[:20],
+        "huge length prefix": struct.pack(">Q", 2**63) + b"{}",
+        "garbage": hello(b"\xff\x00 not json"),
+        "deep nesting": hello(b"[" * 4000),
+        "infinite id": hello(valid.replace("1", "Infinity", 1).encode()),
+        "wrong token": hello(json.dumps({"process_id": 1, "token": "00" * distributed.TOKEN_BYTES}).encode()),
+        "leader's id": hello(valid.replace("1", "0", 1).encode()),
+    }
+    peers = {}
+    for name, frame in frames.items():
+        peers[name] = socket.create_connection(("127.0.0.1", port))
+        peers[name].sendall(frame)
+    for name, peer in peers.items():  # each dropped; the silent ones after HELLO_TIMEOUT_S
+        assert _closed_by_peer(peer), name
+        peer.close()
+    assert leader.is_alive()
+    follower = distributed.Channel([distributed.Channel._connect("127.0.0.1", port, token, 1, 10)], 1)
+    leader.join(10)
+    assert not leader.is_alive() and len(joined) == 1
+    channel = distributed.Channel(joined, 0)
+    channel.send({"method": "precompile", "args": [], "kwargs": {}})
+    assert follower.recv() == {"method": "precompile", "args": [], "kwargs": {}}
+    channel.close()
+    follower.close()
+
+
+def test_follower_refuses_an_oversized_frame():
+    from jaxserve import distributed
+
+    leader_sock, follower_sock = socket.socketpair()
+    leader_sock.sendall(struct.pack(">Q", distributed.MAX_FRAME_BYTES + 1))
+    with pytest.raises(ValueError, match="over the limit"):
+        distributed.Channel([follower_sock], 1).recv()
+    leader_sock.close()
+    follower_sock.close()
 
 
 def test_codec_refuses_unknown_types():

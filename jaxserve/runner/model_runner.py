@@ -96,7 +96,8 @@ def kv_block_bytes(cfg: llama.LlamaConfig, block_size: int, dtype_bytes: int, tp
 
 def kv_cache_num_blocks(cfg: llama.LlamaConfig, config: EngineConfig, max_model_len: int, dtype_bytes: int,
                        tp: TensorParallel | None = None) -> int:
-    """Blocks that fit in the free memory of one of the engine's devices (or the configured count)."""
+    """Blocks that fit in the free memory of one of the engine's devices (or the configured count); over
+    several processes, the fewest any process offers, so that every process builds the same cache."""
     cache = config.cache
     per_block = kv_block_bytes(cfg, cache.block_size, dtype_bytes, tp)
     if cache.num_blocks is not None:
@@ -108,6 +109,11 @@ def kv_cache_num_blocks(cfg: llama.LlamaConfig, config: EngineConfig, max_model_
         stats = device.memory_stats() or {}
         free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
         num_blocks = int(free * cache.memory_fraction) // per_block
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        offer = min(num_blocks, np.iinfo(np.int32).max)  # (block ids are int32)
+        num_blocks = int(multihost_utils.process_allgather(np.int32(offer)).min())
     needed = math.ceil(max_model_len / cache.block_size) + 1  # + the null block
     if num_blocks < needed:
         raise ValueError(
