@@ -5,6 +5,7 @@
 #     context 2048, overlap on and off. The first bench process starts cold (empty compilation cache);
 #     later ones start warm from the persistent cache.
 #   throughput: `jaxserve bench throughput`, 1000 prompts of 1024 in / 256 out, overlap on.
+#   startup: cold start (empty compilation cache, every bucket compiled) then warm start, batch 1.
 #   tp (on nvidia-h200-x2): batch-1 latency at T=1, then T=2 (configs/llama3-8b-dummy-tp2.yaml).
 set -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -25,6 +26,14 @@ decode)
     $BENCH latency $CFG --batch-size 64 --input-len 2048 --output-len 128 --num-iters-warmup 1 --num-iters 2 \
       --async-scheduling $overlap --output-json $OUT/latency_b64_$overlap.json > $OUT/latency_b64_$overlap.log 2>&1
     tail -30 $OUT/latency_b64_$overlap.log
+  done
+  ;;
+startup)
+  rm -rf ~/.cache/jaxserve/xla
+  for start in cold warm; do
+    $BENCH latency $CFG --batch-size 1 --input-len 128 --output-len 256 --num-iters-warmup 1 --num-iters 2 \
+      --output-json $OUT/startup_$start.json > $OUT/startup_$start.log 2>&1
+    echo "== $start"; tail -6 $OUT/startup_$start.log
   done
   ;;
 tp)

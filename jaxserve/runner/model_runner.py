@@ -17,6 +17,7 @@ Every jitted shape comes from core/buckets.py and all of them are compiled in `p
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import math
@@ -195,6 +196,8 @@ class ModelRunner:
         # from the device with one compiled shape.
         self.max_rows = self.buckets.request_buckets[-1]
         self._last: StepHandle | None = None  # the last dispatched step
+        # Ahead-of-time executables by ("forward", T, R) / ("sample", R, variant...), from precompile().
+        self._compiled: dict[tuple, jax.stages.Compiled] = {}
 
     # ---- per-row state ----
     def _reset_row(self, row: int, data: NewRequestData) -> None:
@@ -324,20 +327,30 @@ class ModelRunner:
                 self._collect(self._last)  # penalties read the whole history, the pending tokens included
         step = self.prepare(out)
         prev_tokens = self._last.tokens if self._last is not None else self._zeros((self.max_rows,), jnp.int32)
-        logits, self.kv_caches = _forward(self.model.params, self.cfg, step.batch, self.kv_caches, prev_tokens,
-                                          step.prev_index, attention_backend=self.attention_backend, tp=self.tp)
+        logits, self.kv_caches = self._run_forward(step.batch, prev_tokens, step.prev_index)
         if step.sampling is None:  # prefill chunks only: nothing to wait for
             handle = StepHandle(step.request_ids, step.rows, step.generations, prev_tokens, None, logits,
                                 RunnerOutput([], []))
         else:
-            md, all_greedy, use_penalties, num_logprobs = step.sampling
-            result = sampler.sample(logits, md, all_greedy=all_greedy, use_penalties=use_penalties,
-                                    num_logprobs=num_logprobs, out_rows=self.max_rows)
+            md, *variant = step.sampling
+            compiled = self._compiled.get(("sample", logits.shape[0], *variant))
+            result = compiled(logits, md) if compiled is not None else self._sample(logits, md, *variant)
             result.token_ids.copy_to_host_async()
             handle = StepHandle(step.request_ids, step.rows, step.generations, result.token_ids, result.logprobs,
                                 result.token_ids)
         self._last = handle
         return handle
+
+    def _run_forward(self, batch: ModelBatch, prev_tokens, prev_index):
+        compiled = self._compiled.get(("forward", batch.token_ids.shape[0], batch.seq_lens.shape[0]))
+        if compiled is not None:
+            return compiled(self.model.params, batch, self.kv_caches, prev_tokens, prev_index)
+        return _forward(self.model.params, self.cfg, batch, self.kv_caches, prev_tokens, prev_index,
+                        attention_backend=self.attention_backend, tp=self.tp)
+
+    def _sample(self, logits, md, all_greedy: bool, use_penalties: bool, num_logprobs: int):
+        return sampler.sample(logits, md, all_greedy=all_greedy, use_penalties=use_penalties,
+                              num_logprobs=num_logprobs, out_rows=self.max_rows)
 
     def collect(self, handle: StepHandle) -> RunnerOutput:
         """Waits for a dispatched step's sampled tokens; records them in the rows; returns them."""
@@ -371,26 +384,39 @@ class ModelRunner:
 
     # ---- start-up ----
     def precompile(self, progress: bool = True) -> int:
-        """Compile every (T, R) forward bucket and every sampler variant; returns the number compiled."""
+        """Compile every (T, R) forward bucket and every sampler variant; returns the number compiled.
+
+        Each one is lowered and compiled ahead of time in a thread pool (XLA compiles without holding
+        the GIL, so the shapes compile side by side; warm starts read the persistent cache side by
+        side too), and the step then calls these executables directly.
+        """
         plan = self.buckets.precompile_plan()
         variants = [(g, p, lp) for g in (True, False) for p in (False, True) for lp in (0, self.max_logprobs)]
-        total = len(plan) + len(self.buckets.request_buckets) * len(variants)
-        bar = tqdm(total=total, desc="compiling buckets", disable=not progress, leave=False)
-        for t_pad, r_pad in plan:
+        prev_tokens = self._zeros((self.max_rows,), jnp.int32)
+
+        def forward(t_pad: int, r_pad: int):
             batch = ModelBatch(np.zeros(t_pad, np.int32), np.zeros(t_pad, np.int32), np.zeros(t_pad, np.int32),
                                np.zeros(r_pad + 1, np.int32), np.zeros(r_pad, np.int32),
                                np.zeros((r_pad, self.max_blocks), np.int32), np.zeros(r_pad, np.int32))
-            logits, self.kv_caches = _forward(self.model.params, self.cfg, batch, self.kv_caches,
-                                              self._zeros((self.max_rows,), jnp.int32), np.full(t_pad, -1, np.int32),
-                                              attention_backend=self.attention_backend, tp=self.tp)
-            bar.update()
-        for r_pad in self.buckets.request_buckets:
-            for all_greedy, use_penalties, num_logprobs in variants:
-                md = sampler.empty_metadata(r_pad, MAX_BANNED, self.max_model_len if use_penalties else 1)
-                logits = self._zeros((r_pad, self.cfg.vocab_size), jnp.float32)
-                jax.block_until_ready(sampler.sample(logits, md, all_greedy=all_greedy, use_penalties=use_penalties,
-                                                     num_logprobs=num_logprobs, out_rows=self.max_rows))
+            return _forward.lower(self.model.params, self.cfg, batch, self.kv_caches, prev_tokens,
+                                  np.full(t_pad, -1, np.int32), attention_backend=self.attention_backend,
+                                  tp=self.tp).compile()
+
+        def sample(r_pad: int, all_greedy: bool, use_penalties: bool, num_logprobs: int):
+            md = sampler.empty_metadata(r_pad, MAX_BANNED, self.max_model_len if use_penalties else 1)
+            logits = jax.ShapeDtypeStruct((r_pad, self.cfg.vocab_size), jnp.float32,
+                                          sharding=prev_tokens.sharding)
+            return sampler.sample.lower(logits, md, all_greedy=all_greedy, use_penalties=use_penalties,
+                                        num_logprobs=num_logprobs, out_rows=self.max_rows).compile()
+
+        jobs = {("forward", t_pad, r_pad): (forward, (t_pad, r_pad)) for t_pad, r_pad in plan}
+        jobs.update({("sample", r_pad, *variant): (sample, (r_pad, *variant))
+                     for r_pad in self.buckets.request_buckets for variant in variants})
+        bar = tqdm(total=len(jobs), desc="compiling buckets", disable=not progress, leave=False)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+            futures = {pool.submit(fn, *args): key for key, (fn, args) in jobs.items()}
+            for future in concurrent.futures.as_completed(futures):
+                self._compiled[futures[future]] = future.result()
                 bar.update()
-        jax.block_until_ready(self.kv_caches)
         bar.close()
-        return total
+        return len(jobs)
