@@ -256,19 +256,23 @@ class Engine:
         t_collected = time.perf_counter()
         changed: dict[str, _Parent] = {}
         now = time.monotonic()
-        for update in self.scheduler.update_from_output(out, runner_output):
-            parent_id, index = self._child_to_parent[update.request_id]
+        updates = self.scheduler.update_from_output(out, runner_output)
+        finished, logprobs = updates.finished, updates.logprobs
+        for i, (request, token) in enumerate(zip(updates.requests, updates.tokens)):
+            request_id = request.request_id
+            parent_id, index = self._child_to_parent[request_id]
             parent = self._parents[parent_id]
             stream = parent.streams[index]
-            status, stop_reason = update.finish_status, update.stop_reason
+            status, stop_reason = finished.get(request_id, (None, None)) if finished else (None, None)
             by_token = status == RequestStatus.FINISHED_STOPPED
-            stop_str = stream.append(update.new_token_ids, [update.logprobs] if update.logprobs else None, by_token)
+            token_logprobs = logprobs[i] if logprobs is not None else None
+            stop_str = stream.append([token], [token_logprobs] if token_logprobs else None, by_token)
             if stop_str is not None and status is None:
-                self.scheduler.finish_requests(update.request_id, RequestStatus.FINISHED_STOPPED)
+                self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_STOPPED)
                 status, stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
             if status is not None:
                 stream.finish(status.finish_reason, stop_reason)
-                parent.finished.add(update.request_id)
+                parent.finished.add(request_id)
             if parent.metrics.first_token_time is None:
                 parent.metrics.first_token_time = now
             changed[parent_id] = parent

@@ -131,13 +131,31 @@ def test_generated_tokens_extend_the_cache_incrementally():
     manager = make(block_size=4)
     a = FakeRequest("a", [1, 2, 3])
     start(manager, a)
-    for token in [4, 5, 6, 7, 8]:  # decode: one token a step
+    for token in [4, 5, 6, 7, 8, 9]:  # decode: one token a step
         a.all_token_ids.append(token)
         assert manager.allocate_slots(a, 1) is not None
         a.num_computed_tokens += 1
-    assert a.num_computed_tokens == 8 and len(manager.get_block_ids("a")) == 2
+    # The block [5, 6, 7, 8] filled on a shortcut step and was registered by the next step's allocation.
+    assert a.num_computed_tokens == 9 and len(manager.get_block_ids("a")) == 3
     hit_ids, num_hit = manager.get_computed_blocks(FakeRequest("b", [1, 2, 3, 4, 5, 6, 7, 8, 9]))
-    assert hit_ids == manager.get_block_ids("a") and num_hit == 8
+    assert hit_ids == manager.get_block_ids("a")[:2] and num_hit == 8
+
+
+def test_a_block_filled_by_the_last_step_is_registered_on_free():
+    manager = make(block_size=4)
+    a = FakeRequest("a", [1, 2, 3])
+    start(manager, a)
+    for token in [4, 5, 6, 7, 8]:
+        a.all_token_ids.append(token)
+        assert manager.allocate_slots(a, 1) is not None
+        a.num_computed_tokens += 1
+    a.all_token_ids.append(9)  # sampled by the last step, never computed
+    block_ids = manager.get_block_ids("a")
+    # The step that filled [5, 6, 7, 8] took the shortcut: the block is not registered yet...
+    assert manager.get_computed_blocks(FakeRequest("c", [1, 2, 3, 4, 5, 6, 7, 8, 9])) == (block_ids[:1], 4)
+    manager.free(a)  # ...until the request is freed
+    hit_ids, num_hit = manager.get_computed_blocks(FakeRequest("b", [1, 2, 3, 4, 5, 6, 7, 8, 9]))
+    assert hit_ids == block_ids and num_hit == 8
 
 
 def test_hits_stop_at_the_first_miss():
@@ -217,7 +235,12 @@ def test_slots_beyond_the_known_tokens_are_not_cached():
     assert len(manager.allocate_slots(a, 5)) == 3 and len(manager.pool.cached_blocks) == 1
     a.num_computed_tokens = 3
     a.all_token_ids += [4, 5]
-    assert manager.allocate_slots(a, 2) == [] and len(manager.pool.cached_blocks) == 2
+    # Block 1 is full of known tokens now; the shortcut step leaves its registration to the next
+    # allocation or to free().
+    assert manager.allocate_slots(a, 2) == [] and len(manager.pool.cached_blocks) == 1
+    a.num_computed_tokens = 5
+    manager.free(a)
+    assert len(manager.pool.cached_blocks) == 2
 
 
 def test_preempted_before_its_step_ran_leaves_no_unwritten_block_cached():

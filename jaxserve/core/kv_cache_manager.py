@@ -348,9 +348,9 @@ class KVCacheManager:
                 for i in range(state.num_cached_blocks, num_full_blocks):
                     self.pool.cache_full_block(state.blocks[i], state.block_hashes[i])
                 state.num_cached_blocks = num_full_blocks
-        room = len(state.blocks) * self.block_size
-        # With caching, the next block to fill must be registered, so the shortcut stops one token short.
-        request.kv_fast_until = min(room, (state.num_cached_blocks + 1) * self.block_size - 1) if self.enable_caching else room
+        # NOTE: the shortcut runs until the blocks are full, so a block that fills on a shortcut step is
+        # registered by the next call here (the following step, for a decode row) or by free().
+        request.kv_fast_until = len(state.blocks) * self.block_size
         return [block.block_id for block in (computed + new_blocks if computed else new_blocks)]
 
     def free(self, request: Request) -> None:
@@ -364,6 +364,13 @@ class KVCacheManager:
         request.kv_fast_until = 0
         if state is None:
             return
+        if self.enable_caching:  # blocks that filled on shortcut steps since the last allocation
+            num_full_blocks = min(request.num_computed_tokens, request.num_tokens) // self.block_size
+            if num_full_blocks > state.num_cached_blocks:
+                self._hash_full_blocks(request, state, num_full_blocks)
+                for i in range(state.num_cached_blocks, num_full_blocks):
+                    self.pool.cache_full_block(state.blocks[i], state.block_hashes[i])
+                state.num_cached_blocks = num_full_blocks
         for block in state.blocks[request.num_computed_tokens // self.block_size:state.num_cached_blocks]:
             self.pool.uncache_block(block)  # a fresh block of this request's: its hash is its own
         # Reverse order: the tail of a sequence is the least shareable, so it is evicted first.

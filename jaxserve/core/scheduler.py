@@ -5,7 +5,7 @@
                  token), then waiting ones while the token budget, max_num_seqs and KV blocks last
                  -> SchedulerOutput (and num_computed_tokens advanced for what was scheduled)
     update_from_output(RunnerOutput): append sampled tokens, check eos / stop ids / length,
-                 free finished requests -> RequestUpdates for the engine
+                 free finished requests -> StepUpdates (columns) for the engine
 
 NOTE: there is no "prefill phase" or "decode phase": a request has `num_computed_tokens`, and a
 step gives it up to `num_tokens + num_pending - num_computed_tokens` new tokens within the budget
@@ -32,13 +32,36 @@ from jaxserve.request import Request, RequestStatus
 
 @dataclasses.dataclass(slots=True)
 class RequestUpdate:
-    """What one step did to one request, for the engine's output processing."""
+    """What one step did to one request (one item of StepUpdates)."""
 
     request_id: str
     new_token_ids: list[int]
     finish_status: RequestStatus | None = None  # set when the request finished this step
     stop_reason: int | str | None = None
     logprobs: Logprobs | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class StepUpdates:
+    """What one step did, as columns (no object per request: this is built for every running request
+    every step). Iterating gives RequestUpdate items."""
+
+    requests: list[Request]  # requests that received a token, in sampling order
+    tokens: list[int]
+    logprobs: list[Logprobs | None] | None  # per request when any asked for logprobs
+    finished: dict[str, tuple[RequestStatus, int | None]]  # request id -> (finish status, stop reason)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def __iter__(self):
+        logprobs = self.logprobs or [None] * len(self.requests)
+        for request, token, token_logprobs in zip(self.requests, self.tokens, logprobs):
+            status, stop_reason = self.finished.get(request.request_id, (None, None))
+            yield RequestUpdate(request.request_id, [token], status, stop_reason, token_logprobs)
+
+    def __getitem__(self, index: int) -> RequestUpdate:
+        return list(self)[index]
 
 
 def _victim_key(request: Request):
@@ -168,34 +191,37 @@ class Scheduler:
         # it is scheduled (this loop runs for every running request every step).
         decode: list[Request] = []
         decode_positions: list[int] = []
-        decode_blocks: dict[str, list[int]] = {}  # blocks appended to decode rows (every block_size steps)
+        # Blocks appended to decode rows (each row every block_size steps): request id -> (decode index, ids).
+        decode_blocks: dict[str, tuple[int, list[int]]] = {}
         scheduled: list[tuple[Request, ScheduledRequest]] = []
         preempted = False
 
-        # Running requests first, in order.
-        index = 0
+        # Running requests first, in order (over a copy: preemption takes requests out of `running`).
         running = self.running
-        while index < len(running) and budget > 0:
-            request = running[index]
+        append_decode, append_position = decode.append, decode_positions.append
+        for request in list(running):
+            if budget <= 0:
+                break
+            if preempted and request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
             computed = request.num_computed_tokens
             known = len(request.all_token_ids) + request.num_pending
             remaining = known - computed
-            if request.num_pending and known >= request.token_limit:
-                index += 1  # its pending token ends it (length): nothing more to compute
-                continue
             if remaining == 1 and computed < request.kv_fast_until:  # the hot path: its blocks have room
-                decode.append(request)
-                decode_positions.append(computed)
+                if request.num_pending and known >= request.token_limit:
+                    continue  # its pending token ends it (length): nothing more to compute
+                append_decode(request)
+                append_position(computed)
                 request.num_computed_tokens = computed + 1
                 request.num_pending += 1
                 budget -= 1
-                index += 1
+                continue
+            if request.num_pending and known >= request.token_limit:
                 continue
             num_new = min(remaining, budget)
             if 0 < threshold < num_new:
                 num_new = threshold
             if num_new <= 0:
-                index += 1
                 continue
             while (new_blocks := allocate(request, num_new)) is None:
                 victim = max(reversed(running), key=_victim_key)  # ties: the latest scheduled
@@ -203,16 +229,14 @@ class Scheduler:
                 # Taken out of this step again if it was scheduled; the KV cache manager uncaches its
                 # blocks that this step would have written, so no later prefix hit reads them unwritten.
                 budget += self._unschedule(victim, decode, decode_positions, decode_blocks, scheduled)
-                if running.index(victim) < index:
-                    index -= 1
                 self._preempt(victim)
                 if victim is request:
                     break
             if new_blocks is None:
-                continue  # `request` itself was preempted; the list shifted under `index`
+                continue  # `request` itself was preempted
             if remaining == 1:
                 if new_blocks:
-                    decode_blocks[request.request_id] = new_blocks
+                    decode_blocks[request.request_id] = (len(decode), new_blocks)
                 decode.append(request)
                 decode_positions.append(computed)
                 request.num_computed_tokens = computed + 1
@@ -221,7 +245,6 @@ class Scheduler:
                 scheduled.append((request, ScheduledRequest(request.request_id, request.row, computed, num_new,
                                                             new_blocks)))
             budget -= num_new
-            index += 1
 
         # Then waiting requests, unless this step had to preempt.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -260,10 +283,7 @@ class Scheduler:
             if item.samples:
                 request.num_pending += 1
                 sampled.append(request)
-        decode_new_blocks = []
-        if decode_blocks:
-            for i, request in enumerate(decode):
-                decode_new_blocks += [(i, block_id) for block_id in decode_blocks.get(request.request_id, ())]
+        decode_new_blocks = [(i, block_id) for i, block_ids in decode_blocks.values() for block_id in block_ids]
         finished, self._finished_ids = self._finished_ids, set()
         self.step_count += 1
         if sampled:
@@ -274,12 +294,16 @@ class Scheduler:
 
     @staticmethod
     def _unschedule(victim: Request, decode: list[Request], decode_positions: list[int],
-                    decode_blocks: dict[str, list[int]], scheduled: list[tuple[Request, ScheduledRequest]]) -> int:
+                    decode_blocks: dict[str, tuple[int, list[int]]],
+                    scheduled: list[tuple[Request, ScheduledRequest]]) -> int:
         """Takes a request back out of the step being built; returns the tokens it had."""
         for i, request in enumerate(decode):
             if request is victim:
                 del decode[i], decode_positions[i]
                 decode_blocks.pop(victim.request_id, None)
+                for request_id, (index, block_ids) in decode_blocks.items():
+                    if index > i:  # the rows after it moved up one
+                        decode_blocks[request_id] = (index - 1, block_ids)
                 victim.num_computed_tokens -= 1  # not computed after all (the KV manager's free() reads it)
                 return 1
         for i, (request, item) in enumerate(scheduled):
@@ -307,7 +331,7 @@ class Scheduler:
                 return
             self._preempt(victim)
 
-    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput) -> list[RequestUpdate]:
+    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput) -> StepUpdates:
         """Appends one step's sampled tokens (in the step's sampling order) and finishes requests that stop.
 
         With overlap the next step was scheduled already: a request that finishes here had one more
@@ -318,28 +342,33 @@ class Scheduler:
         if len(tokens) != len(sampled):
             raise ValueError(f"step {scheduler_output.step} sampled {len(sampled)} requests but the runner returned "
                              f"{len(tokens)} tokens")
-        updates = []
-        running_status, max_model_len = RequestStatus.RUNNING, self.max_model_len
-        logprobs = runner_output.logprobs or [None] * len(tokens)
-        for request, token, token_logprobs in zip(sampled, tokens, logprobs):
+        requests, kept_tokens, finished = [], [], {}
+        logprobs = runner_output.logprobs
+        kept_logprobs = [] if logprobs is not None else None
+        running_status = RequestStatus.RUNNING
+        for i, (request, token) in enumerate(zip(sampled, tokens)):
             if request.status != running_status:
                 continue  # finished or preempted since it was scheduled: the token is dropped
             request.num_pending -= 1
             all_tokens = request.all_token_ids
             all_tokens.append(token)
+            requests.append(request)
+            kept_tokens.append(token)
+            if kept_logprobs is not None:
+                kept_logprobs.append(logprobs[i])
             # Stop checks (inlined: this loop runs for every running request every step). Length first, as
             # vLLM: an eos that is also the max_tokens-th token finishes with "length".
             num_tokens = len(all_tokens)
-            status = stop_reason = None
             if num_tokens >= request.token_limit:
-                status = RequestStatus.FINISHED_LENGTH
+                status, stop_reason = RequestStatus.FINISHED_LENGTH, None
             elif token in request.stop_ids and num_tokens >= request.min_stop_len:
                 status = RequestStatus.FINISHED_STOPPED
-                if token not in request.eos_token_ids or request.sampling_params.ignore_eos:
-                    stop_reason = token  # a stop_token_id (eos reports no stop reason)
-            if status is not None:
-                request.stop_reason = stop_reason
-                self.running.remove(request)
-                self._finish(request, status)
-            updates.append(RequestUpdate(request.request_id, [token], status, stop_reason, token_logprobs))
-        return updates
+                # A stop_token_id reports itself as the stop reason; eos reports none.
+                stop_reason = token if token not in request.eos_token_ids or request.sampling_params.ignore_eos else None
+            else:
+                continue
+            request.stop_reason = stop_reason
+            self.running.remove(request)
+            self._finish(request, status)
+            finished[request.request_id] = (status, stop_reason)
+        return StepUpdates(requests, kept_tokens, kept_logprobs, finished)

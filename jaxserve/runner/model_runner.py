@@ -243,8 +243,11 @@ class ModelRunner:
                 self._reset_row(item.row, item.new)
             if item.new_block_ids:
                 self._append_blocks(item.row, item.new_block_ids)
-        for index, block_id in out.decode_new_blocks:
-            self._append_blocks(out.decode_rows[index], [block_id])
+        if out.decode_new_blocks:  # a decode row gains at most one block per step
+            index, block_ids = zip(*out.decode_new_blocks)
+            new_rows = np.array(out.decode_rows, np.int64)[list(index)]
+            self.block_table[new_rows, self.row_num_blocks[new_rows]] = block_ids
+            self.row_num_blocks[new_rows] += 1
         num_decode = len(out.decode_rows)
         if items:
             rows = np.array(out.decode_rows + [item.row for item in items], np.int64)
