@@ -902,3 +902,31 @@ class SchedulerMachine(RuleBasedStateMachine):
 TestSchedulerMachine = SchedulerMachine.TestCase
 TestSchedulerMachine.settings = settings(max_examples=40, stateful_step_count=30, deadline=None,
                                          suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_overlap_token_of_a_request_preempted_and_readmitted_in_one_schedule_is_dropped():
+    """Priority policy with overlap: step N is in flight when a higher-priority arrival preempts V, and
+    the same schedule() re-admits V (a prefix hit on its own freed blocks) for step N+1. V's token
+    from step N belongs to its previous run and must be dropped, or V gets two tokens for one position."""
+    kv = KVCacheManager(10, 4, hash_seed=SEED)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, policy="priority",
+                                          long_prefill_token_threshold=8), kv, 64)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    victim = Request("V", list(range(100, 114)), params, priority=5, arrival_time=0.0, max_tokens=20)
+    scheduler.add_request(victim)
+
+    def run(out: SchedulerOutput) -> RunnerOutput:
+        return RunnerOutput([], [42] * out.num_sampled)
+
+    for _ in range(2):  # prefill in two chunks of 8 (then one sampled token)
+        out = scheduler.schedule()
+        scheduler.update_from_output(out, run(out))
+    in_flight = scheduler.schedule()  # step N: a decode row for V, not read back yet
+    assert in_flight.decode_ids == ["V"] and victim.num_pending == 1
+    scheduler.add_request(Request("H", list(range(200, 240)), params, priority=0, arrival_time=1.0, max_tokens=20))
+    next_step = scheduler.schedule()  # step N+1: H preempts V; V comes back in the same call
+    assert victim.num_preemptions == 1 and victim.status == RequestStatus.RUNNING
+    assert [u.request_id for u in scheduler.update_from_output(in_flight, run(in_flight))] == []
+    scheduler.update_from_output(next_step, run(next_step))
+    assert victim.num_pending == 0
+    assert victim.num_tokens == victim.num_computed_tokens + 1  # one token per computed position, no duplicate

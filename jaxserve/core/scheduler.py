@@ -116,8 +116,9 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_ids: set[str] = set()  # runner state to drop at the next step
         self._free_rows = list(range(config.max_num_seqs - 1, -1, -1))
-        # Per scheduled step not yet updated: the requests that sample, in the step's sampling order.
-        self._in_flight: dict[int, list[Request]] = {}
+        # Per scheduled step not yet updated: the requests that sample, in the step's sampling order, and
+        # their preemption counts then.
+        self._in_flight: dict[int, tuple[list[Request], list[int]]] = {}
         self.step_count = 0
         self.num_preemptions = 0
 
@@ -287,7 +288,10 @@ class Scheduler:
         finished, self._finished_ids = self._finished_ids, set()
         self.step_count += 1
         if sampled:
-            self._in_flight[self.step_count] = sampled
+            # With each request, its preemption count: a request preempted and re-admitted before this
+            # step's tokens come back (the priority policy can do both in one schedule() call) must not
+            # take them.
+            self._in_flight[self.step_count] = (sampled, [request.num_preemptions for request in sampled])
         return SchedulerOutput([request.request_id for request in decode], [request.row for request in decode],
                                decode_positions, decode_new_blocks, [item for _, item in scheduled],
                                self.config.max_num_batched_tokens - budget, finished, self.step_count)
@@ -337,7 +341,7 @@ class Scheduler:
         With overlap the next step was scheduled already: a request that finishes here had one more
         token in flight, which is dropped when it arrives (the request is no longer running).
         """
-        sampled = self._in_flight.pop(scheduler_output.step, [])
+        sampled, epochs = self._in_flight.pop(scheduler_output.step, ([], []))
         tokens = runner_output.sampled_token_ids
         if len(tokens) != len(sampled):
             raise ValueError(f"step {scheduler_output.step} sampled {len(sampled)} requests but the runner returned "
@@ -346,8 +350,8 @@ class Scheduler:
         logprobs = runner_output.logprobs
         kept_logprobs = [] if logprobs is not None else None
         running_status = RequestStatus.RUNNING
-        for i, (request, token) in enumerate(zip(sampled, tokens)):
-            if request.status != running_status:
+        for i, (request, token, epoch) in enumerate(zip(sampled, tokens, epochs)):
+            if request.status != running_status or request.num_preemptions != epoch:
                 continue  # finished or preempted since it was scheduled: the token is dropped
             request.num_pending -= 1
             all_tokens = request.all_token_ids
