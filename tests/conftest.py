@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+
+# The sharding tests run on 8 fake CPU devices. XLA reads this once, when JAX's CPU backend starts,
+# so it is set here, before any test module imports JAX (a GPU or TPU backend ignores it).
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 import numpy as np
 import pytest

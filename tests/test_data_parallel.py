@@ -3,12 +3,6 @@ holding a request's prefix; D=2 x T=2 and D=2 x T=1 give the single-device greed
 
 from __future__ import annotations
 
-import os
-
-# XLA reads this once, when JAX's CPU backend starts: before any test touches a device.
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-
 import dataclasses
 import json
 

@@ -875,6 +875,12 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert block_ids == []
                 continue
             assert request.num_computed_tokens <= request.num_tokens + request.num_pending
+            assert request.num_pending >= 0
+            state = self.runner.states.get(request_id)
+            if request.status == RequestStatus.RUNNING and state is not None:
+                # The runner knows every token the scheduler has, and with overlap the pending ones too.
+                assert state.token_ids[:request.num_tokens] == request.all_token_ids
+                assert len(state.token_ids) == request.num_tokens + request.num_pending
             assert len(block_ids) * self.kv.block_size >= request.num_computed_tokens
             if request.status != RequestStatus.RUNNING:
                 assert block_ids == [] and request.num_computed_tokens == 0

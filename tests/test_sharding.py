@@ -11,12 +11,6 @@
 
 from __future__ import annotations
 
-import os
-
-# XLA reads this once, when JAX's CPU backend starts: before any test touches a device.
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-
 import dataclasses
 import functools
 import json
