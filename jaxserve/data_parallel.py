@@ -73,8 +73,9 @@ class RequestDistributor:
 
 
 class DataParallelEngine:
-    """The Engine API of `LLM` (prepare_request / enqueue / add_request / step / abort_request /
-    has_unfinished_requests) over parallel.data replicas."""
+    """The Engine API of `LLM` and `jaxserve serve` (prepare_request / enqueue / add_request / step /
+    abort_request / has_unfinished_requests; tokenizer, model, max_model_len, vocab_size) over parallel.data
+    replicas. One thread drives it, as an Engine; the server's metrics read each of `engines`."""
 
     def __init__(self, config: EngineConfig, progress: bool = True):
         parallel = config.parallel

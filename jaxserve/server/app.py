@@ -24,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from jaxserve.config import EngineConfig
+from jaxserve.data_parallel import DataParallelEngine
 from jaxserve.engine import Engine
 from jaxserve.server import protocol as P
 from jaxserve.server.bridge import AdmissionError, EngineBridge
@@ -44,7 +45,7 @@ def _error(status: int, message: str, param: str | None = None, headers: dict[st
                     headers=headers)
 
 
-def build_app(engine: Engine, config: EngineConfig) -> FastAPI:
+def build_app(engine: Engine | DataParallelEngine, config: EngineConfig) -> FastAPI:
     server_config = config.server
     model_name = served_model_name(config)
     metrics = ServerMetrics(model_name)

@@ -1,6 +1,6 @@
 """The async bridge: the engine loop in its own thread, fed by the HTTP event loop.
 
-    event loop                                    engine thread (the only caller of Engine mutators)
+    event loop                                    engine thread (the only caller of engine mutators)
     ----------                                    -------------
     submit(prepared...) -> RequestGroup  --inbox (+ notify)-->  enqueue / abort
     group.abort()                         --inbox (+ notify)-->  abort_request
@@ -14,6 +14,8 @@ cumulative, so a consumer that falls behind reads only the latest output of each
 lost. Admission: requests accepted but not yet producing tokens are "queued"; more than
 `max_queued_requests` answer 429, and after `start_drain()` every new request answers 503.
 An exception inside the engine fails every open request and marks the bridge dead (health 503).
+The engine is one Engine, or a DataParallelEngine (parallel.data > 1): the same calls, which it routes to
+its replicas (an abort to the replica that holds the request).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 
+from jaxserve.data_parallel import DataParallelEngine
 from jaxserve.engine import Engine, PreparedRequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.server.metrics import ServerMetrics
@@ -89,8 +92,9 @@ class RequestGroup:
 
 
 class EngineBridge:
-    def __init__(self, engine: Engine, metrics: ServerMetrics, max_queued_requests: int):
+    def __init__(self, engine: Engine | DataParallelEngine, metrics: ServerMetrics, max_queued_requests: int):
         self.engine = engine
+        self.replicas = engine.engines if isinstance(engine, DataParallelEngine) else [engine]  # what metrics read
         self.metrics = metrics
         self.max_queued_requests = max_queued_requests
         self.draining = False
@@ -212,7 +216,7 @@ class EngineBridge:
                 engine.abort_request(list(self._tracked))
             outputs = engine.step()
             self._dispatch(outputs)
-            self.metrics.record_step(engine)
+            self.metrics.record_step(self.replicas)
             if stopping and not engine.has_unfinished_requests():
                 return
 

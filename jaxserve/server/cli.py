@@ -2,7 +2,8 @@
 
     YAML config (default configs/tiny.yaml: the embedded model) --flags override any field of any
     section (`--max-num-seqs 8`, `--policy fair`, `--model DIR` for model.path)--> EngineConfig
-    --> Engine (compiles its buckets) --> build_app --> DrainingServer (uvicorn, h11) --> 0 on a clean exit
+    --> Engine, or DataParallelEngine when parallel.data > 1 (compiles its buckets) --> build_app
+    --> DrainingServer (uvicorn, h11) --> 0 on a clean exit
 
 SIGTERM drains: new requests answer 503, in-flight ones finish (at most server.drain_timeout_s, then they
 are aborted: streams end with finish_reason "abort"), then the process exits 0. A second SIGTERM, or
@@ -129,9 +130,12 @@ def main(argv: list[str]) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    from jaxserve.engine import Engine  # JAX loads only once the arguments are known to be good
+    from jaxserve.data_parallel import DataParallelEngine  # JAX loads only once the arguments are known to be good
+    from jaxserve.engine import Engine
 
-    engine = Engine(config, progress=True)
+    # parallel.data > 1: one engine per replica behind the same calls (jaxserve/data_parallel.py).
+    engine = (Engine(config, progress=True) if config.parallel.data == 1
+              else DataParallelEngine(config, progress=True))
     if config.scheduler.policy == "fcfs" and config.server.tenant_header:
         logger.info("scheduler.policy is fcfs: tenants are recorded but not scheduled fairly (set policy: fair)")
     if config.server.api_key and config.server.tenant_header:

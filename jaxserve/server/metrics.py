@@ -1,7 +1,9 @@
 """Prometheus metrics with vLLM's names under the `jaxserve:` prefix, one registry per app.
 
     engine thread, after each step:  record_step   -> gauges (running, waiting, KV usage) and the
-                                                      prefix-cache / preemption counters (engine totals)
+                                                      prefix-cache / preemption counters (engine totals;
+                                                      with data parallelism, over the replicas: counts
+                                                      summed, KV usage the mean)
     engine thread, per output:       record_arrival / record_tokens / record_finished
                                                    -> token counters, TTFT / ITL / E2E histograms
     GET /metrics:                    render() -> text exposition format
@@ -12,10 +14,16 @@ Times are `time.monotonic()` seconds taken by the engine (RequestOutput.metrics)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
                                disable_created_metrics, generate_latest)
 
 from jaxserve.outputs import RequestOutput
+
+if TYPE_CHECKING:  # the engine (and JAX) loads only once the server's arguments are known to be good
+    from jaxserve.engine import Engine
 
 PREFIX = "jaxserve:"
 disable_created_metrics()  # no `*_created` series per counter and histogram (vLLM does the same)
@@ -59,17 +67,18 @@ class ServerMetrics:
         self._model_name = model_name
         self._seen_queries = self._seen_hits = self._seen_preemptions = 0
 
-    def record_step(self, engine) -> None:
-        scheduler, kv_cache = engine.scheduler, engine.kv_cache
-        self.running.set(len(scheduler.running))
-        self.waiting.set(len(scheduler.waiting))
-        self.kv_usage.set(kv_cache.usage)
-        stats = kv_cache.stats
-        self.prefix_queries.inc(stats.queries - self._seen_queries)
-        self.prefix_hits.inc(stats.hits - self._seen_hits)
-        self.preemptions.inc(scheduler.num_preemptions - self._seen_preemptions)
-        self._seen_queries, self._seen_hits, self._seen_preemptions = (stats.queries, stats.hits,
-                                                                       scheduler.num_preemptions)
+    def record_step(self, replicas: Sequence[Engine]) -> None:
+        """Over the engine's replicas (data parallel; else the one engine): counts summed, KV usage the mean."""
+        stats = [replica.kv_cache.stats for replica in replicas]
+        queries, hits = sum(s.queries for s in stats), sum(s.hits for s in stats)
+        preemptions = sum(replica.scheduler.num_preemptions for replica in replicas)
+        self.running.set(sum(len(replica.scheduler.running) for replica in replicas))
+        self.waiting.set(sum(len(replica.scheduler.waiting) for replica in replicas))
+        self.kv_usage.set(sum(replica.kv_cache.usage for replica in replicas) / len(replicas))
+        self.prefix_queries.inc(queries - self._seen_queries)
+        self.prefix_hits.inc(hits - self._seen_hits)
+        self.preemptions.inc(preemptions - self._seen_preemptions)
+        self._seen_queries, self._seen_hits, self._seen_preemptions = queries, hits, preemptions
 
     def record_arrival(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)

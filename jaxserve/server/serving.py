@@ -28,6 +28,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from jaxserve.config import ServerConfig
+from jaxserve.data_parallel import DataParallelEngine
 from jaxserve.engine import Engine, PreparedRequest
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.server import protocol as P
@@ -64,7 +65,8 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 class Serving:
-    def __init__(self, engine: Engine, bridge: EngineBridge, config: ServerConfig, model_name: str):
+    def __init__(self, engine: Engine | DataParallelEngine, bridge: EngineBridge, config: ServerConfig,
+                 model_name: str):
         self.engine = engine
         self.bridge = bridge
         self.config = config
