@@ -106,9 +106,6 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
-    def append_output_token(self, token_id: int) -> None:
-        self.all_token_ids.append(token_id)
-
     def __lt__(self, other: Request) -> bool:  # priority order: lower priority value, then earlier arrival
         return (self.priority, self.arrival_time, self.request_id) < (other.priority, other.arrival_time,
                                                                       other.request_id)
