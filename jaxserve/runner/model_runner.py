@@ -243,14 +243,15 @@ class ModelRunner:
                 self._reset_row(item.row, item.new)
             if item.new_block_ids:
                 self._append_blocks(item.row, item.new_block_ids)
+        decode_rows = np.array(out.decode_rows, np.int64)
         if out.decode_new_blocks:  # a decode row gains at most one block per step
             index, block_ids = zip(*out.decode_new_blocks)
-            new_rows = np.array(out.decode_rows, np.int64)[list(index)]
+            new_rows = decode_rows[list(index)]
             self.block_table[new_rows, self.row_num_blocks[new_rows]] = block_ids
             self.row_num_blocks[new_rows] += 1
-        num_decode = len(out.decode_rows)
+        num_decode = len(decode_rows)
         if items:
-            rows = np.array(out.decode_rows + [item.row for item in items], np.int64)
+            rows = np.concatenate([decode_rows, np.array([item.row for item in items], np.int64)])
             starts = np.array(out.decode_positions + [item.num_computed_tokens for item in items], np.int64)
             counts = np.array([1] * num_decode + [item.num_new_tokens for item in items], np.int64)
             ends = np.cumsum(counts)
@@ -261,7 +262,7 @@ class ModelRunner:
             sample_index = np.concatenate([np.arange(num_decode),
                                            num_decode + np.flatnonzero([item.samples for item in items])])
         else:  # decode only: one token per request
-            rows = token_rows = np.array(out.decode_rows, np.int64)
+            rows = token_rows = decode_rows
             pos = starts = np.array(out.decode_positions, np.int64)
             num_tokens = num_decode
             counts = np.ones(num_decode, np.int64)
