@@ -76,6 +76,9 @@ def test_bucket_ladders_and_plan():
     assert ladders.pad_tokens(17) == 32 and ladders.pad_requests(5) == 8
     plan = ladders.precompile_plan()
     assert (16, 16) in plan and (16, 32) not in plan  # 17+ requests need 17+ tokens
+    # pure decode steps (T == R real): one pair per request rung, each also a plan pair
+    assert ladders.decode_plan() == [(16, 1), (16, 2), (16, 4), (16, 8), (16, 16), (32, 32), (64, 64)]
+    assert set(ladders.decode_plan()) <= set(plan)
     with pytest.raises(ValueError, match="exceeds the largest bucket"):
         ladders.pad_tokens(257)
     with pytest.raises(ValueError, match="below max_num_batched_tokens"):

@@ -102,6 +102,28 @@ def test_steady_state_never_compiles(llm):
     assert_no_leaks(llm)
 
 
+def test_decode_steps_take_the_decode_only_path(llm, monkeypatch):
+    """The runner flags a step decode-only exactly when every request has one token (token r being
+    request r's), so the kernels may skip their prefill path; mixed and prefill steps are not flagged."""
+    runner = llm.engine.runner
+    seen = []
+    prepare = runner.prepare
+
+    def recording_prepare(out):
+        step = prepare(out)
+        qsl = step.batch.query_start_loc
+        num_reqs = int(np.count_nonzero(step.batch.seq_lens))
+        one_each = bool((np.diff(qsl)[:num_reqs] == 1).all()) and int(qsl[-1]) == num_reqs
+        seen.append((step.decode_only, one_each))
+        return step
+
+    monkeypatch.setattr(runner, "prepare", recording_prepare)
+    llm.generate([f"{a}+{b}=" for a, b in problems(5, seed=9)], GREEDY, use_tqdm=False)
+    assert all(flag == one_each for flag, one_each in seen), seen
+    assert {flag for flag, _ in seen} == {True, False}
+    assert_no_leaks(llm)
+
+
 def test_seeded_sampling_reproducible_across_batches(llm):
     params = SamplingParams(temperature=1.5, seed=1234, max_tokens=8)
     alone = llm.generate(["12+34="], params, use_tqdm=False)[0].outputs[0].token_ids

@@ -77,13 +77,14 @@ def make_batch(case: Case, seed: int):
             jnp.asarray(seq_lens, jnp.int32), jnp.asarray(block_tables))
 
 
-def check(case: Case, seeds, *, atol, sliding_window=None, config=None, interpret=True):
+def check(case: Case, seeds, *, atol, sliding_window=None, config=None, interpret=True, fast_path=False):
+    """`fast_path`: call with decode_only=True (the case must be decode-only)."""
     sm_scale = case.head_dim ** -0.5
     for seed in seeds:
         q, kv, qsl, seq_lens, block_tables = make_batch(case, seed)
         out = gpu.ragged_paged_attention(q, kv, qsl, seq_lens, block_tables, sm_scale=sm_scale,
                                          sliding_window=sliding_window, interpret=interpret,
-                                         config=config)
+                                         config=config, decode_only=fast_path)
         with jax.default_matmul_precision("highest"):  # exact float32, also on a GPU
             ref = reference.ragged_paged_attention(
                 q.astype(jnp.float32), layout.to_reference_layout(kv).astype(jnp.float32), qsl,
@@ -124,6 +125,15 @@ def test_decode_only_gqa4_bf16_auto_split():
                 decode_only=True)
     assert gpu.decode_splits(gpu.TuningConfig(), 8, 2, max_tiles=8) > 1  # this case splits
     check(case, seeds=range(2), atol=3e-2, config=gpu.TuningConfig(decode_block_kv=16))
+
+
+@pytest.mark.parametrize("num_tokens", [6, 16], ids=["T==R", "T>R"])
+def test_decode_only_fast_path(num_tokens):
+    """decode_only=True (no scatter, no general kernel) on a decode batch with a padding request and,
+    when T > R, padding token rows past the requests: the reference's output, padding rows zero."""
+    case = Case(6, 2, 64, 16, num_tokens=num_tokens, num_reqs=6, max_blocks=4, decode_only=True)
+    check(case, seeds=range(2), atol=2e-5, config=SPLIT_ON, fast_path=True)
+    check(case, seeds=range(1), atol=2e-5, config=SPLIT_OFF, fast_path=True)
 
 
 def test_group_not_power_of_two():
@@ -168,6 +178,14 @@ def test_lowers_for_cuda():
                     jax.sharding.AbstractMesh((), (), abstract_device=gdev)):
                 text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count(TRITON_CALL) == 2, "expected the decode and the general kernel"
+        decode = jax.jit(lambda *a: gpu.ragged_paged_attention(*a, sm_scale=0.08, sliding_window=window,
+                                                               config=config, decode_only=True))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            with jax.sharding.use_abstract_mesh(
+                    jax.sharding.AbstractMesh((), (), abstract_device=gdev)):
+                text = decode.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count(TRITON_CALL) == 1, "decode_only launches the decode kernel alone"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -188,6 +206,8 @@ on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU"
 ], ids=["gqa4_hd128_p16", "gqa8_hd64_p32", "decode64"])
 def test_gpu_against_reference(case, config):
     check(case, seeds=range(2), atol=3e-2, config=config, interpret=False)
+    if case.decode_only:
+        check(case, seeds=range(2), atol=3e-2, config=config, interpret=False, fast_path=True)
 
 
 @pytest.mark.gpu

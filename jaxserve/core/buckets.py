@@ -54,6 +54,12 @@ class BucketLadders:
     def pad_requests(self, num_requests: int) -> int:
         return self._pad(self.request_buckets, num_requests)
 
+    def decode_plan(self) -> list[tuple[int, int]]:
+        """The (T, R) pairs of pure decode steps (one token per request), in order of R."""
+        pairs = {(self.pad_tokens(r), self.pad_requests(r)) for r in range(1, self.request_buckets[-1] + 1)
+                 if r <= self.token_buckets[-1]}
+        return sorted(pairs, key=lambda pair: (pair[1], pair[0]))
+
     def precompile_plan(self) -> list[tuple[int, int]]:
         """All (T, R) bucket pairs a real step can hit: R real requests need at least R tokens."""
         plan = []

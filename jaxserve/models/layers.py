@@ -141,13 +141,17 @@ def paged_attention(
     sm_scale: float,
     sliding_window: int | None,
     backend: str,
+    decode_only: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-    """The single attention dispatch point: write this step's K/V, then attend through block tables."""
+    """The single attention dispatch point: write this step's K/V, then attend through block tables.
+
+    `decode_only` (static): every request of the batch has exactly one query token, token r being
+    request r's; the GPU kernel then skips its general (prefill) path."""
     impl = attention_backend(backend)
     kv_cache = impl.write_kv(kv_cache, k, v, batch.slot_mapping)
     out = impl.ragged_paged_attention(
         q, kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
-        sm_scale=sm_scale, sliding_window=sliding_window,
+        sm_scale=sm_scale, sliding_window=sliding_window, decode_only=decode_only,
     )
     return out, kv_cache
 

@@ -184,7 +184,8 @@ def _logits(params: Params, cfg: LlamaConfig, x: jax.Array, tp: TensorParallel |
 
 
 def _step(params: Params, batch: ModelBatch, kv_caches: list[jax.Array], *, cfg: LlamaConfig,
-          attention_backend: str, tp: TensorParallel | None) -> tuple[jax.Array, list[jax.Array]]:
+          attention_backend: str, tp: TensorParallel | None,
+          decode_only: bool = False) -> tuple[jax.Array, list[jax.Array]]:
     """The step on one device's params and caches: all of them, or (with `tp`) its shards."""
     inv_freq = layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     sm_scale = cfg.head_dim ** -0.5
@@ -195,7 +196,7 @@ def _step(params: Params, batch: ModelBatch, kv_caches: list[jax.Array], *, cfg:
         q, k, v = _qkv(lp, cfg, h, batch.positions, inv_freq)
         attn, kv_cache = layers.paged_attention(
             q, k, v, kv_cache, batch, sm_scale=sm_scale, sliding_window=cfg.sliding_window,
-            backend=attention_backend,
+            backend=attention_backend, decode_only=decode_only,
         )
         new_caches.append(kv_cache)
         x = _out_and_mlp(lp, cfg, x, attn, tp)
@@ -209,15 +210,19 @@ def forward(
     kv_caches: list[jax.Array],
     attention_backend: str = "reference",
     tp: TensorParallel | None = None,
+    decode_only: bool = False,
 ) -> tuple[jax.Array, list[jax.Array]]:
     """One engine step over the ragged batch. Returns float32 logits for `batch.logits_indices`.
 
     `tp` with more than one shard runs the step tensor-parallel over its mesh (module docstring);
-    without it, or with one shard, the step is the plain single-device one."""
+    without it, or with one shard, the step is the plain single-device one. `decode_only`: see
+    layers.paged_attention (one query token per request, in request order)."""
     if tp is None or tp.size == 1:
-        return _step(params, batch, kv_caches, cfg=cfg, attention_backend=attention_backend, tp=None)
+        return _step(params, batch, kv_caches, cfg=cfg, attention_backend=attention_backend, tp=None,
+                     decode_only=decode_only)
     cache_axes = [layers.kv_cache_axes(attention_backend)] * len(kv_caches)
-    sharded_step = tp.shard_map(functools.partial(_step, cfg=cfg, attention_backend=attention_backend, tp=tp),
+    sharded_step = tp.shard_map(functools.partial(_step, cfg=cfg, attention_backend=attention_backend, tp=tp,
+                                                  decode_only=decode_only),
                                 in_axes=(param_axes(params), (), cache_axes), out_axes=((), cache_axes))
     logits, kv_caches = sharded_step(params, batch, kv_caches)
     if logits.shape[-1] != cfg.vocab_size:  # the vocabulary was padded to a multiple of tp

@@ -43,16 +43,19 @@ logger = logging.getLogger(__name__)
 
 MAX_BANNED = 16  # eos + stop token ids suppressed while a request is below min_tokens
 
-def _forward_step(params, cfg, batch: ModelBatch, kv_caches, prev_tokens, prev_index, attention_backend, tp=None):
+def _forward_step(params, cfg, batch: ModelBatch, kv_caches, prev_tokens, prev_index, attention_backend, tp=None,
+                  decode_only=False):
     """The model step, with the tokens sampled by the previous step still on device fed in where
-    prev_index >= 0 (overlap scheduling: their values never went through the host)."""
+    prev_index >= 0 (overlap scheduling: their values never went through the host). `decode_only`:
+    every request has one query token, token r being request r's (the kernels' decode fast path)."""
     from_prev = prev_tokens[jnp.maximum(prev_index, 0)]
     batch = batch._replace(token_ids=jnp.where(prev_index >= 0, from_prev, batch.token_ids))
-    return llama.forward(params, cfg, batch, kv_caches, attention_backend=attention_backend, tp=tp)
+    return llama.forward(params, cfg, batch, kv_caches, attention_backend=attention_backend, tp=tp,
+                         decode_only=decode_only)
 
 
 # One jitted step for the process, so engines with the same model config and shapes share compilations.
-_forward = jax.jit(_forward_step, static_argnames=("cfg", "attention_backend", "tp"),
+_forward = jax.jit(_forward_step, static_argnames=("cfg", "attention_backend", "tp", "decode_only"),
                    donate_argnames=("kv_caches",))
 
 
@@ -134,6 +137,7 @@ class HostStep(NamedTuple):
     generations: np.ndarray  # row_generation of those rows
     request_ids: list[str]  # of the sampling rows
     sampling: tuple | None  # (SamplingMetadata, all_greedy, use_penalties, num_logprobs); None: nothing sampled
+    decode_only: bool = False  # one token per request, token r being request r's
 
 
 @dataclasses.dataclass
@@ -196,7 +200,8 @@ class ModelRunner:
         # from the device with one compiled shape.
         self.max_rows = self.buckets.request_buckets[-1]
         self._last: StepHandle | None = None  # the last dispatched step
-        # Ahead-of-time executables by ("forward", T, R) / ("sample", R, variant...), from precompile().
+        # Ahead-of-time executables by ("forward", T, R, decode_only) / ("sample", R, variant...), from
+        # precompile().
         self._compiled: dict[tuple, jax.stages.Compiled] = {}
 
     # ---- per-row state ----
@@ -270,6 +275,7 @@ class ModelRunner:
             sample_index = np.arange(num_decode)
         num_reqs = len(rows)
         t_pad, r_pad = self.buckets.pad_tokens(num_tokens), self.buckets.pad_requests(num_reqs)
+        decode_only = num_tokens == num_reqs  # every request has >= 1 token: one each
 
         token_ids = np.zeros(t_pad, np.int32)
         token_ids[:num_tokens] = self.token_buf[token_rows, pos]
@@ -296,7 +302,8 @@ class ModelRunner:
         sampling = self._sampling_metadata(sample_rows, r_pad) if len(sample_rows) else None
         self.row_prev_index[sample_rows] = np.arange(len(sample_rows))
         self.row_pending[sample_rows] += 1
-        return HostStep(batch, prev_index, sample_rows, self.row_generation[sample_rows], request_ids, sampling)
+        return HostStep(batch, prev_index, sample_rows, self.row_generation[sample_rows], request_ids, sampling,
+                        decode_only)
 
     def _sampling_metadata(self, rows: np.ndarray, r_pad: int):
         num_output = self.row_num_tokens[rows] + self.row_pending[rows] - self.row_num_prompt[rows]
@@ -331,7 +338,7 @@ class ModelRunner:
                 self._collect(self._last)  # penalties read the whole history, the pending tokens included
         step = self.prepare(out)
         prev_tokens = self._last.tokens if self._last is not None else self._zeros((self.max_rows,), jnp.int32)
-        logits, self.kv_caches = self._run_forward(step.batch, prev_tokens, step.prev_index)
+        logits, self.kv_caches = self._run_forward(step.batch, prev_tokens, step.prev_index, step.decode_only)
         if step.sampling is None:  # prefill chunks only: nothing to wait for
             handle = StepHandle(step.request_ids, step.rows, step.generations, prev_tokens, None, logits,
                                 RunnerOutput([], []))
@@ -345,12 +352,13 @@ class ModelRunner:
         self._last = handle
         return handle
 
-    def _run_forward(self, batch: ModelBatch, prev_tokens, prev_index):
-        compiled = self._compiled.get(("forward", batch.token_ids.shape[0], batch.seq_lens.shape[0]))
+    def _run_forward(self, batch: ModelBatch, prev_tokens, prev_index, decode_only: bool = False):
+        key = ("forward", batch.token_ids.shape[0], batch.seq_lens.shape[0], decode_only)
+        compiled = self._compiled.get(key)
         if compiled is not None:
             return compiled(self.model.params, batch, self.kv_caches, prev_tokens, prev_index)
         return _forward(self.model.params, self.cfg, batch, self.kv_caches, prev_tokens, prev_index,
-                        attention_backend=self.attention_backend, tp=self.tp)
+                        attention_backend=self.attention_backend, tp=self.tp, decode_only=decode_only)
 
     def _sample(self, logits, md, all_greedy: bool, use_penalties: bool, num_logprobs: int):
         return sampler.sample(logits, md, all_greedy=all_greedy, use_penalties=use_penalties,
@@ -398,13 +406,13 @@ class ModelRunner:
         variants = [(g, p, lp) for g in (True, False) for p in (False, True) for lp in (0, self.max_logprobs)]
         prev_tokens = self._zeros((self.max_rows,), jnp.int32)
 
-        def forward(t_pad: int, r_pad: int):
+        def forward(t_pad: int, r_pad: int, decode_only: bool):
             batch = ModelBatch(np.zeros(t_pad, np.int32), np.zeros(t_pad, np.int32), np.zeros(t_pad, np.int32),
                                np.zeros(r_pad + 1, np.int32), np.zeros(r_pad, np.int32),
                                np.zeros((r_pad, self.max_blocks), np.int32), np.zeros(r_pad, np.int32))
             return _forward.lower(self.model.params, self.cfg, batch, self.kv_caches, prev_tokens,
                                   np.full(t_pad, -1, np.int32), attention_backend=self.attention_backend,
-                                  tp=self.tp).compile()
+                                  tp=self.tp, decode_only=decode_only).compile()
 
         def sample(r_pad: int, all_greedy: bool, use_penalties: bool, num_logprobs: int):
             md = sampler.empty_metadata(r_pad, MAX_BANNED, self.max_model_len if use_penalties else 1)
@@ -413,7 +421,9 @@ class ModelRunner:
             return sampler.sample.lower(logits, md, all_greedy=all_greedy, use_penalties=use_penalties,
                                         num_logprobs=num_logprobs, out_rows=self.max_rows).compile()
 
-        jobs = {("forward", t_pad, r_pad): (forward, (t_pad, r_pad)) for t_pad, r_pad in plan}
+        jobs = {("forward", t_pad, r_pad, False): (forward, (t_pad, r_pad, False)) for t_pad, r_pad in plan}
+        jobs.update({("forward", t_pad, r_pad, True): (forward, (t_pad, r_pad, True))
+                     for t_pad, r_pad in self.buckets.decode_plan()})
         jobs.update({("sample", r_pad, *variant): (sample, (r_pad, *variant))
                      for r_pad in self.buckets.request_buckets for variant in variants})
         bar = tqdm(total=len(jobs), desc="compiling buckets", disable=not progress, leave=False)

@@ -371,7 +371,7 @@ def _general(q4, kv_cache, qsl, seq_lens, block_tables, out, *, sm_scale, slidin
 
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "interpret", "config"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "interpret", "config", "decode_only"))
 def ragged_paged_attention(
     q: jax.Array,  # [T, N, H]
     kv_cache: jax.Array,  # [2, K, P, S, H]
@@ -383,8 +383,15 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     interpret: bool = False,
     config: TuningConfig | None = None,
+    decode_only: bool = False,
 ) -> jax.Array:
-    """Ragged paged attention; the semantics of `reference.ragged_paged_attention`. -> [T, N, H]."""
+    """Ragged paged attention; the semantics of `reference.ragged_paged_attention`. -> [T, N, H].
+
+    `decode_only`: the caller guarantees a pure decode batch, request r's single query token being
+    token r (query_start_loc[r] == r for the real requests; padding requests after them, with no
+    tokens). The decode kernel's output is then the output in token order: no scatter, and no
+    launch of the general kernel (the engine's decode steps; a plain batch takes the general path).
+    """
     config = TuningConfig() if config is None else config
     num_tokens, num_q_heads, head_dim = q.shape
     two, num_kv_heads, _, page_size, cache_head_dim = kv_cache.shape
@@ -415,6 +422,12 @@ def ragged_paged_attention(
                   interpret=interpret)
 
     o_dec = _decode(q4, kv_cache, qsl, seq_lens, block_tables, **common)
+    if decode_only:  # token r is request r's query: rows past the requests are padding (zero)
+        out = (o_dec[:num_tokens] if num_reqs >= num_tokens
+               else jnp.pad(o_dec, ((0, num_tokens - num_reqs), (0, 0), (0, 0), (0, 0))))
+        if group_pad != group:
+            out = out[:, :, :group]
+        return out.reshape(num_tokens, num_q_heads, head_dim)
     is_decode = (qsl[1:] - qsl[:-1]) == 1
     rows = jnp.where(is_decode, qsl[:-1], num_tokens)  # others are dropped
     out = jnp.zeros(q4.shape, q.dtype).at[rows].set(o_dec, mode="drop")

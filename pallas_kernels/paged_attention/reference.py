@@ -48,7 +48,9 @@ def ragged_paged_attention(
     *,
     sm_scale: float,
     sliding_window: int | None = None,
+    decode_only: bool = False,  # the kernels' fast-path hint (one query token per request); same result
 ) -> jax.Array:
+    del decode_only
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
     block_size = kv_cache.shape[2]

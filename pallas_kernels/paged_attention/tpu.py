@@ -247,7 +247,7 @@ def _schedule(query_start_loc, num_work: int, block_q: int):
     return work_request, work_block, blocks_start
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "interpret", "config"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "interpret", "config", "decode_only"))
 def ragged_paged_attention(
     q: jax.Array,  # [T, N, H]
     kv_cache: jax.Array,  # [2, K, P, S, H]
@@ -259,11 +259,15 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     interpret: bool | pltpu.InterpretParams = False,
     config: TuningConfig | None = None,
+    decode_only: bool = False,
 ) -> jax.Array:
     """Ragged query rows attending over their requests' paged KV; see `reference.ragged_paged_attention`.
 
     interpret: True (HLO interpreter) or `pltpu.InterpretParams()` (TPU simulator) to run on CPU.
+    decode_only: the GPU kernel's fast-path hint (one query token per request); this kernel's grid
+    already skips finished rows, so it takes the one path either way.
     """
+    del decode_only
     config = DEFAULT_CONFIG if config is None else config
     _check_shapes(q, kv_cache, query_start_loc, seq_lens, block_tables)
     if sliding_window is not None and sliding_window < 1:
