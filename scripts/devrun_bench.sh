@@ -7,6 +7,7 @@
 #   throughput: `jaxserve bench throughput`, 1000 prompts of 1024 in / 256 out, overlap on.
 #   startup: cold start (empty compilation cache, every bucket compiled) then warm start, batch 1.
 #   tp (on nvidia-h200-x2): batch-1 latency at T=1, then T=2 (configs/llama3-8b-dummy-tp2.yaml).
+#   decode64: the peer, batch 1 and batch 64 / ctx 2048 (overlap on), T=2 when two GPUs, GPU test tier.
 set -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
@@ -47,6 +48,25 @@ throughput)
   $BENCH throughput $CFG --num-prompts 1000 --input-len 1024 --output-len 256 \
     --output-json $OUT/throughput.json > $OUT/throughput.log 2>&1
   tail -40 $OUT/throughput.log
+  ;;
+decode64)
+  # The decode targets of issue 5 against the peer (both cache layouts) in one call, then T=2 (when two
+  # GPUs) and the GPU test tier of the kernels and the engine (skip with SKIP_TP=1 / SKIP_TESTS=1).
+  CFG1="--config configs/llama3-8b-dummy.yaml --disable-tqdm --precompile false"
+  python3 benchmarks/tight_loop_decode.py --config-json configs/models/llama3-8b/config.json \
+    --batch-sizes 1,64 --context 128,2048 --steps 64 --cache-layout blkh,bklh \
+    --output-json $OUT/peer.json 2>&1 | grep -v Warning | tee $OUT/peer.log | tail -6
+  $BENCH latency $CFG1 --batch-size 1 --input-len 128 --output-len 256 --num-iters-warmup 1 --num-iters 3 \
+    --output-json $OUT/b1.json > $OUT/b1.log 2>&1; tail -11 $OUT/b1.log
+  $BENCH latency $CFG1 --batch-size 64 --input-len 2048 --output-len 128 --num-iters-warmup 1 --num-iters 2 \
+    --output-json $OUT/b64.json > $OUT/b64.log 2>&1; tail -11 $OUT/b64.log
+  if [ -z "${SKIP_TP:-}" ] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+    $BENCH latency --config configs/llama3-8b-dummy-tp2.yaml --disable-tqdm --precompile false --batch-size 1 \
+      --input-len 128 --output-len 256 --num-iters-warmup 1 --num-iters 3 --output-json $OUT/tp2_b1.json \
+      > $OUT/tp2_b1.log 2>&1; tail -11 $OUT/tp2_b1.log
+  fi
+  [ -z "${SKIP_TESTS:-}" ] && python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_paged_attention_gpu.py \
+    tests/test_engine_pallas.py 2>&1 | tail -3
   ;;
 final)
   # Everything of issue 5 and 6 in one call on nvidia-h200-x2 (T=1 runs use one of its GPUs).

@@ -28,13 +28,21 @@ def main() -> None:
     parser.add_argument("--config", default="configs/llama3-8b-dummy.yaml")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from free memory)")
+    parser.add_argument("--trace", default=None, help="write a jax.profiler trace (perfetto json too) of 5 steps here")
     args = parser.parse_args()
-    config = load_config(args.config, precompile=False, async_scheduling=False)
+    overrides = {"num_blocks": args.num_blocks} if args.num_blocks else {}
+    config = load_config(args.config, precompile=False, async_scheduling=False, **overrides)
     engine = Engine(config, progress=False)
     rng = np.random.default_rng(0)
     for _ in range(args.batch):
-        engine.add_request({"prompt_token_ids": rng.integers(0, engine.vocab_size, 16).tolist()},
-                           SamplingParams(temperature=0.0, max_tokens=engine.max_model_len - 16, ignore_eos=True))
+        engine.add_request({"prompt_token_ids": rng.integers(0, engine.vocab_size, args.prompt_len).tolist()},
+                           SamplingParams(temperature=0.0, max_tokens=engine.max_model_len - args.prompt_len,
+                                          ignore_eos=True))
+    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
+                                          for r in engine.scheduler.running):
+        engine.step()
     for _ in range(5):
         engine.step()
     runner = engine.runner
@@ -49,6 +57,7 @@ def main() -> None:
         prev = runner._last.tokens
         logits, runner.kv_caches = mr._forward(runner.model.params, runner.cfg, step.batch, runner.kv_caches, prev,
                                                step.prev_index, attention_backend=runner.attention_backend,
+                                               decode_only=step.decode_only,
                                                **({"tp": runner.tp} if hasattr(runner, "tp") else {}))
         t3 = time.perf_counter()
         md, all_greedy, use_penalties, num_logprobs = step.sampling
@@ -68,6 +77,7 @@ def main() -> None:
         t7 = time.perf_counter()
         logits, runner.kv_caches = mr._forward(runner.model.params, runner.cfg, batch_dev, runner.kv_caches, prev,
                                                prev_index_dev, attention_backend=runner.attention_backend,
+                                               decode_only=step.decode_only,
                                                **({"tp": runner.tp} if hasattr(runner, "tp") else {}))
         t8 = time.perf_counter()
         jax.block_until_ready(logits)
@@ -76,6 +86,13 @@ def main() -> None:
         t10 = time.perf_counter()
         for name, value in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5, t8 - t7, t10 - t9)):
             times[name].append(value * 1e3)
+    if args.trace:
+        jax.profiler.start_trace(args.trace, create_perfetto_trace=True)
+        for _ in range(5):
+            with jax.profiler.TraceAnnotation("engine_step"):
+                engine.step()
+        jax.block_until_ready(runner.kv_caches)
+        jax.profiler.stop_trace()
     leaves = len(jax.tree.leaves(runner.model.params)) + len(jax.tree.leaves(runner.kv_caches))
     print(f"batch {args.batch}, {leaves} param+cache leaves, {jax.devices()[0].device_kind}; median ms:")
     for name, values in times.items():

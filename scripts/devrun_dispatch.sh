@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Where the host time of a decode step goes on the device machine (8B dummy, batch 1), T=1 and T=2.
+#   bash scripts/devrun_dispatch.sh trace   # profile + jax.profiler trace, command buffers on/off
+#   bash scripts/devrun_dispatch.sh flags   # host time of the step under XLA command-buffer options
+# Logs and traces under $OUT; a table last.
+set -u
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+T1=configs/llama3-8b-dummy.yaml
+T2=configs/llama3-8b-dummy-tp2.yaml
+CB="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"
+SUMMARY=()
+run() {  # name config xla_flags [trace]
+  local name=$1 config=$2 flags=$3 trace=${4:-}
+  local extra=""; case $flags in *update_mode*) extra="--num-blocks 2048";; esac
+  echo "=== $name ($config, XLA_FLAGS='$flags')"
+  XLA_FLAGS="$flags" timeout 240 python3 scripts/profile_dispatch.py --config "$config" --steps 20 $extra \
+    ${trace:+--trace /tmp/trace_$name} > "$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -10 "$OUT/$name.log"
+  SUMMARY+=("$name rc=$rc $(grep -E '^  (forward|sample|prepare) ' "$OUT/$name.log" | awk '{printf "%s=%s ", $1, $2}')")
+  if [ -n "$trace" ]; then
+    python3 scripts/trace_summary.py "/tmp/trace_$name" --top 14 > "$OUT/${name}_trace.txt" 2>&1
+    cp "$(find /tmp/trace_$name -name '*.json.gz' | head -1)" "$OUT/$name.json.gz" 2>/dev/null
+  fi
+}
+case ${1:-flags} in
+  trace)
+    run t1 $T1 "" trace
+    run t1_nocb $T1 "--xla_gpu_enable_command_buffer=" trace
+    run t2 $T2 "" trace
+    ;;
+  skiptemp)
+    run t1 $T1 ""
+    run t1_skip $T1 "--xla_gpu_command_buffer_update_mode=SKIP_TEMP"
+    run t2_skip $T2 "--xla_gpu_command_buffer_update_mode=SKIP_TEMP"
+    run t2_coll_skip $T2 "$CB,COLLECTIVES --xla_gpu_command_buffer_update_mode=SKIP_TEMP"
+    run t2_coll_skip_tr $T2 "$CB,COLLECTIVES --xla_gpu_command_buffer_update_mode=SKIP_TEMP" trace
+    python3 -c "import jax; print(jax.devices()[0].memory_stats())" > "$OUT/vmm_stats.txt" 2>&1
+    XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP python3 -c "import jax; print(jax.devices()[0].memory_stats())" >> "$OUT/vmm_stats.txt" 2>&1
+    cat "$OUT/vmm_stats.txt"
+    ;;
+  oneshot)
+    NO1="--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=false"
+    run t2 $T2 ""
+    run t2_no1 $T2 "$NO1"
+    run t2_no1_coll $T2 "$NO1 $CB,COLLECTIVES"
+    run t2_no1_coll_tr $T2 "$NO1 $CB,COLLECTIVES" trace
+    run t1_coll $T1 "$CB,COLLECTIVES"
+    ;;
+  flags)
+    run t1 $T1 ""
+    for mode in NEVER_UPDATE CAPTURE_CMD_NEVER_UPDATE VMM_PERSISTENT_TEMP SKIP_TEMP; do
+      run "t1_$mode" $T1 "--xla_gpu_command_buffer_update_mode=$mode"
+    done
+    run t2 $T2 ""
+    run t2_coll $T2 "$CB,COLLECTIVES"
+    for mode in NEVER_UPDATE CAPTURE_CMD_NEVER_UPDATE VMM_PERSISTENT_TEMP SKIP_TEMP; do
+      grep -q "^  forward" "$OUT/t1_$mode.log" && run "t2_coll_$mode" $T2 "$CB,COLLECTIVES --xla_gpu_command_buffer_update_mode=$mode"
+    done
+    # which allocations change between steps (XLA's own log)
+    TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_buffer_cmd=1,command_executor=1 \
+      timeout 200 python3 scripts/profile_dispatch.py --config $T1 --steps 3 > "$OUT/t1_vlog.log" 2>&1
+    grep -E "updated_allocs|Updated [0-9]+ commands" "$OUT/t1_vlog.log" | tail -6
+    ;;
+esac
+printf '%s\n' "${SUMMARY[@]}"
