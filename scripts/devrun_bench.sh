@@ -6,6 +6,7 @@
 #     later ones start warm from the persistent cache.
 #   throughput: `jaxserve bench throughput`, 1000 prompts of 1024 in / 256 out, overlap on.
 #   startup: cold start (empty compilation cache, every bucket compiled) then warm start, batch 1.
+#   startup64: startup, then batch 64 / ctx 2048 from the warm cache.
 #   tp (on nvidia-h200-x2): batch-1 latency at T=1, then T=2 (configs/llama3-8b-dummy-tp2.yaml).
 #   decode64: the peer, batch 1 and batch 64 / ctx 2048 (overlap on), T=2 when two GPUs, GPU test tier.
 set -o pipefail
@@ -36,6 +37,17 @@ startup)
       --output-json $OUT/startup_$start.json > $OUT/startup_$start.log 2>&1
     echo "== $start"; tail -6 $OUT/startup_$start.log
   done
+  ;;
+startup64)
+  # Cold then warm start (every bucket compiled) at batch 1, then batch 64 / ctx 2048 warm.
+  rm -rf ~/.cache/jaxserve/xla
+  for start in cold warm; do
+    $BENCH latency $CFG --batch-size 1 --input-len 128 --output-len 256 --num-iters-warmup 1 --num-iters 2 \
+      --output-json $OUT/startup_$start.json > $OUT/startup_$start.log 2>&1
+    echo "== $start"; tail -6 $OUT/startup_$start.log
+  done
+  $BENCH latency $CFG --batch-size 64 --input-len 2048 --output-len 128 --num-iters-warmup 1 --num-iters 1 \
+    --output-json $OUT/b64_warm.json > $OUT/b64_warm.log 2>&1; echo "== b64"; tail -6 $OUT/b64_warm.log
   ;;
 tp)
   for cfg in llama3-8b-dummy llama3-8b-dummy-tp2; do

