@@ -48,6 +48,14 @@ def main() -> None:
     runner = engine.runner
     times = {k: [] for k in ("schedule", "prepare", "forward", "sample", "copy", "wait", "forward_dev_args",
                               "leaves")}
+
+    def forward(batch, prev_tokens, prev_index, decode_only):
+        """The runner's jitted step called directly (the jit path, not the AOT executables)."""
+        logits, runner.kv_caches = runner.forward_fn(
+            runner.model.params, runner.cfg, batch, runner.kv_caches, prev_tokens, prev_index,
+            attention_backend=runner.attention_backend, tp=runner.tp, decode_only=decode_only)
+        return logits
+
     for _ in range(args.steps):
         t0 = time.perf_counter()
         out = engine.scheduler.schedule()
@@ -55,10 +63,7 @@ def main() -> None:
         step = runner.prepare(out)
         t2 = time.perf_counter()
         prev = runner._last.tokens
-        logits, runner.kv_caches = mr._forward(runner.model.params, runner.cfg, step.batch, runner.kv_caches, prev,
-                                               step.prev_index, attention_backend=runner.attention_backend,
-                                               decode_only=step.decode_only,
-                                               **({"tp": runner.tp} if hasattr(runner, "tp") else {}))
+        logits = forward(step.batch, prev, step.prev_index, step.decode_only)
         t3 = time.perf_counter()
         md, all_greedy, use_penalties, num_logprobs = step.sampling
         result = sampler.sample(logits, md, all_greedy=all_greedy, use_penalties=use_penalties,
@@ -75,10 +80,7 @@ def main() -> None:
         prev_index_dev = jax.device_put(step.prev_index)
         jax.block_until_ready((batch_dev, prev_index_dev))
         t7 = time.perf_counter()
-        logits, runner.kv_caches = mr._forward(runner.model.params, runner.cfg, batch_dev, runner.kv_caches, prev,
-                                               prev_index_dev, attention_backend=runner.attention_backend,
-                                               decode_only=step.decode_only,
-                                               **({"tp": runner.tp} if hasattr(runner, "tp") else {}))
+        logits = forward(batch_dev, prev, prev_index_dev, step.decode_only)
         t8 = time.perf_counter()
         jax.block_until_ready(logits)
         t9 = time.perf_counter()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -58,11 +59,16 @@ def _forward_step(params, cfg, batch: ModelBatch, kv_caches, prev_tokens, prev_i
 # stay under this size; its default (32 MB) leaves the 8B shape's gate/up (2 x 117 MB) as two launches.
 # Merged, the concatenation happens inside the GEMM's operand fetch (no copy): on the H200 batch-1 decode
 # went from 218.5 to 225.2 tokens/s and batch 64 from 6,589 to 6,760 (benchmarks/RESULTS.md).
-FORWARD_COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 1024}
+GPU_COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 1024}
 
-# One jitted step for the process, so engines with the same model config and shapes share compilations.
-_forward = jax.jit(_forward_step, static_argnames=("cfg", "attention_backend", "tp", "decode_only"),
-                   donate_argnames=("kv_caches",), compiler_options=FORWARD_COMPILER_OPTIONS)
+
+@functools.cache
+def forward_fn(platform: str):
+    """The jitted step for a platform (GPU options only where XLA:GPU compiles), one per process so
+    engines with the same model config and shapes share compilations."""
+    return jax.jit(_forward_step, static_argnames=("cfg", "attention_backend", "tp", "decode_only"),
+                   donate_argnames=("kv_caches",),
+                   compiler_options=GPU_COMPILER_OPTIONS if platform == "gpu" else None)
 
 
 def enable_compilation_cache(directory: str | None) -> None:
@@ -209,6 +215,8 @@ class ModelRunner:
         # Ahead-of-time executables by ("forward", T, R, decode_only) / ("sample", R, variant...), from
         # precompile().
         self._compiled: dict[tuple, jax.stages.Compiled] = {}
+        platform = (tp.mesh.devices.flat[0] if tp is not None else jax.devices()[0]).platform
+        self.forward_fn = forward_fn(platform)
 
     # ---- per-row state ----
     def _reset_row(self, row: int, data: NewRequestData) -> None:
@@ -363,7 +371,7 @@ class ModelRunner:
         compiled = self._compiled.get(key)
         if compiled is not None:
             return compiled(self.model.params, batch, self.kv_caches, prev_tokens, prev_index)
-        return _forward(self.model.params, self.cfg, batch, self.kv_caches, prev_tokens, prev_index,
+        return self.forward_fn(self.model.params, self.cfg, batch, self.kv_caches, prev_tokens, prev_index,
                         attention_backend=self.attention_backend, tp=self.tp, decode_only=decode_only)
 
     def _sample(self, logits, md, all_greedy: bool, use_penalties: bool, num_logprobs: int):
@@ -416,7 +424,7 @@ class ModelRunner:
             batch = ModelBatch(np.zeros(t_pad, np.int32), np.zeros(t_pad, np.int32), np.zeros(t_pad, np.int32),
                                np.zeros(r_pad + 1, np.int32), np.zeros(r_pad, np.int32),
                                np.zeros((r_pad, self.max_blocks), np.int32), np.zeros(r_pad, np.int32))
-            return _forward.lower(self.model.params, self.cfg, batch, self.kv_caches, prev_tokens,
+            return self.forward_fn.lower(self.model.params, self.cfg, batch, self.kv_caches, prev_tokens,
                                   np.full(t_pad, -1, np.int32), attention_backend=self.attention_backend,
                                   tp=self.tp, decode_only=decode_only).compile()
 
