@@ -103,21 +103,20 @@ def test_steady_state_never_compiles(llm):
 
 
 def test_decode_steps_take_the_decode_only_path(llm, monkeypatch):
-    """The runner flags a step decode-only exactly when every request has one token (token r being
-    request r's), so the kernels may skip their prefill path; mixed and prefill steps are not flagged."""
+    """The step function gets decode_only=True exactly when every request has one token (token r
+    being request r's), so the kernels may skip their prefill path; mixed and prefill steps do not."""
     runner = llm.engine.runner
     seen = []
-    prepare = runner.prepare
+    run_forward = runner._run_forward
 
-    def recording_prepare(out):
-        step = prepare(out)
-        qsl = step.batch.query_start_loc
-        num_reqs = int(np.count_nonzero(step.batch.seq_lens))
-        one_each = bool((np.diff(qsl)[:num_reqs] == 1).all()) and int(qsl[-1]) == num_reqs
-        seen.append((step.decode_only, one_each))
-        return step
+    def recording_run_forward(batch, prev_tokens, prev_index, decode_only=False):
+        qsl, seq_lens = np.asarray(batch.query_start_loc), np.asarray(batch.seq_lens)
+        num_reqs = int(np.count_nonzero(seq_lens))  # real requests have >= 1 token in the cache
+        one_each = bool((qsl[1: num_reqs + 1] == np.arange(1, num_reqs + 1)).all()) and qsl[-1] == num_reqs
+        seen.append((decode_only, one_each))
+        return run_forward(batch, prev_tokens, prev_index, decode_only)
 
-    monkeypatch.setattr(runner, "prepare", recording_prepare)
+    monkeypatch.setattr(runner, "_run_forward", recording_run_forward)
     llm.generate([f"{a}+{b}=" for a, b in problems(5, seed=9)], GREEDY, use_tqdm=False)
     assert all(flag == one_each for flag, one_each in seen), seen
     assert {flag for flag, _ in seen} == {True, False}

@@ -31,6 +31,7 @@ class Case:
     num_reqs: int = 6  # R, including padding requests (seq_len 0)
     max_blocks: int = 6
     decode_only: bool = False
+    padding_reqs: int = 1  # requests at the end with no tokens (seq_len 0)
 
 
 def make_batch(case: Case, seed: int):
@@ -39,7 +40,7 @@ def make_batch(case: Case, seed: int):
     (and every page no request owns) NaN; block-table entries past a request's pages random."""
     rng = np.random.default_rng(seed)
     page, max_len = case.page_size, case.max_blocks * case.page_size
-    real = case.num_reqs - 1  # the last request is padding
+    real = case.num_reqs - case.padding_reqs  # the last requests are padding
     budget = case.num_tokens - 2  # leave padding token rows
     q_lens, seq_lens = [], []
     for r in range(real):
@@ -54,8 +55,8 @@ def make_batch(case: Case, seed: int):
         budget -= q_len
         q_lens.append(q_len)
         seq_lens.append(context + q_len)
-    q_lens.append(0)
-    seq_lens.append(0)
+    q_lens += [0] * case.padding_reqs
+    seq_lens += [0] * case.padding_reqs
 
     pages_needed = [-(-s // page) for s in seq_lens]
     num_pages = case.num_reqs * case.max_blocks + 3  # fixed, so seeds share one compilation
@@ -127,13 +128,16 @@ def test_decode_only_gqa4_bf16_auto_split():
     check(case, seeds=range(2), atol=3e-2, config=gpu.TuningConfig(decode_block_kv=16))
 
 
-@pytest.mark.parametrize("num_tokens", [6, 16], ids=["T==R", "T>R"])
-def test_decode_only_fast_path(num_tokens):
-    """decode_only=True (no scatter, no general kernel) on a decode batch with a padding request and,
-    when T > R, padding token rows past the requests: the reference's output, padding rows zero."""
-    case = Case(6, 2, 64, 16, num_tokens=num_tokens, num_reqs=6, max_blocks=4, decode_only=True)
+@pytest.mark.parametrize("num_tokens,num_reqs,padding_reqs", [(6, 6, 1), (16, 6, 1), (4, 8, 5)],
+                         ids=["T==R", "T>R", "T<R"])
+def test_decode_only_fast_path(num_tokens, num_reqs, padding_reqs):
+    """decode_only=True (no scatter, no general kernel) on decode batches with padding requests, and
+    padding token rows past the requests (T > R) or padding requests past the tokens (T < R): the
+    reference's output, padding rows zero; with a sliding window too."""
+    case = Case(6, 2, 64, 16, num_tokens=num_tokens, num_reqs=num_reqs, max_blocks=4, decode_only=True,
+                padding_reqs=padding_reqs)
     check(case, seeds=range(2), atol=2e-5, config=SPLIT_ON, fast_path=True)
-    check(case, seeds=range(1), atol=2e-5, config=SPLIT_OFF, fast_path=True)
+    check(case, seeds=range(1), atol=2e-5, config=SPLIT_OFF, fast_path=True, sliding_window=20)
 
 
 def test_group_not_power_of_two():

@@ -289,7 +289,7 @@ class ModelRunner:
             sample_index = np.arange(num_decode)
         num_reqs = len(rows)
         t_pad, r_pad = self.buckets.pad_tokens(num_tokens), self.buckets.pad_requests(num_reqs)
-        decode_only = num_tokens == num_reqs  # every request has >= 1 token: one each
+        decode_only = bool((counts == 1).all())  # one token each: token r is request r's (decode rows lead)
 
         token_ids = np.zeros(t_pad, np.int32)
         token_ids[:num_tokens] = self.token_buf[token_rows, pos]

@@ -15,6 +15,9 @@ Data flow of one call:
     the other rows (requests with q_len >= 2: chunked prefill, fresh prompts):
         --general kernel, grid (cdiv(T, BQ) + R, K), aliased onto out--> out [T, K, G', H]
     out -> [T, N, H]
+    decode_only=True (the caller's promise: every request has one query token, token r is request
+    r's): o [R, K, G', H] is already in token order: cut or zero-padded to T rows, no scatter, no
+    general kernel launched
 
 Both kernels pack the G query heads of a kv head into the rows of one program, so every K/V
 page is loaded once for all of them, and both walk only the request's real pages: the tile loop
