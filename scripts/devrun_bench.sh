@@ -30,24 +30,18 @@ decode)
     tail -30 $OUT/latency_b64_$overlap.log
   done
   ;;
-startup)
+startup|startup64)
+  # Cold then warm start (every bucket compiled) at batch 1; startup64 adds batch 64 / ctx 2048, warm.
   rm -rf ~/.cache/jaxserve/xla
   for start in cold warm; do
     $BENCH latency $CFG --batch-size 1 --input-len 128 --output-len 256 --num-iters-warmup 1 --num-iters 2 \
       --output-json $OUT/startup_$start.json > $OUT/startup_$start.log 2>&1
     echo "== $start"; tail -6 $OUT/startup_$start.log
   done
-  ;;
-startup64)
-  # Cold then warm start (every bucket compiled) at batch 1, then batch 64 / ctx 2048 warm.
-  rm -rf ~/.cache/jaxserve/xla
-  for start in cold warm; do
-    $BENCH latency $CFG --batch-size 1 --input-len 128 --output-len 256 --num-iters-warmup 1 --num-iters 2 \
-      --output-json $OUT/startup_$start.json > $OUT/startup_$start.log 2>&1
-    echo "== $start"; tail -6 $OUT/startup_$start.log
-  done
-  $BENCH latency $CFG --batch-size 64 --input-len 2048 --output-len 128 --num-iters-warmup 1 --num-iters 1 \
-    --output-json $OUT/b64_warm.json > $OUT/b64_warm.log 2>&1; echo "== b64"; tail -6 $OUT/b64_warm.log
+  if [ "$1" = startup64 ]; then
+    $BENCH latency $CFG --batch-size 64 --input-len 2048 --output-len 128 --num-iters-warmup 1 --num-iters 1 \
+      --output-json $OUT/b64_warm.json > $OUT/b64_warm.log 2>&1; echo "== b64"; tail -6 $OUT/b64_warm.log
+  fi
   ;;
 tp)
   for cfg in llama3-8b-dummy llama3-8b-dummy-tp2; do
