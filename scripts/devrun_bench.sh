@@ -14,11 +14,14 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
 BENCH="python3 -m jaxserve.cli bench"
 CFG="--config configs/llama3-8b-dummy.yaml --disable-tqdm"
-case "${1:-decode}" in
-decode)
+peer() {  # the tight-loop peer at batch 1 / ctx 128 and batch 64 / ctx 2048, both cache layouts; last $1 lines
   python3 benchmarks/tight_loop_decode.py --config-json configs/models/llama3-8b/config.json \
     --batch-sizes 1,64 --context 128,2048 --steps 64 --cache-layout blkh,bklh \
-    --output-json $OUT/peer.json 2>&1 | grep -v Warning | tee $OUT/peer.log | tail -8
+    --output-json $OUT/peer.json 2>&1 | grep -v Warning | tee $OUT/peer.log | tail -"$1"
+}
+case "${1:-decode}" in
+decode)
+  peer 8
   for overlap in true false; do
     $BENCH latency $CFG --batch-size 1 --input-len 128 --output-len 256 --num-iters-warmup 1 --num-iters 3 \
       --async-scheduling $overlap --output-json $OUT/latency_b1_$overlap.json > $OUT/latency_b1_$overlap.log 2>&1
@@ -59,9 +62,7 @@ decode64)
   # The decode targets of issue 5 against the peer (both cache layouts) in one call, then T=2 (when two
   # GPUs) and the GPU test tier of the kernels and the engine (skip with SKIP_TP=1 / SKIP_TESTS=1).
   CFG1="--config configs/llama3-8b-dummy.yaml --disable-tqdm --precompile false"
-  python3 benchmarks/tight_loop_decode.py --config-json configs/models/llama3-8b/config.json \
-    --batch-sizes 1,64 --context 128,2048 --steps 64 --cache-layout blkh,bklh \
-    --output-json $OUT/peer.json 2>&1 | grep -v Warning | tee $OUT/peer.log | tail -6
+  peer 6
   $BENCH latency $CFG1 --batch-size 1 --input-len 128 --output-len 256 --num-iters-warmup 1 --num-iters 3 \
     --output-json $OUT/b1.json > $OUT/b1.log 2>&1; tail -11 $OUT/b1.log
   $BENCH latency $CFG1 --batch-size 64 --input-len 2048 --output-len 128 --num-iters-warmup 1 --num-iters 2 \
@@ -79,9 +80,7 @@ final)
   CFG1="--config configs/llama3-8b-dummy.yaml --disable-tqdm --precompile false"
   $BENCH throughput $CFG1 --num-prompts 1000 --input-len 1024 --output-len 256 \
     --output-json $OUT/throughput.json > $OUT/throughput.log 2>&1; tail -14 $OUT/throughput.log
-  python3 benchmarks/tight_loop_decode.py --config-json configs/models/llama3-8b/config.json \
-    --batch-sizes 1,64 --context 128,2048 --steps 64 --cache-layout blkh,bklh \
-    --output-json $OUT/peer.json 2>&1 | grep -v Warning | tee $OUT/peer.log | tail -6
+  peer 6
   for overlap in true false; do
     $BENCH latency $CFG1 --batch-size 1 --input-len 128 --output-len 256 --num-iters-warmup 1 --num-iters 3 \
       --async-scheduling $overlap --output-json $OUT/b1_$overlap.json > $OUT/b1_$overlap.log 2>&1

@@ -428,14 +428,12 @@ def ragged_paged_attention(
     if decode_only:  # token r is request r's query: rows past the requests are padding (zero)
         out = (o_dec[:num_tokens] if num_reqs >= num_tokens
                else jnp.pad(o_dec, ((0, num_tokens - num_reqs), (0, 0), (0, 0), (0, 0))))
-        if group_pad != group:
-            out = out[:, :, :group]
-        return out.reshape(num_tokens, num_q_heads, head_dim)
-    is_decode = (qsl[1:] - qsl[:-1]) == 1
-    rows = jnp.where(is_decode, qsl[:-1], num_tokens)  # others are dropped
-    out = jnp.zeros(q4.shape, q.dtype).at[rows].set(o_dec, mode="drop")
-    if num_tokens > 1:
-        out = _general(q4, kv_cache, qsl, seq_lens, block_tables, out, **common)
+    else:
+        is_decode = (qsl[1:] - qsl[:-1]) == 1
+        rows = jnp.where(is_decode, qsl[:-1], num_tokens)  # others are dropped
+        out = jnp.zeros(q4.shape, q.dtype).at[rows].set(o_dec, mode="drop")
+        if num_tokens > 1:
+            out = _general(q4, kv_cache, qsl, seq_lens, block_tables, out, **common)
     if group_pad != group:
         out = out[:, :, :group]
     return out.reshape(num_tokens, num_q_heads, head_dim)
