@@ -98,6 +98,9 @@ class RunnerConfig:
                     raise ValueError(f"runner.{name} must be a non-empty list of positive integers")
 
 
+ALL_REDUCE_MODES = ("auto", "xla", "one_shot")
+
+
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
     """The device mesh (README "Parallelism"): `data` engine replicas, each tensor-parallel over
@@ -108,8 +111,13 @@ class ParallelConfig:
     coordinator_address: str | None = None  # "host:port" of process 0, when num_processes > 1
     num_processes: int = 1  # processes (hosts) running the same program
     process_id: int = 0  # this process; 0 schedules and the others follow its steps
+    # auto: a peer-memory one-shot kernel for decode-sized all-reduces when the `model` GPUs are in
+    # this process (keeps the step one CUDA graph), XLA's everywhere else; xla | one_shot to force
+    all_reduce: str = "auto"
 
     def __post_init__(self):
+        if self.all_reduce not in ALL_REDUCE_MODES:
+            raise ValueError(f"parallel.all_reduce must be one of {ALL_REDUCE_MODES}, got {self.all_reduce!r}")
         for name in ("data", "model", "num_processes"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name} must be an integer >= 1, got {getattr(self, name)!r}")

@@ -9,6 +9,8 @@
 #   startup64: startup, then batch 64 / ctx 2048 from the warm cache.
 #   tp (on nvidia-h200-x2): batch-1 latency at T=1, then T=2 (configs/llama3-8b-dummy-tp2.yaml).
 #   decode64: the peer, batch 1 and batch 64 / ctx 2048 (overlap on), T=2 when two GPUs, GPU test tier.
+#   tp2 (on nvidia-h200-x2): the GPU tests of the all-reduce kernel and the engine, batch-1 latency at
+#     T=1, T=2 (all_reduce auto: the one-shot kernel) and T=2 with XLA's, and XLA's graph-update log.
 set -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
@@ -74,6 +76,23 @@ decode64)
   fi
   [ -z "${SKIP_TESTS:-}" ] && python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_paged_attention_gpu.py \
     tests/test_engine_pallas.py 2>&1 | tail -3
+  ;;
+tp2)
+  timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_all_reduce_gpu.py tests/test_engine_pallas.py \
+    > $OUT/tests.log 2>&1; tail -3 $OUT/tests.log
+  for run in "llama3-8b-dummy auto" "llama3-8b-dummy-tp2 auto" ${WITH_XLA:+"llama3-8b-dummy-tp2 xla"}; do
+    set -- $run
+    timeout 300 $BENCH latency --config configs/$1.yaml --disable-tqdm --precompile false --all-reduce $2 \
+      --batch-size 1 --input-len 128 --output-len 256 --num-iters-warmup 1 --num-iters 3 \
+      --output-json $OUT/${1}_$2.json > $OUT/${1}_$2.log 2>&1
+    echo "== $1 all_reduce=$2"; tail -11 $OUT/${1}_$2.log
+  done
+  # does the T=2 decode step's CUDA graph still get updated each step? (XLA's own log)
+  TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=1 timeout 200 \
+    python3 scripts/profile_dispatch.py --config configs/llama3-8b-dummy-tp2.yaml --steps 20 > $OUT/vlog.log 2>&1
+  grep -v "^[IW]1" $OUT/vlog.log | tail -9
+  echo "graph updates in the last 40 log lines:"; grep -E "command_buffer_thunk|command_executor" $OUT/vlog.log | tail -40 \
+    | grep -oE "num_commands=[0-9]+; updated_allocs=[0-9]+|Updated [0-9]+ commands" | sort | uniq -c
   ;;
 final)
   # Everything of issue 5 and 6 in one call on nvidia-h200-x2 (T=1 runs use one of its GPUs).

@@ -2,6 +2,7 @@
 # Where the host time of a decode step goes on the device machine (8B dummy, batch 1), T=1 and T=2.
 #   bash scripts/devrun_dispatch.sh trace   # profile + jax.profiler trace, command buffers on/off
 #   bash scripts/devrun_dispatch.sh flags   # host time of the step under XLA command-buffer options
+#   bash scripts/devrun_dispatch.sh kernel  # T=2 with the one-shot all-reduce kernel: traces, update log
 # Logs and traces under $OUT; a table last.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -48,6 +49,23 @@ case ${1:-flags} in
     run t2_no1_coll $T2 "$NO1 $CB,COLLECTIVES"
     run t2_no1_coll_tr $T2 "$NO1 $CB,COLLECTIVES" trace
     run t1_coll $T1 "$CB,COLLECTIVES"
+    ;;
+  overlap)  # T=2 engine with overlap: does the step's graph get updated? then a trace without overlap
+    TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=1 timeout 200 \
+      python3 -m jaxserve.cli bench latency --config $T2 --disable-tqdm --precompile false --batch-size 1 \
+      --input-len 128 --output-len 64 --num-iters-warmup 0 --num-iters 1 > "$OUT/t2_overlap_vlog.log" 2>&1
+    grep -v "^[IW]1" "$OUT/t2_overlap_vlog.log" | tail -6
+    grep -E "command_buffer_thunk|command_executor" "$OUT/t2_overlap_vlog.log" | tail -200 \
+      | grep -oE "num_commands=[0-9]+; updated_allocs=[0-9]+|Updated [0-9]+ commands in [0-9]+" | sed 's/in [0-9]*$//' | sort | uniq -c
+    run t2 $T2 "" trace
+    ;;
+  kernel)  # T=2 with the one-shot all-reduce kernel (parallel.all_reduce auto): graphs and updates
+    run t1 $T1 "" trace
+    run t2 $T2 "" trace
+    run t2_skip $T2 "--xla_gpu_command_buffer_update_mode=SKIP_TEMP"
+    TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_buffer_cmd=1,command_executor=1 \
+      timeout 200 python3 scripts/profile_dispatch.py --config $T2 --steps 3 > "$OUT/t2_vlog.log" 2>&1
+    grep -E "updated_allocs|Updated [0-9]+ commands" "$OUT/t2_vlog.log" | tail -8
     ;;
   flags)
     run t1 $T1 ""

@@ -63,6 +63,7 @@ class AxisRules:
 # "model"; the model width ("embed") and everything per head stays whole on every device.
 TENSOR_PARALLEL = AxisRules(
     mapping=(("vocab", MODEL_AXIS), ("embed", None), ("heads", MODEL_AXIS), ("kv_heads", MODEL_AXIS),
-             ("head_dim", None), ("mlp", MODEL_AXIS), ("pages", None), ("page_slots", None)),
+             ("head_dim", None), ("mlp", MODEL_AXIS), ("pages", None), ("page_slots", None),
+             ("tp_shard", MODEL_AXIS)),
     uneven=(("vocab", "pad"), ("mlp", "pad"), ("kv_heads", "replicate")),
 )

@@ -6,6 +6,11 @@ calls with logical axis names.
     a model step --TensorParallel.shard_map--> the per-device function on local shards, which calls
       psum (after a row-parallel matmul), all_gather (logits), sharded_lookup (vocab-parallel embedding)
 
+psum is XLA's all-reduce unless the TensorParallel carries an `all_reduce` kernel (a static, hashable
+callable `(x, comm) -> sum` with `fits(x)`, e.g. pallas_kernels.all_reduce.OneShotAllReduce) and the
+step passes that kernel's device-side state `comm` (its local shard, sharded over "model"): then
+every all-reduce the kernel takes (decode-sized ones) runs it, the rest stay XLA's.
+
 `TensorParallel` is frozen and hashable, so it is a static argument of the jitted step. The
 in-shard helpers take `tp=None` on the unsharded path and then return the plain computation: the
 single-device step has no shard_map and no collectives.
@@ -36,6 +41,7 @@ def _is_axes(node: Any) -> bool:
 class TensorParallel:
     mesh: Mesh
     rules: AxisRules = TENSOR_PARALLEL
+    all_reduce: Any = None  # a kernel over the "model" axis for the all-reduces it fits; None: XLA's psum
 
     @property
     def size(self) -> int:
@@ -97,7 +103,7 @@ class TensorParallel:
     def zeros(self, shape: tuple[int, ...], dtype, logical_axes: Axes = ()) -> jax.Array:
         """Zeros made in place on every device (each allocates only its shard), e.g. KV caches;
         `logical_axes=()` replicates them."""
-        return _zeros_fn(tuple(shape), np.dtype(dtype), self.sharding(logical_axes))()
+        return zeros(shape, dtype, self.sharding(logical_axes))
 
     def shard_map(self, fn: Callable, in_axes, out_axes) -> Callable:
         """`jax.shard_map` over the mesh; in/out specs given as pytrees of logical axes (prefixes allowed)."""
@@ -109,8 +115,14 @@ class TensorParallel:
                              check_vma=False)
 
 
-@functools.lru_cache(maxsize=64)
-def _zeros_fn(shape: tuple[int, ...], dtype: np.dtype, sharding: NamedSharding) -> Callable[[], jax.Array]:
+def zeros(shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding) -> jax.Array:
+    """Zeros made on the devices of `sharding` (each allocating only its shard), by one compiled fill
+    per shape: no host transfer, and no tracing once a shape has been made."""
+    return _zeros_fn(tuple(shape), np.dtype(dtype), sharding)()
+
+
+@functools.lru_cache(maxsize=256)
+def _zeros_fn(shape: tuple[int, ...], dtype: np.dtype, sharding: jax.sharding.Sharding) -> Callable[[], jax.Array]:
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
 
 
@@ -121,10 +133,15 @@ def _axis_name(tp: TensorParallel | None, logical: str) -> str | None:
     return axis if axis is not None and tp.mesh.shape[axis] > 1 else None
 
 
-def psum(x: jax.Array, tp: TensorParallel | None, logical: str) -> jax.Array:
-    """Inside shard_map: sum the partial results of a matmul that contracted the sharded `logical` axis."""
+def psum(x: jax.Array, tp: TensorParallel | None, logical: str, comm: jax.Array | None = None) -> jax.Array:
+    """Inside shard_map: sum the partial results of a matmul that contracted the sharded `logical` axis.
+    With `comm` (the local shard of `tp.all_reduce`'s state) the kernel sums the tensors it fits."""
     axis = _axis_name(tp, logical)
-    return x if axis is None else jax.lax.psum(x, axis)
+    if axis is None:
+        return x
+    if comm is not None and tp.all_reduce is not None and axis == MODEL_AXIS and tp.all_reduce.fits(x):
+        return tp.all_reduce(x, comm)
+    return jax.lax.psum(x, axis)
 
 
 def all_gather(x: jax.Array, tp: TensorParallel | None, logical: str, axis: int) -> jax.Array:
@@ -133,7 +150,8 @@ def all_gather(x: jax.Array, tp: TensorParallel | None, logical: str, axis: int)
     return x if name is None else jax.lax.all_gather(x, name, axis=axis, tiled=True)
 
 
-def sharded_lookup(table: jax.Array, ids: jax.Array, tp: TensorParallel | None, logical: str) -> jax.Array:
+def sharded_lookup(table: jax.Array, ids: jax.Array, tp: TensorParallel | None, logical: str,
+                   comm: jax.Array | None = None) -> jax.Array:
     """table[ids] for a table whose rows (the `logical` axis) are sharded: each shard looks up the ids
     it holds, zeros elsewhere, and one psum assembles the rows (exact: one nonzero term per row)."""
     axis = _axis_name(tp, logical)
@@ -143,4 +161,4 @@ def sharded_lookup(table: jax.Array, ids: jax.Array, tp: TensorParallel | None, 
     local = ids - jax.lax.axis_index(axis) * rows
     held = (local >= 0) & (local < rows)
     found = table[jnp.where(held, local, 0)]
-    return jax.lax.psum(jnp.where(held[..., None], found, jnp.zeros((), table.dtype)), axis)
+    return psum(jnp.where(held[..., None], found, jnp.zeros((), table.dtype)), tp, logical, comm)

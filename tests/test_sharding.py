@@ -150,6 +150,33 @@ def test_compiled_step_reduces_once_per_block_and_gathers_only_logits(name, mode
     assert aliased == set(range(first_cache, first_cache + cfg.num_layers)), "the caches must be donated"
 
 
+def test_decode_sized_all_reduces_take_the_one_shot_kernel():
+    # The GPU step of tp.all_reduce (the peer-memory kernel; it runs in tests/test_all_reduce_gpu.py):
+    # lowered for CUDA, a step whose [T, D] all-reduces are whole kernel chunks has no XLA all-reduce
+    # left; a larger one keeps XLA's. Lowering needs no GPU; the kernel's state is made on CPU devices.
+    from pallas_kernels.all_reduce.mosaic_gpu import CHUNK, OneShotAllReduce, Workspace
+
+    base = tp(2)
+    workspace = Workspace(list(base.mesh.devices.flat), max_elems=4 * CHUNK)
+    t = dataclasses.replace(base, all_reduce=OneShotAllReduce(workspace.layout))
+    m = loader.load_model(HF_FIXTURES / "llama3_gqa4_tied", dtype="float32", place=llama.param_placer(t))
+    caches = llama.init_kv_caches(m.config, 9, 4, tp=t)
+    comm = workspace.table(t.mesh, "model")
+    counts = {}
+    for tokens in (CHUNK // m.config.hidden_size, 8 * CHUNK // m.config.hidden_size):  # fits; too large
+        batch = ModelBatch(*(np.zeros(n, np.int32) for n in (tokens, tokens, tokens, 3, 2)),
+                           np.zeros((2, 4), np.int32), np.zeros(2, np.int32))
+        text = STEP.trace(m.params, m.config, batch, caches, tp=t, comm=comm).lower(
+            lowering_platforms=("cuda",)).as_text()
+        # the kernel is one private function (holding the custom call); count the calls to it
+        kernel = re.search(r"func\.func private @(\w+)\([^\n]*\n[^\n]*custom_call @mosaic_gpu_v2", text)
+        calls = len(re.findall(rf"call @{kernel.group(1)}\(", text)) if kernel else 0
+        counts[tokens] = (text.count('"stablehlo.all_reduce"'), calls)
+    small, large = sorted(counts)
+    assert counts[small] == (0, 3), counts  # _layer's two (o, down) and the embedding's: all the kernel
+    assert counts[large] == (3, 0), counts  # all XLA's
+
+
 # ---- the engine ----
 def hf_engine_tokens(name: str, model: int, **overrides) -> list[list[int]]:
     base = load_config(None, model=HF_FIXTURES / name, dtype="float32", skip_tokenizer_init=True, max_model_len=96,
@@ -221,3 +248,15 @@ def test_tensor_parallel_steady_state_never_compiles(tiny_tp2):
             prompts = [f"{a}+{a * 7 % 1000}=" for a in range(size)]
             outputs = tiny_tp2.generate(prompts, [mixed[i % 3] for i in range(size)], use_tqdm=False)
             assert all(o.finished and o.outputs[0].token_ids for o in outputs)
+
+
+def test_all_reduce_mode_is_xla_off_gpu_and_checked():
+    from jaxserve.runner.model_runner import setup_all_reduce
+
+    t = tp(2)
+    assert setup_all_reduce(t, "auto") == (t, None, None)  # CPU devices: XLA's psum
+    assert setup_all_reduce(t, "xla") == (t, None, None)
+    with pytest.raises(ValueError, match="one_shot needs the tensor-parallel GPUs in one process"):
+        setup_all_reduce(t, "one_shot")
+    with pytest.raises(ValueError, match="parallel.all_reduce must be one of"):
+        ParallelConfig(model=2, all_reduce="nccl")

@@ -49,7 +49,7 @@ PERCENTILES = (50, 90, 99)
 # flag dest -> EngineConfig field (routed to its section by EngineConfig.with_overrides)
 ENGINE_FLAGS = ("model", "load_format", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                 "block_size", "num_blocks", "enable_prefix_caching", "async_scheduling", "attention_backend",
-                "precompile", "skip_tokenizer_init")
+                "precompile", "skip_tokenizer_init", "all_reduce")
 
 
 def parse_bool(text: str) -> bool:
@@ -82,6 +82,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="compile every bucket at start-up (default: the config's)")
     group.add_argument("--skip-tokenizer-init", action="store_const", const=True,
                        help="no tokenizer: prompts must be token ids")
+    group.add_argument("--all-reduce", choices=("auto", "xla", "one_shot"),
+                       help="tensor parallelism's all-reduces: auto (the one-shot kernel on GPUs of one process), "
+                            "xla or one_shot")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:

@@ -83,16 +83,16 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
 
 
 def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, biases=None,
-              tp: TensorParallel | None = None) -> jax.Array:
+              tp: TensorParallel | None = None, comm: jax.Array | None = None) -> jax.Array:
     """SwiGLU: down(silu(x @ gate) * (x @ up)). x [T, D]; w_gate, w_up [D, F]; w_down [F, D].
 
     With `tp` (inside shard_map) the weights hold F/tp columns: gate/up are column-parallel, down is
-    row-parallel, and one psum completes the block before the down bias."""
+    row-parallel, and one psum completes the block before the down bias (`comm`: see sharding.psum)."""
     gate = jnp.einsum("td,df->tf", x, w_gate)
     up = jnp.einsum("td,df->tf", x, w_up)
     if biases is not None:
         gate, up = gate + biases[0], up + biases[1]
-    out = psum(jnp.einsum("tf,fd->td", jax.nn.silu(gate) * up, w_down), tp, "mlp")
+    out = psum(jnp.einsum("tf,fd->td", jax.nn.silu(gate) * up, w_down), tp, "mlp", comm)
     if biases is not None:
         out = out + biases[2]
     return out

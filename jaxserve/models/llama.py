@@ -92,6 +92,7 @@ AXES: dict[str, tuple[str, ...]] = {
     "w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed"),
     "b_gate": ("mlp",), "b_up": ("mlp",), "b_down": ("embed",),
 }
+COMM_AXES = ("tp_shard", None)  # the all-reduce kernel's state: one row per tensor-parallel device
 
 
 def abstract(cfg: LlamaConfig) -> Params:
@@ -158,22 +159,23 @@ def _qkv(lp: Params, cfg: LlamaConfig, x: jax.Array, positions: jax.Array, inv_f
 
 
 def _out_and_mlp(lp: Params, cfg: LlamaConfig, x: jax.Array, attn: jax.Array,
-                 tp: TensorParallel | None = None) -> jax.Array:
+                 tp: TensorParallel | None = None, comm: jax.Array | None = None) -> jax.Array:
     """Attention output projection + residual, then the MLP block + residual. x [T, D].
 
     With `tp` (inside shard_map) attn holds the local heads: wo is row-parallel, so one psum
-    completes the attention block (biases are added once, after it); the MLP does the same."""
+    completes the attention block (biases are added once, after it); the MLP does the same. `comm`:
+    the all-reduce kernel's state (sharding.psum), None for XLA's."""
     # NOTE: a 2-D matmul over the flattened (N, H) axis; einsum "tnh,nhd->td" made XLA relayout
     # (copy) the whole wo weight every step.
     num_heads, head_dim, width = lp["wo"].shape
     o = attn.reshape(-1, num_heads * head_dim) @ lp["wo"].reshape(num_heads * head_dim, width)
-    o = psum(o, tp, "heads")
+    o = psum(o, tp, "heads", comm)
     if cfg.o_bias:
         o = o + lp["bo"]
     x = x + o
     h = layers.rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
     biases = (lp["b_gate"], lp["b_up"], lp["b_down"]) if cfg.mlp_bias else None
-    return x + layers.gated_mlp(h, lp["w_gate"], lp["w_up"], lp["w_down"], biases, tp)
+    return x + layers.gated_mlp(h, lp["w_gate"], lp["w_up"], lp["w_down"], biases, tp, comm)
 
 
 def _logits(params: Params, cfg: LlamaConfig, x: jax.Array, tp: TensorParallel | None = None) -> jax.Array:
@@ -186,7 +188,8 @@ def _logits(params: Params, cfg: LlamaConfig, x: jax.Array, tp: TensorParallel |
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "attention_backend", "tp", "decode_only"))
-def _layer(lp: Params, x: jax.Array, kv_cache: jax.Array, batch: ModelBatch, *, cfg: LlamaConfig,
+def _layer(lp: Params, x: jax.Array, kv_cache: jax.Array, batch: ModelBatch, comm: jax.Array | None, *,
+           cfg: LlamaConfig,
            attention_backend: str, tp: TensorParallel | None, decode_only: bool) -> tuple[jax.Array, jax.Array]:
     """One decoder layer. Jitted on its own so the step traces it once per shape, not once per layer
     (XLA inlines the calls: the compiled step is the same; warm starts lower each step shape faster)."""
@@ -197,17 +200,17 @@ def _layer(lp: Params, x: jax.Array, kv_cache: jax.Array, batch: ModelBatch, *, 
         q, k, v, kv_cache, batch, sm_scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window,
         backend=attention_backend, decode_only=decode_only,
     )
-    return _out_and_mlp(lp, cfg, x, attn, tp), kv_cache
+    return _out_and_mlp(lp, cfg, x, attn, tp, comm), kv_cache
 
 
-def _step(params: Params, batch: ModelBatch, kv_caches: list[jax.Array], *, cfg: LlamaConfig,
-          attention_backend: str, tp: TensorParallel | None,
+def _step(params: Params, batch: ModelBatch, kv_caches: list[jax.Array], comm: jax.Array | None = None, *,
+          cfg: LlamaConfig, attention_backend: str, tp: TensorParallel | None,
           decode_only: bool = False) -> tuple[jax.Array, list[jax.Array]]:
     """The step on one device's params and caches: all of them, or (with `tp`) its shards."""
-    x = sharded_lookup(params["embed"], batch.token_ids, tp, "vocab")  # [T, D]
+    x = sharded_lookup(params["embed"], batch.token_ids, tp, "vocab", comm)  # [T, D]
     new_caches = []
     for lp, kv_cache in zip(params["layers"], kv_caches):
-        x, kv_cache = _layer(lp, x, kv_cache, batch, cfg=cfg, attention_backend=attention_backend, tp=tp,
+        x, kv_cache = _layer(lp, x, kv_cache, batch, comm, cfg=cfg, attention_backend=attention_backend, tp=tp,
                              decode_only=decode_only)
         new_caches.append(kv_cache)
     return _logits(params, cfg, x[batch.logits_indices], tp), new_caches
@@ -221,20 +224,22 @@ def forward(
     attention_backend: str = "reference",
     tp: TensorParallel | None = None,
     decode_only: bool = False,
+    comm: jax.Array | None = None,
 ) -> tuple[jax.Array, list[jax.Array]]:
     """One engine step over the ragged batch. Returns float32 logits for `batch.logits_indices`.
 
     `tp` with more than one shard runs the step tensor-parallel over its mesh (module docstring);
     without it, or with one shard, the step is the plain single-device one. `decode_only`: see
-    layers.paged_attention (one query token per request, in request order)."""
+    layers.paged_attention (one query token per request, in request order). `comm`: the state of
+    `tp.all_reduce` (one row per device, sharded over "model"); None runs XLA's all-reduces."""
     if tp is None or tp.size == 1:
         return _step(params, batch, kv_caches, cfg=cfg, attention_backend=attention_backend, tp=None,
                      decode_only=decode_only)
     cache_axes = [layers.kv_cache_axes(attention_backend)] * len(kv_caches)
     sharded_step = tp.shard_map(functools.partial(_step, cfg=cfg, attention_backend=attention_backend, tp=tp,
                                                   decode_only=decode_only),
-                                in_axes=(param_axes(params), (), cache_axes), out_axes=((), cache_axes))
-    logits, kv_caches = sharded_step(params, batch, kv_caches)
+                                in_axes=(param_axes(params), (), cache_axes, COMM_AXES if comm is not None else ()), out_axes=((), cache_axes))
+    logits, kv_caches = sharded_step(params, batch, kv_caches, comm)
     if logits.shape[-1] != cfg.vocab_size:  # the vocabulary was padded to a multiple of tp
         logits = logits[:, : cfg.vocab_size]
     return logits, kv_caches
