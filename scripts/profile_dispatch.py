@@ -2,9 +2,9 @@
 
     PYTHONPATH=. python3 scripts/profile_dispatch.py [--config configs/llama3-8b-dummy.yaml]
 
-Times each piece of dispatch with perf_counter after a warm-up: prepare (host numpy), the jitted
-forward call (returns once enqueued), the sampler call, the async copy; then the same forward call
-with its inputs already on device, to separate argument transfer from dispatch.
+Times each piece of dispatch with perf_counter after a warm-up: prepare (host numpy), the forward
+(staging the inputs into the step's reused buffers, then the step; returns once enqueued), the
+sampler call, the async copy, the wait for the sampled tokens.
 """
 
 from __future__ import annotations
@@ -46,14 +46,11 @@ def main() -> None:
     for _ in range(5):
         engine.step()
     runner = engine.runner
-    times = {k: [] for k in ("schedule", "prepare", "forward", "sample", "copy", "wait", "forward_dev_args",
-                              "leaves")}
+    times = {k: [] for k in ("schedule", "prepare", "forward", "sample", "copy", "wait", "leaves")}
 
     def forward(batch, prev_tokens, prev_index, decode_only):
-        """The runner's jitted step called directly (the jit path, not the AOT executables)."""
-        logits, runner.kv_caches = runner.forward_fn(
-            runner.model.params, runner.cfg, batch, runner.kv_caches, prev_tokens, prev_index,
-            attention_backend=runner.attention_backend, tp=runner.tp, decode_only=decode_only)
+        """The runner's forward (stage the inputs, then the step) on the jit path, not the AOT executables."""
+        logits, _ = runner._run_forward(batch, prev_tokens, prev_index, decode_only)
         return logits
 
     for _ in range(args.steps):
@@ -75,18 +72,11 @@ def main() -> None:
         runner._last = handle
         engine.scheduler.update_from_output(out, runner.collect(handle))
         t6 = time.perf_counter()
-        # The same forward with every input already on device: dispatch cost alone.
-        batch_dev = jax.device_put(step.batch)
-        prev_index_dev = jax.device_put(step.prev_index)
-        jax.block_until_ready((batch_dev, prev_index_dev))
-        t7 = time.perf_counter()
-        logits = forward(batch_dev, prev, prev_index_dev, step.decode_only)
-        t8 = time.perf_counter()
         jax.block_until_ready(logits)
-        t9 = time.perf_counter()
+        t7 = time.perf_counter()
         jax.tree.leaves((runner.model.params, runner.kv_caches))
-        t10 = time.perf_counter()
-        for name, value in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5, t8 - t7, t10 - t9)):
+        t8 = time.perf_counter()
+        for name, value in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5, t8 - t7)):
             times[name].append(value * 1e3)
     if args.trace:
         jax.profiler.start_trace(args.trace, create_perfetto_trace=True)

@@ -109,12 +109,12 @@ def test_decode_steps_take_the_decode_only_path(llm, monkeypatch):
     seen = []
     run_forward = runner._run_forward
 
-    def recording_run_forward(batch, prev_tokens, prev_index, decode_only=False):
+    def recording_run_forward(batch, prev_tokens, prev_index, decode_only=False, **kwargs):
         qsl, seq_lens = np.asarray(batch.query_start_loc), np.asarray(batch.seq_lens)
         num_reqs = int(np.count_nonzero(seq_lens))  # real requests have >= 1 token in the cache
         one_each = bool((qsl[1: num_reqs + 1] == np.arange(1, num_reqs + 1)).all()) and qsl[-1] == num_reqs
         seen.append((decode_only, one_each))
-        return run_forward(batch, prev_tokens, prev_index, decode_only)
+        return run_forward(batch, prev_tokens, prev_index, decode_only, **kwargs)
 
     monkeypatch.setattr(runner, "_run_forward", recording_run_forward)
     llm.generate([f"{a}+{b}=" for a, b in problems(5, seed=9)], GREEDY, use_tqdm=False)

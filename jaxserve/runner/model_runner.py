@@ -38,21 +38,39 @@ from jaxserve.models import llama
 from jaxserve.models.layers import ModelBatch
 from jaxserve.models.loader import LoadedModel
 from jaxserve.runner import sampler
-from sharding import TensorParallel
+from sharding import MODEL_AXIS, TensorParallel
+from sharding.tensor_parallel import zeros
 
 logger = logging.getLogger(__name__)
 
 MAX_BANNED = 16  # eos + stop token ids suppressed while a request is below min_tokens
 
-def _forward_step(params, cfg, batch: ModelBatch, kv_caches, prev_tokens, prev_index, attention_backend, tp=None,
-                  decode_only=False):
-    """The model step, with the tokens sampled by the previous step still on device fed in where
-    prev_index >= 0 (overlap scheduling: their values never went through the host). `decode_only`:
-    every request has one query token, token r being request r's (the kernels' decode fast path)."""
+def _stage_step(staged: ModelBatch, batch: ModelBatch, prev_tokens, prev_index) -> ModelBatch:
+    """The step's inputs copied into `staged` (donated: the same device buffers every step), with the
+    tokens sampled by the previous step still on device fed in where prev_index >= 0 (overlap
+    scheduling: their values never went through the host)."""
     from_prev = prev_tokens[jnp.maximum(prev_index, 0)]
     batch = batch._replace(token_ids=jnp.where(prev_index >= 0, from_prev, batch.token_ids))
-    return llama.forward(params, cfg, batch, kv_caches, attention_backend=attention_backend, tp=tp,
-                         decode_only=decode_only)
+    # Written into the donated arrays (returning `batch` itself would hand back its fresh buffers).
+    return jax.tree.map(lambda dst, src: jax.lax.dynamic_update_slice(dst, src, (0,) * src.ndim), staged, batch)
+
+
+stage_fn = jax.jit(_stage_step, donate_argnames=("staged",), keep_unused=True)
+
+
+def _forward_step(params, cfg, batch: ModelBatch, kv_caches, logits_buffer, comm, attention_backend, tp=None,
+                  decode_only=False, twin=False):
+    """The model step. `logits_buffer` (donated, never read) gives the logits a buffer that is the same
+    every step, as the staged batch and the donated caches are: XLA then replays the step's CUDA graph
+    without updating any node. `decode_only`: every request has one query token, token r being request
+    r's (the kernels' decode fast path). `comm`: the state of tp.all_reduce (None: XLA's all-reduces).
+    `twin`: the same step as a second executable (ModelRunner._run_forward alternates the two)."""
+    del logits_buffer
+    logits, kv_caches = llama.forward(params, cfg, batch, kv_caches, attention_backend=attention_backend, tp=tp,
+                                      decode_only=decode_only, comm=comm)
+    if twin:  # a no-op that only makes the program (and so the executable and its CUDA graph) another one
+        logits = logits + jnp.zeros((), logits.dtype)
+    return logits, kv_caches
 
 
 # XLA merges sibling matmuls that share an input into one (q/k/v; gate/up) only while the merged weights
@@ -66,9 +84,33 @@ GPU_COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 1024}
 def forward_fn(platform: str):
     """The jitted step for a platform (GPU options only where XLA:GPU compiles), one per process so
     engines with the same model config and shapes share compilations."""
-    return jax.jit(_forward_step, static_argnames=("cfg", "attention_backend", "tp", "decode_only"),
-                   donate_argnames=("kv_caches",),
+    return jax.jit(_forward_step, static_argnames=("cfg", "attention_backend", "tp", "decode_only", "twin"),
+                   donate_argnames=("kv_caches", "logits_buffer"), keep_unused=True,
                    compiler_options=GPU_COMPILER_OPTIONS if platform == "gpu" else None)
+
+
+def setup_all_reduce(tp: TensorParallel | None, mode: str):
+    """-> (tp, comm, workspace): `tp` with the all-reduce kernel the step uses, the kernel's device state
+    (the pointer table, an argument of every step) and the buffers behind it (kept alive by the runner).
+
+    one_shot (what `auto` picks for tensor parallelism over the GPUs of one process): the decode-sized
+    all-reduces run pallas_kernels.all_reduce, which XLA captures in the step's CUDA graph; its own
+    one-shot all-reduce splits the graph at every call, and replaying ~65 pieces per step made the host,
+    not the GPUs, set the pace (benchmarks/RESULTS.md). xla: lax.psum everywhere (CPU, TPU, several
+    processes: the kernel reaches its peers through raw device pointers, which only one process holds)."""
+    if tp is None or tp.size == 1 or mode == "xla":
+        return tp, None, None
+    devices = list(tp.mesh.devices.flat)
+    local = all(d.process_index == jax.process_index() for d in devices) and jax.process_count() == 1
+    if devices[0].platform != "gpu" or not local:
+        if mode == "one_shot":
+            raise ValueError(f"parallel.all_reduce=one_shot needs the tensor-parallel GPUs in one process; this mesh "
+                             f"is {devices[0].platform} over {jax.process_count()} process(es): use auto or xla")
+        return tp, None, None
+    from pallas_kernels.all_reduce.mosaic_gpu import OneShotAllReduce, Workspace
+    workspace = Workspace(devices)
+    tp = dataclasses.replace(tp, all_reduce=OneShotAllReduce(workspace.layout))
+    return tp, workspace.table(tp.mesh, MODEL_AXIS), workspace
 
 
 def enable_compilation_cache(directory: str | None) -> None:
@@ -172,9 +214,11 @@ class ModelRunner:
         runs on the default device."""
         enable_compilation_cache(config.runner.compilation_cache_dir)
         self.model = model
-        self.tp = tp
+        # The step's all-reduces: XLA's, or a peer-memory kernel whose state (`comm`) lives with the runner.
+        self.tp, self.comm, self._all_reduce_workspace = setup_all_reduce(tp, config.parallel.all_reduce)
         # Small device arrays made where the step runs (the mesh under tensor parallelism).
-        self._zeros = tp.zeros if tp is not None else jnp.zeros
+        self.on_device = (tp.sharding(()) if tp is not None
+                          else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
         self.cfg = model.config
         self.config = config
         self.max_model_len = max_model_len
@@ -212,11 +256,18 @@ class ModelRunner:
         # from the device with one compiled shape.
         self.max_rows = self.buckets.request_buckets[-1]
         self._last: StepHandle | None = None  # the last dispatched step
-        # Ahead-of-time executables by ("forward", T, R, decode_only) / ("sample", R, variant...), from
-        # precompile().
+        # Ahead-of-time executables by ("forward", T, R, decode_only, twin) / ("stage", T, R) /
+        # ("sample", R, variant...), from precompile().
         self._compiled: dict[tuple, jax.stages.Compiled] = {}
+        # Device buffers reused by donation (_run_forward): staged inputs by (T, R), logits by R.
+        self._staged: dict[tuple[int, int], ModelBatch] = {}
+        self._logits: dict[int, jax.Array] = {}
+        self._twin: dict[tuple[int, int], bool] = {}  # the twin executable the last decode step of a shape ran
         platform = (tp.mesh.devices.flat[0] if tp is not None else jax.devices()[0]).platform
         self.forward_fn = forward_fn(platform)
+
+    def _zeros(self, shape: tuple[int, ...], dtype) -> jax.Array:
+        return zeros(shape, dtype, self.on_device)
 
     # ---- per-row state ----
     def _reset_row(self, row: int, data: NewRequestData) -> None:
@@ -352,7 +403,9 @@ class ModelRunner:
                 self._collect(self._last)  # penalties read the whole history, the pending tokens included
         step = self.prepare(out)
         prev_tokens = self._last.tokens if self._last is not None else self._zeros((self.max_rows,), jnp.int32)
-        logits, self.kv_caches = self._run_forward(step.batch, prev_tokens, step.prev_index, step.decode_only)
+        # A step that samples nothing marks its readiness with its logits: they must not be donated later.
+        logits, self.kv_caches = self._run_forward(step.batch, prev_tokens, step.prev_index, step.decode_only,
+                                                   keep_logits=step.sampling is not None)
         if step.sampling is None:  # prefill chunks only: nothing to wait for
             handle = StepHandle(step.request_ids, step.rows, step.generations, prev_tokens, None, logits,
                                 RunnerOutput([], []))
@@ -366,13 +419,40 @@ class ModelRunner:
         self._last = handle
         return handle
 
-    def _run_forward(self, batch: ModelBatch, prev_tokens, prev_index, decode_only: bool = False):
-        key = ("forward", batch.token_ids.shape[0], batch.seq_lens.shape[0], decode_only)
-        compiled = self._compiled.get(key)
+    def _run_forward(self, batch: ModelBatch, prev_tokens, prev_index, decode_only: bool = False,
+                     keep_logits: bool = True):
+        """Stage the step's inputs, run the forward. Every device buffer the forward reads or writes is
+        the same each time a shape recurs (staged inputs, caches, logits: all donated back in), so XLA
+        launches its CUDA graph as recorded: updating a graph's nodes and re-uploading it cost ~2 us a
+        node, most of a decode step's host time (benchmarks/RESULTS.md). `keep_logits=False`: the
+        logits get a buffer of their own (nothing will donate it), for a step whose logits are its
+        readiness marker."""
+        t_pad, r_pad = batch.token_ids.shape[0], batch.seq_lens.shape[0]
+        staged = self._staged.get((t_pad, r_pad))
+        if staged is None:  # (precompile made those of every bucket)
+            staged = jax.tree.map(lambda a: self._zeros(a.shape, a.dtype), batch)
+        compiled = self._compiled.get(("stage", t_pad, r_pad))
+        stage = compiled if compiled is not None else stage_fn
+        staged = self._staged[(t_pad, r_pad)] = stage(staged, batch, prev_tokens, prev_index)
+        logits_buffer = self._logits.pop(r_pad, None) if keep_logits else None
+        if logits_buffer is None:
+            logits_buffer = self._zeros((r_pad, self.cfg.vocab_size), jnp.float32)
+        # Decode steps alternate between two executables of the step: with overlap the step in flight
+        # still holds its temporary buffer when the next one starts, so one executable would see its
+        # temporaries move every step (and XLA update all of its graph); each twin keeps its own.
+        twin = False
+        if decode_only:
+            twin = self._twin[(t_pad, r_pad)] = not self._twin.get((t_pad, r_pad), True)
+        compiled = self._compiled.get(("forward", t_pad, r_pad, decode_only, twin))
         if compiled is not None:
-            return compiled(self.model.params, batch, self.kv_caches, prev_tokens, prev_index)
-        return self.forward_fn(self.model.params, self.cfg, batch, self.kv_caches, prev_tokens, prev_index,
-                        attention_backend=self.attention_backend, tp=self.tp, decode_only=decode_only)
+            logits, self.kv_caches = compiled(self.model.params, staged, self.kv_caches, logits_buffer, self.comm)
+        else:
+            logits, self.kv_caches = self.forward_fn(
+                self.model.params, self.cfg, staged, self.kv_caches, logits_buffer, self.comm,
+                attention_backend=self.attention_backend, tp=self.tp, decode_only=decode_only, twin=twin)
+        if keep_logits:
+            self._logits[r_pad] = logits
+        return logits, self.kv_caches
 
     def _sample(self, logits, md, all_greedy: bool, use_penalties: bool, num_logprobs: int):
         return sampler.sample(logits, md, all_greedy=all_greedy, use_penalties=use_penalties,
@@ -420,13 +500,26 @@ class ModelRunner:
         variants = [(g, p, lp) for g in (True, False) for p in (False, True) for lp in (0, self.max_logprobs)]
         prev_tokens = self._zeros((self.max_rows,), jnp.int32)
 
-        def forward(t_pad: int, r_pad: int, decode_only: bool):
-            batch = ModelBatch(np.zeros(t_pad, np.int32), np.zeros(t_pad, np.int32), np.zeros(t_pad, np.int32),
-                               np.zeros(r_pad + 1, np.int32), np.zeros(r_pad, np.int32),
-                               np.zeros((r_pad, self.max_blocks), np.int32), np.zeros(r_pad, np.int32))
-            return self.forward_fn.lower(self.model.params, self.cfg, batch, self.kv_caches, prev_tokens,
-                                  np.full(t_pad, -1, np.int32), attention_backend=self.attention_backend,
-                                  tp=self.tp, decode_only=decode_only).compile()
+        on_device = self.on_device  # where the step's small arrays and the logits live
+
+        def host_batch(t_pad: int, r_pad: int) -> ModelBatch:
+            return ModelBatch(np.zeros(t_pad, np.int32), np.zeros(t_pad, np.int32), np.zeros(t_pad, np.int32),
+                              np.zeros(r_pad + 1, np.int32), np.zeros(r_pad, np.int32),
+                              np.zeros((r_pad, self.max_blocks), np.int32), np.zeros(r_pad, np.int32))
+
+        def device_batch(t_pad: int, r_pad: int) -> ModelBatch:
+            return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_device),
+                                host_batch(t_pad, r_pad))
+
+        def forward(t_pad: int, r_pad: int, decode_only: bool, twin: bool = False):
+            logits = jax.ShapeDtypeStruct((r_pad, self.cfg.vocab_size), jnp.float32, sharding=on_device)
+            return self.forward_fn.lower(self.model.params, self.cfg, device_batch(t_pad, r_pad), self.kv_caches,
+                                         logits, self.comm, attention_backend=self.attention_backend, tp=self.tp,
+                                         decode_only=decode_only, twin=twin).compile()
+
+        def stage(t_pad: int, r_pad: int):
+            return stage_fn.lower(device_batch(t_pad, r_pad), host_batch(t_pad, r_pad), prev_tokens,
+                                  np.full(t_pad, -1, np.int32)).compile()
 
         def sample(r_pad: int, all_greedy: bool, use_penalties: bool, num_logprobs: int):
             md = sampler.empty_metadata(r_pad, MAX_BANNED, self.max_model_len if use_penalties else 1)
@@ -435,9 +528,17 @@ class ModelRunner:
             return sampler.sample.lower(logits, md, all_greedy=all_greedy, use_penalties=use_penalties,
                                         num_logprobs=num_logprobs, out_rows=self.max_rows).compile()
 
-        jobs = {("forward", t_pad, r_pad, False): (forward, (t_pad, r_pad, False)) for t_pad, r_pad in plan}
-        jobs.update({("forward", t_pad, r_pad, True): (forward, (t_pad, r_pad, True))
-                     for t_pad, r_pad in self.buckets.decode_plan()})
+        jobs = {("forward", t_pad, r_pad, False, False): (forward, (t_pad, r_pad, False)) for t_pad, r_pad in plan}
+        jobs.update({("forward", t_pad, r_pad, True, twin): (forward, (t_pad, r_pad, True, twin))
+                     for t_pad, r_pad in self.buckets.decode_plan() for twin in (False, True)})
+        shapes = sorted(set(plan) | set(self.buckets.decode_plan()))
+        jobs.update({("stage", t_pad, r_pad): (stage, (t_pad, r_pad)) for t_pad, r_pad in shapes})
+        # The buffers the steps reuse, made now so that no step traces their fill.
+        for t_pad, r_pad in shapes:
+            self._staged.setdefault((t_pad, r_pad), jax.tree.map(lambda a: self._zeros(a.shape, a.dtype),
+                                                                 host_batch(t_pad, r_pad)))
+        for r_pad in self.buckets.request_buckets:
+            self._logits.setdefault(r_pad, self._zeros((r_pad, self.cfg.vocab_size), jnp.float32))
         jobs.update({("sample", r_pad, *variant): (sample, (r_pad, *variant))
                      for r_pad in self.buckets.request_buckets for variant in variants})
         bar = tqdm(total=len(jobs), desc="compiling buckets", disable=not progress, leave=False)
