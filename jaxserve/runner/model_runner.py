@@ -45,10 +45,21 @@ logger = logging.getLogger(__name__)
 
 MAX_BANNED = 16  # eos + stop token ids suppressed while a request is below min_tokens
 
-def _stage_step(staged: ModelBatch, batch: ModelBatch, prev_tokens, prev_index) -> ModelBatch:
-    """The step's inputs copied into `staged` (donated: the same device buffers every step), with the
-    tokens sampled by the previous step still on device fed in where prev_index >= 0 (overlap
-    scheduling: their values never went through the host)."""
+def pack_step(batch: ModelBatch, prev_index: np.ndarray) -> np.ndarray:
+    """The step's host arrays (all int32) as one flat array: one host-to-device copy per device, not eight."""
+    return np.concatenate([a.reshape(-1) for a in (*batch, prev_index)])
+
+
+def _stage_step(staged: ModelBatch, packed, prev_tokens) -> ModelBatch:
+    """The step's inputs (`pack_step`) copied into `staged` (donated: the same device buffers every
+    step), with the tokens sampled by the previous step still on device fed in where prev_index >= 0
+    (overlap scheduling: their values never went through the host)."""
+    fields, offset = [], 0
+    for like in (*staged, staged.token_ids):  # the batch's fields, then prev_index
+        fields.append(packed[offset: offset + like.size].reshape(like.shape))
+        offset += like.size
+    *fields, prev_index = fields
+    batch = ModelBatch(*fields)
     from_prev = prev_tokens[jnp.maximum(prev_index, 0)]
     batch = batch._replace(token_ids=jnp.where(prev_index >= 0, from_prev, batch.token_ids))
     # Written into the donated arrays (returning `batch` itself would hand back its fresh buffers).
@@ -433,7 +444,7 @@ class ModelRunner:
             staged = jax.tree.map(lambda a: self._zeros(a.shape, a.dtype), batch)
         compiled = self._compiled.get(("stage", t_pad, r_pad))
         stage = compiled if compiled is not None else stage_fn
-        staged = self._staged[(t_pad, r_pad)] = stage(staged, batch, prev_tokens, prev_index)
+        staged = self._staged[(t_pad, r_pad)] = stage(staged, pack_step(batch, prev_index), prev_tokens)
         logits_buffer = self._logits.pop(r_pad, None) if keep_logits else None
         if logits_buffer is None:
             logits_buffer = self._zeros((r_pad, self.cfg.vocab_size), jnp.float32)
@@ -518,8 +529,8 @@ class ModelRunner:
                                          decode_only=decode_only, twin=twin).compile()
 
         def stage(t_pad: int, r_pad: int):
-            return stage_fn.lower(device_batch(t_pad, r_pad), host_batch(t_pad, r_pad), prev_tokens,
-                                  np.full(t_pad, -1, np.int32)).compile()
+            packed = pack_step(host_batch(t_pad, r_pad), np.full(t_pad, -1, np.int32))
+            return stage_fn.lower(device_batch(t_pad, r_pad), packed, prev_tokens).compile()
 
         def sample(r_pad: int, all_greedy: bool, use_penalties: bool, num_logprobs: int):
             md = sampler.empty_metadata(r_pad, MAX_BANNED, self.max_model_len if use_penalties else 1)
