@@ -113,10 +113,12 @@ def setup_all_reduce(tp: TensorParallel | None, mode: str):
         return tp, None, None
     devices = list(tp.mesh.devices.flat)
     local = all(d.process_index == jax.process_index() for d in devices) and jax.process_count() == 1
-    if devices[0].platform != "gpu" or not local:
+    hopper = all(float(getattr(d, "compute_capability", 0) or 0) >= 9.0 for d in devices)
+    if devices[0].platform != "gpu" or not local or not hopper:
         if mode == "one_shot":
-            raise ValueError(f"parallel.all_reduce=one_shot needs the tensor-parallel GPUs in one process; this mesh "
-                             f"is {devices[0].platform} over {jax.process_count()} process(es): use auto or xla")
+            raise ValueError(f"parallel.all_reduce=one_shot needs the tensor-parallel GPUs in one process, sm_90 or "
+                             f"newer; this mesh is {devices[0].platform} ({getattr(devices[0], 'device_kind', '')}) "
+                             f"over {jax.process_count()} process(es): use auto or xla")
         return tp, None, None
     from pallas_kernels.all_reduce.mosaic_gpu import OneShotAllReduce, Workspace
     workspace = Workspace(devices)
@@ -228,8 +230,8 @@ class ModelRunner:
         # The step's all-reduces: XLA's, or a peer-memory kernel whose state (`comm`) lives with the runner.
         self.tp, self.comm, self._all_reduce_workspace = setup_all_reduce(tp, config.parallel.all_reduce)
         # Small device arrays made where the step runs (the mesh under tensor parallelism).
-        self.on_device = (tp.sharding(()) if tp is not None
-                          else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+        # where the step's small arrays and logits live: replicated on the mesh, or the params' device
+        self.on_device = tp.sharding(()) if tp is not None else jax.tree.leaves(model.params)[0].sharding
         self.cfg = model.config
         self.config = config
         self.max_model_len = max_model_len

@@ -14,8 +14,8 @@ elements [b * CHUNK, (b + 1) * CHUNK) of the flattened input):
     p = epoch & 1                   (double-buffered slots: a fast peer may start call e + 1 while
                                      we still read call e's slot)
     for every device j:  ws_j.data[p][r][chunk b] = x[chunk b]    (NVLink stores, own slot too)
-    fence; barrier; one thread: for every j, ws_j.flag[p][b][r] += 1 (release, system scope)
-    one thread waits until ws_r.flag[p][b][j] >= (epoch + 1) // 2 for every j (acquire)
+    fence; barrier; one thread: for every j, ws_j.flag[p][b][r] = epoch (release, system scope)
+    one thread waits until ws_r.flag[p][b][j] == epoch for every j (acquire)
     y[chunk b] = sum over j = 0..N-1 of ws_r.data[p][j][chunk b]   (f32, fixed order: every device
                                                                     computes bit-identical sums)
 
@@ -28,7 +28,10 @@ reaches its own and its peers' workspaces through raw device pointers held in a 
 it between the local GPUs of one process) and one process driving all of them.
 
 Scope: bf16/f16/f32, n a multiple of CHUNK and at most `Workspace.max_elems`; larger tensors
-should take `lax.psum` (prefill is not latency bound). No interpret mode: Mosaic's interpreter
+should take `lax.psum` (prefill is not latency bound). Calls that share a workspace must run in one
+order on every device, one after the other: data dependencies order them in a transformer's
+residual stream; two independent all-reduces in one program could run concurrently in a CUDA graph.
+Needs sm_90+ (Mosaic GPU) and GPUs with peer access and peer atomics (NVLink). No interpret mode: Mosaic's interpreter
 does not model peer memory, so the kernel is tested on the GPU tier only.
 """
 
@@ -148,7 +151,7 @@ def all_reduce(x: jax.Array, table_row: jax.Array, layout: Layout) -> jax.Array:
 def _kernel(n: int, dtype: jnp.dtype, layout: Layout):
     from jax._src.interpreters import mlir
     from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, gpu, llvm, memref
+    from jax._src.lib.mlir.dialects import arith, gpu, llvm, memref, scf
     from jax.experimental.mosaic import gpu as mgpu
     from jax.experimental.mosaic.gpu import utils
 
@@ -192,7 +195,7 @@ def _kernel(n: int, dtype: jnp.dtype, layout: Layout):
                                             result_types=i32, has_side_effects=True),
                            arith.constant(i32, 1))
         parity = arith.extui(i64, arith.andi(epoch, arith.constant(i32, 1)))
-        chunk_bytes = arith.muli(block, c64(CHUNK * itemsize))
+        chunk_bytes = arith.muli(block, c64(CHUNK * layout.itemsize))  # a block's bytes: the same for every dtype
         slot_bytes = c64(layout.max_elems * layout.itemsize)
 
         def slot(base, src):  # [CHUNK] memref: block's chunk of slot (parity, src) in a workspace
@@ -211,12 +214,21 @@ def _kernel(n: int, dtype: jnp.dtype, layout: Layout):
             x.store_untiled(slot(bases[j], rank))
         utils.inline_ptx("fence.acq_rel.sys;", has_side_effects=True)
         utils.warpgroup_barrier()
-        for j in range(num_devices):
-            utils.SemaphoreRef(flag(bases[j], rank)).signal(1)  # red.release.sys.add, one thread
-        # flag (p, b, j) is bumped once per call of parity p: (epoch + 1) // 2 times by call `epoch`
-        expected = arith.shrui(arith.addi(epoch, arith.constant(i32, 1)), arith.constant(i32, 1))
-        for j in range(num_devices):
-            utils.SemaphoreRef(flag(own, c64(j))).wait(expected, decrement=False)
+        with utils.single_thread():  # one thread publishes the block's epoch into every device's flag
+            for j in range(num_devices):
+                utils.inline_ptx("st.release.sys.global.u32 [$0], $1;", flag(bases[j], rank), epoch,
+                                 has_side_effects=True)
+            # A peer's flag (p, b, j) holds epoch - 2 until it wrote this call's data (it cannot be a
+            # call ahead: that needs ours): wait for equality, which survives the u32 wrap-around.
+            for j in range(num_devices):
+                loop = scf.WhileOp([], [])
+                with ir.InsertionPoint(loop.before.blocks.append()):
+                    seen = utils.inline_ptx("ld.acquire.sys.global.u32 $0, [$1];", flag(own, c64(j)),
+                                            result_types=i32, has_side_effects=True)
+                    scf.condition(arith.cmpi(arith.CmpIPredicate.ne, seen, epoch), [])
+                with ir.InsertionPoint(loop.after.blocks.append()):
+                    scf.yield_([])
+        utils.warpgroup_barrier()
         utils.inline_ptx("fence.acq_rel.sys;", has_side_effects=True)
         total = None
         for j in range(num_devices):
