@@ -280,3 +280,28 @@ def test_bad_inputs_raise_and_engine_keeps_working(llm, prompt, params, match):
 def test_sampling_params_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_kv_cache_sizing_leaves_room_for_the_step_buffers(monkeypatch):
+    """On an accelerator the cache takes memory_fraction of what is free after the buffers the runner
+    makes later (staged step inputs, logits); the exact count when cache.num_blocks is set."""
+    from jaxserve.models.llama import LlamaConfig
+    from jaxserve.runner import model_runner as mr
+
+    class Device:
+        def memory_stats(self):
+            return {"bytes_limit": 1 << 30, "bytes_in_use": 0}
+
+    engine_config = load_config(ROOT / "configs" / "tiny.yaml", num_blocks=None)
+    llm_cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                          num_kv_heads=2, head_dim=16, max_position_embeddings=64, dtype="float32")
+    monkeypatch.setattr(mr.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(mr.jax, "devices", lambda: [Device()])
+    per_block = mr.kv_block_bytes(llm_cfg, engine_config.cache.block_size, 4)
+    fraction = engine_config.cache.memory_fraction
+    full = mr.kv_cache_num_blocks(llm_cfg, engine_config, 32, 4)
+    assert full == int((1 << 30) * fraction) // per_block
+    reserved = mr.kv_cache_num_blocks(llm_cfg, engine_config, 32, 4, reserved_bytes=1 << 28)
+    assert reserved == int(((1 << 30) - (1 << 28)) * fraction) // per_block
+    exact = load_config(ROOT / "configs" / "tiny.yaml", num_blocks=77)
+    assert mr.kv_cache_num_blocks(llm_cfg, exact, 32, 4, reserved_bytes=1 << 28) == 77

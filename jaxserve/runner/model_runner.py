@@ -166,9 +166,10 @@ def kv_block_bytes(cfg: llama.LlamaConfig, block_size: int, dtype_bytes: int, tp
 
 
 def kv_cache_num_blocks(cfg: llama.LlamaConfig, config: EngineConfig, max_model_len: int, dtype_bytes: int,
-                       tp: TensorParallel | None = None) -> int:
-    """Blocks that fit in the free memory of one of the engine's devices (or the configured count); over
-    several processes, the fewest any process offers, so that every process builds the same cache."""
+                       tp: TensorParallel | None = None, reserved_bytes: int = 0) -> int:
+    """Blocks that fit in the free memory of one of the engine's devices (or the configured count), after
+    `reserved_bytes` for buffers made later; over several processes, the fewest any process offers, so
+    that every process builds the same cache."""
     cache = config.cache
     per_block = kv_block_bytes(cfg, cache.block_size, dtype_bytes, tp)
     if cache.num_blocks is not None:
@@ -178,7 +179,7 @@ def kv_cache_num_blocks(cfg: llama.LlamaConfig, config: EngineConfig, max_model_
     else:
         device = jax.devices()[0] if tp is None else tp.mesh.local_devices[0]
         stats = device.memory_stats() or {}
-        free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+        free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0) - reserved_bytes
         num_blocks = int(free * cache.memory_fraction) // per_block
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
@@ -242,8 +243,20 @@ class ModelRunner:
         self.buckets = BucketLadders.build(sched.max_num_batched_tokens, sched.max_num_seqs,
                                            config.runner.token_buckets, config.runner.request_buckets)
         self.max_blocks = math.ceil(max_model_len / self.block_size)
+        if self.tp is not None and self.tp.all_reduce is not None:
+            probe = [jax.ShapeDtypeStruct((t, self.cfg.hidden_size), self.cfg.jnp_dtype)
+                     for t in set(self.buckets.token_buckets) | {t for t, _ in self.buckets.decode_plan()}]
+            if not any(self.tp.all_reduce.fits(x) for x in probe):
+                logger.warning("parallel.all_reduce: the one-shot kernel fits none of this model's step shapes "
+                               "(hidden_size %d x tokens must be whole kernel chunks); XLA's all-reduce runs "
+                               "everywhere", self.cfg.hidden_size)
         dtype = self.cfg.jnp_dtype
-        self.num_blocks = kv_cache_num_blocks(self.cfg, config, max_model_len, np.dtype(dtype).itemsize, tp)
+        # the step buffers precompile() makes (_run_forward): int32 staged inputs per shape, f32 logits per R
+        shapes = set(self.buckets.precompile_plan()) | set(self.buckets.decode_plan())
+        reserved = 4 * (sum(3 * t + r * (self.max_blocks + 3) + 1 for t, r in shapes)
+                        + sum(self.buckets.request_buckets) * self.cfg.vocab_size)
+        self.num_blocks = kv_cache_num_blocks(self.cfg, config, max_model_len, np.dtype(dtype).itemsize, tp,
+                                              reserved)
         self.kv_caches = llama.init_kv_caches(self.cfg, self.num_blocks, self.block_size, self.attention_backend,
                                               tp=tp)
         self.max_logprobs = min(sched.max_logprobs, self.cfg.vocab_size)
