@@ -305,3 +305,30 @@ def test_kv_cache_sizing_leaves_room_for_the_step_buffers(monkeypatch):
     assert reserved == int(((1 << 30) - (1 << 28)) * fraction) // per_block
     exact = load_config(ROOT / "configs" / "tiny.yaml", num_blocks=77)
     assert mr.kv_cache_num_blocks(llm_cfg, exact, 32, 4, reserved_bytes=1 << 28) == 77
+
+
+def test_decode_steps_alternate_twin_executables_when_enabled():
+    """On GPU (`use_twins`) decode steps alternate between two executables of the same step, so each
+    keeps its own temporaries under overlap; precompile makes both and the tokens do not change."""
+    config = load_config(ROOT / "configs" / "tiny.yaml")
+    prompts = [f"{a}+{b}=" for a, b in problems(6, seed=11)]
+    plain = LLM(config=config, progress=False).generate(prompts, GREEDY, use_tqdm=False)
+    llm = LLM(config=config, precompile=False, progress=False)
+    runner = llm.engine.runner
+    runner.use_twins = True  # what a GPU platform sets
+    runner.precompile(progress=False)
+    calls = {}
+
+    def counting(key, fn):
+        def call(*args):
+            calls[key] = calls.get(key, 0) + 1
+            return fn(*args)
+        return call
+
+    for key in [k for k in runner._compiled if k[0] == "forward" and k[3]]:
+        runner._compiled[key] = counting(key, runner._compiled[key])
+    with jax.no_tracing():
+        twins = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in twins] == [o.outputs[0].token_ids for o in plain]
+    assert {key[4] for key in calls} == {False, True}, calls
+    assert_no_leaks(llm)

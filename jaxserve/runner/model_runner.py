@@ -93,6 +93,9 @@ def _forward_step(params, cfg, batch: ModelBatch, kv_caches, logits_buffer, comm
 # Merged, the concatenation happens inside the GEMM's operand fetch (no copy): on the H200 batch-1 decode
 # went from 218.5 to 225.2 tokens/s and batch 64 from 6,589 to 6,760 (benchmarks/RESULTS.md).
 GPU_COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 1024}
+# The decode step's twin executable (ModelRunner._run_forward): the same merges (no weight pair is near
+# 1 GB), a different option set, so XLA compiles (and the persistent cache keeps) a second executable.
+TWIN_COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 1025}
 
 
 @functools.cache
@@ -295,6 +298,7 @@ class ModelRunner:
         self._twin: dict[tuple[int, int], bool] = {}  # the twin executable the last decode step of a shape ran
         platform = (tp.mesh.devices.flat[0] if tp is not None else jax.devices()[0]).platform
         self.forward_fn = forward_fn(platform)
+        self.use_twins = platform == "gpu"  # (only XLA:GPU replays graphs; see _run_forward)
 
     def _zeros(self, shape: tuple[int, ...], dtype) -> jax.Array:
         return zeros(shape, dtype, self.on_device)
@@ -471,7 +475,7 @@ class ModelRunner:
         # still holds its temporary buffer when the next one starts, so one executable would see its
         # temporaries move every step (and XLA update all of its graph); each twin keeps its own.
         twin = False
-        if decode_only:
+        if decode_only and self.use_twins:
             twin = self._twin[(t_pad, r_pad)] = not self._twin.get((t_pad, r_pad), True)
         compiled = self._compiled.get(("forward", t_pad, r_pad, decode_only, twin))
         if compiled is not None:
@@ -541,11 +545,17 @@ class ModelRunner:
             return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_device),
                                 host_batch(t_pad, r_pad))
 
-        def forward(t_pad: int, r_pad: int, decode_only: bool, twin: bool = False):
+        def forward(t_pad: int, r_pad: int, decode_only: bool):
             logits = jax.ShapeDtypeStruct((r_pad, self.cfg.vocab_size), jnp.float32, sharding=on_device)
-            return self.forward_fn.lower(self.model.params, self.cfg, device_batch(t_pad, r_pad), self.kv_caches,
-                                         logits, self.comm, attention_backend=self.attention_backend, tp=self.tp,
-                                         decode_only=decode_only, twin=twin).compile()
+            lowered = self.forward_fn.lower(self.model.params, self.cfg, device_batch(t_pad, r_pad), self.kv_caches,
+                                            logits, self.comm, attention_backend=self.attention_backend, tp=self.tp,
+                                            decode_only=decode_only)
+            if not (decode_only and self.use_twins):
+                return {("forward", t_pad, r_pad, decode_only, False): lowered.compile()}
+            # The twin: the same program compiled once more (an option that changes nothing makes it a
+            # separate executable, without lowering the step twice).
+            return {("forward", t_pad, r_pad, True, False): lowered.compile(),
+                    ("forward", t_pad, r_pad, True, True): lowered.compile(TWIN_COMPILER_OPTIONS)}
 
         def stage(t_pad: int, r_pad: int):
             packed = pack_step(host_batch(t_pad, r_pad), np.full(t_pad, -1, np.int32))
@@ -558,9 +568,9 @@ class ModelRunner:
             return sampler.sample.lower(logits, md, all_greedy=all_greedy, use_penalties=use_penalties,
                                         num_logprobs=num_logprobs, out_rows=self.max_rows).compile()
 
-        jobs = {("forward", t_pad, r_pad, False, False): (forward, (t_pad, r_pad, False)) for t_pad, r_pad in plan}
-        jobs.update({("forward", t_pad, r_pad, True, twin): (forward, (t_pad, r_pad, True, twin))
-                     for t_pad, r_pad in self.buckets.decode_plan() for twin in (False, True)})
+        jobs = {("forward", t_pad, r_pad, False): (forward, (t_pad, r_pad, False)) for t_pad, r_pad in plan}
+        jobs.update({("forward", t_pad, r_pad, True): (forward, (t_pad, r_pad, True))
+                     for t_pad, r_pad in self.buckets.decode_plan()})
         shapes = sorted(set(plan) | set(self.buckets.decode_plan()))
         jobs.update({("stage", t_pad, r_pad): (stage, (t_pad, r_pad)) for t_pad, r_pad in shapes})
         # The buffers the steps reuse, made now so that no step traces their fill.
@@ -575,7 +585,8 @@ class ModelRunner:
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
             futures = {pool.submit(fn, *args): key for key, (fn, args) in jobs.items()}
             for future in concurrent.futures.as_completed(futures):
-                self._compiled[futures[future]] = future.result()
+                result = future.result()
+                self._compiled.update(result if isinstance(result, dict) else {futures[future]: result})
                 bar.update()
         bar.close()
-        return len(jobs)
+        return len(self._compiled)
