@@ -189,8 +189,8 @@ def _logits(params: Params, cfg: LlamaConfig, x: jax.Array, tp: TensorParallel |
 
 @functools.partial(jax.jit, static_argnames=("cfg", "attention_backend", "tp", "decode_only"))
 def _layer(lp: Params, x: jax.Array, kv_cache: jax.Array, batch: ModelBatch, comm: jax.Array | None, *,
-           cfg: LlamaConfig,
-           attention_backend: str, tp: TensorParallel | None, decode_only: bool) -> tuple[jax.Array, jax.Array]:
+           cfg: LlamaConfig, attention_backend: str, tp: TensorParallel | None,
+           decode_only: bool) -> tuple[jax.Array, jax.Array]:
     """One decoder layer. Jitted on its own so the step traces it once per shape, not once per layer
     (XLA inlines the calls: the compiled step is the same; warm starts lower each step shape faster)."""
     inv_freq = layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
@@ -236,9 +236,10 @@ def forward(
         return _step(params, batch, kv_caches, cfg=cfg, attention_backend=attention_backend, tp=None,
                      decode_only=decode_only)
     cache_axes = [layers.kv_cache_axes(attention_backend)] * len(kv_caches)
+    comm_axes = COMM_AXES if comm is not None else ()
     sharded_step = tp.shard_map(functools.partial(_step, cfg=cfg, attention_backend=attention_backend, tp=tp,
                                                   decode_only=decode_only),
-                                in_axes=(param_axes(params), (), cache_axes, COMM_AXES if comm is not None else ()), out_axes=((), cache_axes))
+                                in_axes=(param_axes(params), (), cache_axes, comm_axes), out_axes=((), cache_axes))
     logits, kv_caches = sharded_step(params, batch, kv_caches, comm)
     if logits.shape[-1] != cfg.vocab_size:  # the vocabulary was padded to a multiple of tp
         logits = logits[:, : cfg.vocab_size]

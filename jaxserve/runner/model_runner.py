@@ -119,9 +119,8 @@ def setup_all_reduce(tp: TensorParallel | None, mode: str):
     if tp is None or tp.size == 1 or mode == "xla":
         return tp, None, None
     devices = list(tp.mesh.devices.flat)
-    local = all(d.process_index == jax.process_index() for d in devices) and jax.process_count() == 1
     hopper = all(float(getattr(d, "compute_capability", 0) or 0) >= 9.0 for d in devices)
-    if devices[0].platform != "gpu" or not local or not hopper:
+    if devices[0].platform != "gpu" or jax.process_count() > 1 or not hopper:
         if mode == "one_shot":
             raise ValueError(f"parallel.all_reduce=one_shot needs the tensor-parallel GPUs in one process, sm_90 or "
                              f"newer; this mesh is {devices[0].platform} ({getattr(devices[0], 'device_kind', '')}) "
@@ -258,10 +257,10 @@ class ModelRunner:
                                "(hidden_size %d x tokens must be whole kernel chunks); XLA's all-reduce runs "
                                "everywhere", self.cfg.hidden_size)
         dtype = self.cfg.jnp_dtype
-        # the step buffers precompile() makes (_run_forward): int32 staged inputs per shape, f32 logits per R
-        shapes = set(self.buckets.precompile_plan()) | set(self.buckets.decode_plan())
-        reserved = 4 * (sum(3 * t + r * (self.max_blocks + 3) + 1 for t, r in shapes)
-                        + sum(self.buckets.request_buckets) * self.cfg.vocab_size)
+        # the step buffers precompile() makes (_run_forward): staged inputs per shape, f32 logits per R
+        self._step_shapes = sorted(set(self.buckets.precompile_plan()) | set(self.buckets.decode_plan()))
+        reserved = (sum(a.nbytes for t, r in self._step_shapes for a in self._host_batch(t, r))
+                    + 4 * sum(self.buckets.request_buckets) * self.cfg.vocab_size)
         self.num_blocks = kv_cache_num_blocks(self.cfg, config, max_model_len, np.dtype(dtype).itemsize, tp,
                                               reserved)
         self.kv_caches = llama.init_kv_caches(self.cfg, self.num_blocks, self.block_size, self.attention_backend,
@@ -302,6 +301,16 @@ class ModelRunner:
 
     def _zeros(self, shape: tuple[int, ...], dtype) -> jax.Array:
         return zeros(shape, dtype, self.on_device)
+
+    def _host_batch(self, t_pad: int, r_pad: int) -> ModelBatch:
+        """A step's host arrays for the (T, R) buckets, zeroed (the shapes `prepare` fills)."""
+        return ModelBatch(np.zeros(t_pad, np.int32), np.zeros(t_pad, np.int32), np.zeros(t_pad, np.int32),
+                          np.zeros(r_pad + 1, np.int32), np.zeros(r_pad, np.int32),
+                          np.zeros((r_pad, self.max_blocks), np.int32), np.zeros(r_pad, np.int32))
+
+    def _zeros_like_batch(self, t_pad: int, r_pad: int) -> ModelBatch:
+        """Device buffers for a (T, R) step's staged inputs."""
+        return jax.tree.map(lambda a: self._zeros(a.shape, a.dtype), self._host_batch(t_pad, r_pad))
 
     # ---- per-row state ----
     def _reset_row(self, row: int, data: NewRequestData) -> None:
@@ -464,7 +473,7 @@ class ModelRunner:
         t_pad, r_pad = batch.token_ids.shape[0], batch.seq_lens.shape[0]
         staged = self._staged.get((t_pad, r_pad))
         if staged is None:  # (precompile made those of every bucket)
-            staged = jax.tree.map(lambda a: self._zeros(a.shape, a.dtype), batch)
+            staged = self._zeros_like_batch(t_pad, r_pad)
         compiled = self._compiled.get(("stage", t_pad, r_pad))
         stage = compiled if compiled is not None else stage_fn
         staged = self._staged[(t_pad, r_pad)] = stage(staged, pack_step(batch, prev_index), prev_tokens)
@@ -536,14 +545,9 @@ class ModelRunner:
 
         on_device = self.on_device  # where the step's small arrays and the logits live
 
-        def host_batch(t_pad: int, r_pad: int) -> ModelBatch:
-            return ModelBatch(np.zeros(t_pad, np.int32), np.zeros(t_pad, np.int32), np.zeros(t_pad, np.int32),
-                              np.zeros(r_pad + 1, np.int32), np.zeros(r_pad, np.int32),
-                              np.zeros((r_pad, self.max_blocks), np.int32), np.zeros(r_pad, np.int32))
-
         def device_batch(t_pad: int, r_pad: int) -> ModelBatch:
             return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_device),
-                                host_batch(t_pad, r_pad))
+                                self._host_batch(t_pad, r_pad))
 
         def forward(t_pad: int, r_pad: int, decode_only: bool):
             logits = jax.ShapeDtypeStruct((r_pad, self.cfg.vocab_size), jnp.float32, sharding=on_device)
@@ -558,7 +562,7 @@ class ModelRunner:
                     ("forward", t_pad, r_pad, True, True): lowered.compile(TWIN_COMPILER_OPTIONS)}
 
         def stage(t_pad: int, r_pad: int):
-            packed = pack_step(host_batch(t_pad, r_pad), np.full(t_pad, -1, np.int32))
+            packed = pack_step(self._host_batch(t_pad, r_pad), np.full(t_pad, -1, np.int32))
             return stage_fn.lower(device_batch(t_pad, r_pad), packed, prev_tokens).compile()
 
         def sample(r_pad: int, all_greedy: bool, use_penalties: bool, num_logprobs: int):
@@ -571,12 +575,10 @@ class ModelRunner:
         jobs = {("forward", t_pad, r_pad, False): (forward, (t_pad, r_pad, False)) for t_pad, r_pad in plan}
         jobs.update({("forward", t_pad, r_pad, True): (forward, (t_pad, r_pad, True))
                      for t_pad, r_pad in self.buckets.decode_plan()})
-        shapes = sorted(set(plan) | set(self.buckets.decode_plan()))
-        jobs.update({("stage", t_pad, r_pad): (stage, (t_pad, r_pad)) for t_pad, r_pad in shapes})
+        jobs.update({("stage", t_pad, r_pad): (stage, (t_pad, r_pad)) for t_pad, r_pad in self._step_shapes})
         # The buffers the steps reuse, made now so that no step traces their fill.
-        for t_pad, r_pad in shapes:
-            self._staged.setdefault((t_pad, r_pad), jax.tree.map(lambda a: self._zeros(a.shape, a.dtype),
-                                                                 host_batch(t_pad, r_pad)))
+        for t_pad, r_pad in self._step_shapes:
+            self._staged.setdefault((t_pad, r_pad), self._zeros_like_batch(t_pad, r_pad))
         for r_pad in self.buckets.request_buckets:
             self._logits.setdefault(r_pad, self._zeros((r_pad, self.cfg.vocab_size), jnp.float32))
         jobs.update({("sample", r_pad, *variant): (sample, (r_pad, *variant))
