@@ -22,11 +22,48 @@ run() {  # name config xla_flags [trace]
   tail -10 "$OUT/$name.log"
   SUMMARY+=("$name rc=$rc $(grep -E '^  (forward|sample|prepare) ' "$OUT/$name.log" | awk '{printf "%s=%s ", $1, $2}')")
   if [ -n "$trace" ]; then
-    python3 scripts/trace_summary.py "/tmp/trace_$name" --top 14 > "$OUT/${name}_trace.txt" 2>&1
+    python3 scripts/trace_summary.py "/tmp/trace_$name" --top 14 --steps 5 > "$OUT/${name}_trace.txt" 2>&1
     cp "$(find /tmp/trace_$name -name '*.json.gz' | head -1)" "$OUT/$name.json.gz" 2>/dev/null
   fi
 }
 case ${1:-flags} in
+  ar)  # the all-reduce kernels' GPU tests and latency, then T=2 batch-1 latency and a trace (T=1: STATE_T1=1)
+    timeout 300 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_all_reduce_gpu.py > "$OUT/tests.log" 2>&1
+    SUMMARY+=("tests: $(tail -1 "$OUT/tests.log")"); tail -30 "$OUT/tests.log" | grep -vE "^\s*$" | tail -25
+    timeout 200 python3 benchmarks/all_reduce.py > "$OUT/all_reduce.log" 2>&1; tail -12 "$OUT/all_reduce.log"
+    for cfg in ${STATE_T1:+$T1} $T2; do
+      timeout 300 python3 -m jaxserve.cli bench latency --config $cfg --disable-tqdm --precompile false \
+        --batch-size 1 --input-len 128 --output-len 256 --num-iters-warmup 1 --num-iters 3 \
+        > "$OUT/$(basename $cfg .yaml).log" 2>&1
+      SUMMARY+=("$(basename $cfg .yaml): $(grep -iE 'output tok|decode' "$OUT/$(basename $cfg .yaml).log" | head -3 | tr '\n' ' ')")
+    done
+    run t2 $T2 "" trace
+    head -5 "$OUT/t2_trace.txt"
+    ;;
+  hostcost)  # GPU tests; T=2 with SKIP_TEMP; graph updates of the T=2 engine under overlap (XLA's log)
+    timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_all_reduce_gpu.py tests/test_engine_pallas.py \
+      > "$OUT/tests.log" 2>&1; SUMMARY+=("tests: $(tail -1 "$OUT/tests.log")"); grep -E "^FAILED|Error" "$OUT/tests.log" | head
+    XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP timeout 300 python3 -m jaxserve.cli bench latency \
+      --config $T2 --disable-tqdm --precompile false --num-blocks 4096 --batch-size 1 --input-len 128 --output-len 256 \
+      --num-iters-warmup 1 --num-iters 3 > "$OUT/t2_skiptemp.log" 2>&1
+    SUMMARY+=("t2 SKIP_TEMP: $(grep -iE 'decode|step  ms|idle' "$OUT/t2_skiptemp.log" | head -4 | tr '\n' ' ')")
+    TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=1 timeout 200 \
+      python3 -m jaxserve.cli bench latency --config $T2 --disable-tqdm --precompile false --batch-size 1 \
+      --input-len 128 --output-len 64 --num-iters-warmup 0 --num-iters 1 > "$OUT/t2_overlap_vlog.log" 2>&1
+    grep -E "command_buffer_thunk|command_executor" "$OUT/t2_overlap_vlog.log" | tail -300 \
+      | grep -oE "num_commands=[0-9]+; updated_allocs=[0-9]+|Updated [0-9]+ commands" | sort | uniq -c
+    ;;
+  state)  # batch-1 latency T=1 and T=2 (overlap on), then traces of both: device ms per step by kernel kind
+    for cfg in $T1 $T2; do
+      timeout 300 python3 -m jaxserve.cli bench latency --config $cfg --disable-tqdm --precompile false \
+        --batch-size 1 --input-len 128 --output-len 256 --num-iters-warmup 1 --num-iters 3 \
+        > "$OUT/$(basename $cfg .yaml).log" 2>&1
+      SUMMARY+=("$(basename $cfg .yaml): $(grep -iE 'output tok|decode' "$OUT/$(basename $cfg .yaml).log" | head -3 | tr '\n' ' ')")
+    done
+    run t1 $T1 "" trace
+    run t2 $T2 "" trace
+    head -3 "$OUT/t1_trace.txt" "$OUT/t2_trace.txt"
+    ;;
   trace)
     run t1 $T1 "" trace
     run t1_nocb $T1 "--xla_gpu_enable_command_buffer=" trace

@@ -17,6 +17,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("path")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--steps", type=int, default=0, help="with N > 0: device time per step by kernel kind")
     args = parser.parse_args()
     path = args.path
     if os.path.isdir(path):
@@ -36,11 +37,43 @@ def main() -> None:
         stat = by_thread[key][e["name"][:90]]
         stat[0] += 1
         stat[1] += float(e.get("dur", 0))
+    if args.steps:
+        device_table(events, names, args.steps)
     for key, stats in sorted(by_thread.items(), key=lambda kv: -sum(v[1] for v in kv[1].values())):
         total = sum(v[1] for v in stats.values())
         print(f"\n== {key[0]} / {key[1]}: {total / 1e3:.2f} ms in {sum(v[0] for v in stats.values())} events")
         for name, (count, dur) in sorted(stats.items(), key=lambda kv: -kv[1][1])[: args.top]:
             print(f"  {dur / 1e3:9.3f} ms {count:6d}x  {name}")
+
+
+KINDS = (("all_reduce", ("all_reduce", "allreduce", "mosaic")), ("attention", ("attention", "paged", "triton")),
+         ("gemm", ("gemm", "cutlass", "nvjet", "sm90_", "cublas", "dot")), ("copy", ("memcpy", "memset")))
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, keys in KINDS if any(k in low for k in keys)), "other")
+
+
+def device_table(events, names, steps: int) -> None:
+    """Per GPU stream: busy ms per step by kernel kind, kernels per step, and the span of the trace."""
+    streams = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        pname = str(names.get((e["pid"], None), e["pid"]))
+        if "/device:GPU" not in pname:
+            continue
+        streams[(pname, names.get((e["pid"], e.get("tid")), e.get("tid")))].append(e)
+    for key, evs in sorted(streams.items(), key=lambda kv: str(kv[0])):
+        kinds = collections.defaultdict(float)
+        for e in evs:
+            kinds[kind_of(e["name"])] += float(e.get("dur", 0))
+        busy = sum(kinds.values())
+        span = max(float(e["ts"]) + float(e.get("dur", 0)) for e in evs) - min(float(e["ts"]) for e in evs)
+        parts = " ".join(f"{k}={v / steps / 1e3:.3f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]))
+        print(f"{key[0]} / {key[1]}: busy {busy / steps / 1e3:.3f} ms/step ({len(evs) / steps:.0f} kernels), "
+              f"span {span / 1e3:.2f} ms; {parts}")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ calls with logical axis names.
 psum is XLA's all-reduce unless the TensorParallel carries an `all_reduce` kernel (a static, hashable
 callable `(x, comm) -> sum` with `fits(x)`, e.g. pallas_kernels.all_reduce.OneShotAllReduce) and the
 step passes that kernel's device-side state `comm` (its local shard, sharded over "model"): then
-every all-reduce the kernel takes (decode-sized ones) runs it, the rest stay XLA's.
+every all-reduce the kernel takes (decode-sized ones) runs it, the rest stay XLA's. A kernel may also
+offer `fits_rms_norm(x)` / `add_rms_norm(partial, residual, weight, eps, comm)`, the all-reduce fused
+with the residual add and RMSNorm after it (`all_reduce_kernel` hands it to the model code).
 
 `TensorParallel` is frozen and hashable, so it is a static argument of the jitted step. The
 in-shard helpers take `tp=None` on the unsharded path and then return the plain computation: the
@@ -139,9 +141,19 @@ def psum(x: jax.Array, tp: TensorParallel | None, logical: str, comm: jax.Array 
     axis = _axis_name(tp, logical)
     if axis is None:
         return x
-    if comm is not None and tp.all_reduce is not None and axis == MODEL_AXIS and tp.all_reduce.fits(x):
-        return tp.all_reduce(x, comm)
+    kernel = all_reduce_kernel(tp, logical, comm)
+    if kernel is not None and kernel.fits(x):
+        return kernel(x, comm)
     return jax.lax.psum(x, axis)
+
+
+def all_reduce_kernel(tp: TensorParallel | None, logical: str, comm: jax.Array | None):
+    """tp's all-reduce kernel where a sum over `logical` may run it (the kernel's state `comm` is given and
+    the axis is the model axis), else None: callers with a fused variant (models' residual add + norm)
+    ask it which tensors it takes."""
+    if comm is None or tp is None or tp.all_reduce is None or _axis_name(tp, logical) != MODEL_AXIS:
+        return None
+    return tp.all_reduce
 
 
 def all_gather(x: jax.Array, tp: TensorParallel | None, logical: str, axis: int) -> jax.Array:

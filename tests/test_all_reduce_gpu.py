@@ -24,53 +24,145 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(jax.default_backend() != "gpu"
 
 @pytest.fixture(scope="module")
 def two_gpus():
+    """-> (mesh, {dtype name: (workspace, table)}): one workspace per dtype, as the runner makes one."""
     from pallas_kernels.all_reduce import mosaic_gpu as ar
 
     devices = jax.devices()[:2]
     mesh = jax.make_mesh((2,), ("model",), devices=devices)
-    workspace = ar.Workspace(devices)
-    return mesh, workspace, workspace.table(mesh, "model")
+    spaces = {}
+    for dtype in ("bfloat16", "float32"):
+        workspace = ar.Workspace(devices, dtype)
+        spaces[dtype] = (workspace, workspace.table(mesh, "model"))
+    return mesh, spaces
 
 
-def _reduce_fns(mesh, workspace, chain: int):
-    from pallas_kernels.all_reduce import mosaic_gpu as ar
+def _smap(mesh, fn, num_inputs):
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P("model"),) * num_inputs, out_specs=P("model"),
+                                 check_vma=False))
 
-    def make(reduce):
-        def fn(x, table):
-            for _ in range(chain):
-                x = reduce(x, table) * 0.5
-            return x
-        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P("model"), P("model")), out_specs=P("model"),
-                                     check_vma=False))
-    return (make(lambda x, t: ar.all_reduce(x, t, workspace.layout)),
-            make(lambda x, t: jax.lax.psum(x, "model")))
+
+def _sharded(mesh, shape, dtype, seed):
+    x = np.random.default_rng(seed).standard_normal((2, *shape)).astype(np.float32)
+    return jax.device_put(jnp.asarray(x, dtype), NamedSharding(mesh, P("model")))
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("shape", [(1, 4096), (8, 4096), (64, 8192)])
 def test_kernel_matches_psum(two_gpus, dtype, shape):
-    mesh, workspace, table = two_gpus
+    from pallas_kernels.all_reduce import mosaic_gpu as ar
+
+    mesh, spaces = two_gpus
+    workspace, table = spaces[jnp.dtype(dtype).name]
     # one call, then 65 in a row (a decode step's worth: both slot parities reused many times)
     for chain in (1, 65):
-        kernel, psum = _reduce_fns(mesh, workspace, chain)
-        x = np.random.default_rng(chain).standard_normal((2, *shape)).astype(np.float32)
-        x = jax.device_put(jnp.asarray(x, dtype), NamedSharding(mesh, P("model")))
+        def make(reduce):
+            def fn(x, t):
+                for _ in range(chain):
+                    x = reduce(x, t) * 0.5
+                return x
+            return _smap(mesh, fn, 2)
+        kernel = make(lambda x, t: ar.all_reduce(x, t, workspace.layout))
+        psum = make(lambda x, t: jax.lax.psum(x, "model"))
+        x = _sharded(mesh, shape, dtype, chain)
         got = np.asarray(kernel(x, table), np.float32)
         np.testing.assert_array_equal(got, np.asarray(psum(x, table), np.float32))
         np.testing.assert_array_equal(got[0], got[1])  # both devices hold the same sum
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("shape", [(1, 4096), (8, 4096), (3, 2048)])
+def test_fused_rms_norm_matches_unfused(two_gpus, dtype, shape):
+    # x = residual + all_reduce(partial); h = rms_norm(x) * w, 33 times in a row with plain all-reduces
+    # between (calls of both kernels share the workspace's regions), against psum + jnp: the residual
+    # stream bit for bit, the normed output within the rounding of its own (f32 statistics) reduction.
+    from jaxserve.models import layers
+    from pallas_kernels.all_reduce import mosaic_gpu as ar
+
+    mesh, spaces = two_gpus
+    workspace, table = spaces[jnp.dtype(dtype).name]
+    eps = 1e-5
+
+    def make(fused, plain):
+        def fn(partial, residual, weight, t):
+            weight = weight[0]
+            hs = []
+            for _ in range(33):
+                h, residual = fused(partial, residual, weight, t)
+                hs.append(h)
+                partial = plain(residual * 0.25, t)  # exact scaling; feeds the next call
+            return jnp.stack(hs)[None], residual[None]
+        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P("model"),) * 4, out_specs=(P("model"),) * 2,
+                                     check_vma=False))
+
+    def unfused(partial, residual, weight, t):
+        x = residual + jax.lax.psum(partial, "model")
+        return layers.rms_norm(x, weight, eps), x
+
+    kernel = make(lambda p, r, w, t: ar.all_reduce_rms_norm(p, r, w, eps, t, workspace.layout),
+                  lambda x, t: ar.all_reduce(x, t, workspace.layout))
+    reference = make(unfused, lambda x, t: jax.lax.psum(x, "model"))
+    def same_on_both(shape, seed):  # a replicated tensor (the residual stream, a weight), one copy per device
+        x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+        return jax.device_put(jnp.asarray(np.stack([x, x]), dtype), NamedSharding(mesh, P("model")))
+
+    partial, residual, weight = _sharded(mesh, shape, dtype, 1), same_on_both(shape, 2), same_on_both(shape[-1:], 3)
+    (h, x), (h_ref, x_ref) = kernel(partial, residual, weight, table), reference(partial, residual, weight, table)
+    np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(x_ref, np.float32))
+    tol = 1e-2 if dtype == jnp.bfloat16 else 1e-5
+    np.testing.assert_allclose(np.asarray(h, np.float32), np.asarray(h_ref, np.float32), rtol=tol, atol=tol)
+    h, x = np.asarray(h, np.float32), np.asarray(x, np.float32)
+    np.testing.assert_array_equal(h[0], h[1])  # both devices hold the same results
+    np.testing.assert_array_equal(x[0], x[1])
+
+
 def test_kernel_rejects_what_it_cannot_take(two_gpus):
     from pallas_kernels.all_reduce import mosaic_gpu as ar
 
-    _, workspace, _ = two_gpus
+    _, spaces = two_gpus
+    workspace, _ = spaces["bfloat16"]
     handle = ar.OneShotAllReduce(workspace.layout)
     assert handle.fits(jnp.zeros((8, 4096), jnp.bfloat16))
+    assert handle.fits_rms_norm(jnp.zeros((8, 4096), jnp.bfloat16))
+    assert handle.fits(jnp.zeros((8, 128), jnp.bfloat16)) and not handle.fits_rms_norm(jnp.zeros((8, 128), jnp.bfloat16))
     assert not handle.fits(jnp.zeros((3, 1000), jnp.bfloat16))  # not whole chunks
     assert not handle.fits(jnp.zeros((4096, 4096), jnp.bfloat16))  # larger than the workspace: psum
+    assert not handle.fits(jnp.zeros((8, 4096), jnp.float32))  # not the workspace's dtype
     assert not handle.fits(jnp.zeros((8, 4096), jnp.int32))
     with pytest.raises(ValueError, match="multiple of"):
         ar.all_reduce(jnp.zeros((3, 1000), jnp.bfloat16), jnp.zeros((6,), jnp.int32), workspace.layout)
+
+
+def test_step_with_fused_kernels_matches_one_device():
+    # A bf16 model 1024 wide: every all-reduce of a 2-token decode step is a kernel, the layers' fused
+    # with the residual add and the next norm. Its logits match the one-device step's and the T=2 step
+    # with XLA's all-reduce within bf16 rounding.
+    import dataclasses as dc
+
+    from jaxserve.models import llama
+    from jaxserve.models.layers import ModelBatch
+    from jaxserve.runner.model_runner import setup_all_reduce
+    from sharding import TensorParallel, make_mesh
+
+    cfg = llama.LlamaConfig(vocab_size=512, hidden_size=1024, intermediate_size=2048, num_layers=2, num_heads=8,
+                            num_kv_heads=2, head_dim=128, max_position_embeddings=64, dtype="bfloat16")
+    params = llama.init_params(cfg, jax.random.key(0), std=0.05)
+    batch = ModelBatch(*(np.asarray(a, np.int32) for a in ([3, 7], [0, 0], [0, 16], [0, 1, 2], [1, 1],
+                                                           [[0], [1]], [0, 1])))
+    one = llama.forward(params, cfg, batch, llama.init_kv_caches(cfg, 2, 16))[0]
+    tp = TensorParallel(make_mesh(1, 2))
+    place = llama.param_placer(tp)
+    sharded = jax.tree_util.tree_map_with_path(
+        lambda path, a: place(tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path), np.asarray(a)), params)
+    kernel_tp, comm, _workspace = setup_all_reduce(tp, "one_shot", cfg.jnp_dtype)  # kept alive to the end
+    assert kernel_tp.all_reduce.fits_rms_norm(jax.ShapeDtypeStruct((2, 1024), jnp.bfloat16))
+    got = {}
+    for name, t, c in (("kernel", kernel_tp, comm), ("xla", tp, None)):
+        got[name] = np.asarray(llama.forward(sharded, cfg, batch, llama.init_kv_caches(cfg, 2, 16, tp=t), tp=t,
+                                             comm=c)[0], np.float32)
+    one = np.asarray(one, np.float32)
+    scale = np.abs(one).max()
+    for name in got:
+        assert np.abs(got[name] - one).max() <= 0.03 * scale, (name, np.abs(got[name] - one).max(), scale)
 
 
 def _generate(config, prompts, params):

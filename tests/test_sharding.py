@@ -150,31 +150,44 @@ def test_compiled_step_reduces_once_per_block_and_gathers_only_logits(name, mode
     assert aliased == set(range(first_cache, first_cache + cfg.num_layers)), "the caches must be donated"
 
 
-def test_decode_sized_all_reduces_take_the_one_shot_kernel():
-    # The GPU step of tp.all_reduce (the peer-memory kernel; it runs in tests/test_all_reduce_gpu.py):
+@pytest.mark.parametrize("hidden", [64, 512])
+def test_decode_sized_all_reduces_take_the_one_shot_kernel(hidden):
+    # The GPU step of tp.all_reduce (the peer-memory kernels; they run in tests/test_all_reduce_gpu.py):
     # lowered for CUDA, a step whose [T, D] all-reduces are whole kernel chunks has no XLA all-reduce
-    # left; a larger one keeps XLA's. Lowering needs no GPU; the kernel's state is made on CPU devices.
-    from pallas_kernels.all_reduce.mosaic_gpu import CHUNK, OneShotAllReduce, Workspace
+    # left. The embedding's is the plain kernel; each layer's two are fused with the residual add and
+    # the next norm when a row is whole chunks (float32: 512 elements), else plain. A larger step keeps
+    # XLA's. Lowering needs no GPU; the kernels' state is made on CPU devices.
+    from pallas_kernels.all_reduce.mosaic_gpu import OneShotAllReduce, Workspace
 
     base = tp(2)
-    workspace = Workspace(list(base.mesh.devices.flat), max_elems=4 * CHUNK)
+    workspace = Workspace(list(base.mesh.devices.flat), "float32", max_elems=8 * 512)
     t = dataclasses.replace(base, all_reduce=OneShotAllReduce(workspace.layout))
     m = loader.load_model(HF_FIXTURES / "llama3_gqa4_tied", dtype="float32", place=llama.param_placer(t))
-    caches = llama.init_kv_caches(m.config, 9, 4, tp=t)
+    cfg, params = m.config, m.params
+    if hidden != cfg.hidden_size:  # the fixture, wider: random weights of the new shapes
+        cfg = dataclasses.replace(cfg, hidden_size=hidden)
+        place = llama.param_placer(t)
+        params = jax.tree_util.tree_map_with_path(
+            lambda path, a: place(tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path), np.asarray(a)),
+            llama.init_params(cfg, jax.random.key(0)))
+    caches = llama.init_kv_caches(cfg, 9, 4, tp=t)
     comm = workspace.table(t.mesh, "model")
     counts = {}
-    for tokens in (CHUNK // m.config.hidden_size, 8 * CHUNK // m.config.hidden_size):  # fits; too large
+    for tokens in (512 // hidden, 16 * 512 // hidden):  # fits; too large
         batch = ModelBatch(*(np.zeros(n, np.int32) for n in (tokens, tokens, tokens, 3, 2)),
                            np.zeros((2, 4), np.int32), np.zeros(2, np.int32))
-        text = STEP.trace(m.params, m.config, batch, caches, tp=t, comm=comm).lower(
-            lowering_platforms=("cuda",)).as_text()
-        # the kernel is one private function (holding the custom call); count the calls to it
-        kernel = re.search(r"func\.func private @(\w+)\([^\n]*\n[^\n]*custom_call @mosaic_gpu_v2", text)
-        calls = len(re.findall(rf"call @{kernel.group(1)}\(", text)) if kernel else 0
+        text = STEP.trace(params, cfg, batch, caches, tp=t, comm=comm).lower(lowering_platforms=("cuda",)).as_text()
+        # each kernel is one private function holding the custom call; count the calls to each
+        calls = {}
+        for name, body in re.findall(r"func\.func private @(\w+)\([^\n]*\n([^\n]*custom_call @mosaic_gpu_v2[^\n]*)",
+                                     text):
+            kind = "fused" if "rms_norm" in body else "plain"
+            calls[kind] = calls.get(kind, 0) + len(re.findall(rf"call @{name}\(", text))
         counts[tokens] = (text.count('"stablehlo.all_reduce"'), calls)
     small, large = sorted(counts)
-    assert counts[small] == (0, 3), counts  # _layer's two (o, down) and the embedding's: all the kernel
-    assert counts[large] == (3, 0), counts  # all XLA's
+    blocks = 2 * cfg.num_layers  # o and down per layer
+    assert counts[small] == (0, {"plain": 1, "fused": blocks} if hidden == 512 else {"plain": blocks + 1}), counts
+    assert counts[large] == (blocks + 1, {}), counts  # all XLA's
 
 
 # ---- the engine ----

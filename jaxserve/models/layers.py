@@ -20,7 +20,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.paged_attention import reference as reference_attention
-from sharding import TensorParallel, psum
 
 
 class ModelBatch(NamedTuple):
@@ -82,20 +81,16 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return out.astype(x.dtype)
 
 
-def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, biases=None,
-              tp: TensorParallel | None = None, comm: jax.Array | None = None) -> jax.Array:
+def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, gate_up_biases=None) -> jax.Array:
     """SwiGLU: down(silu(x @ gate) * (x @ up)). x [T, D]; w_gate, w_up [D, F]; w_down [F, D].
 
-    With `tp` (inside shard_map) the weights hold F/tp columns: gate/up are column-parallel, down is
-    row-parallel, and one psum completes the block before the down bias (`comm`: see sharding.psum)."""
+    Inside shard_map the weights hold F/tp columns (gate/up column-parallel, down row-parallel), so
+    the result is this device's partial sum: the caller all-reduces it, then adds the down bias."""
     gate = jnp.einsum("td,df->tf", x, w_gate)
     up = jnp.einsum("td,df->tf", x, w_up)
-    if biases is not None:
-        gate, up = gate + biases[0], up + biases[1]
-    out = psum(jnp.einsum("tf,fd->td", jax.nn.silu(gate) * up, w_down), tp, "mlp", comm)
-    if biases is not None:
-        out = out + biases[2]
-    return out
+    if gate_up_biases is not None:
+        gate, up = gate + gate_up_biases[0], up + gate_up_biases[1]
+    return jnp.einsum("tf,fd->td", jax.nn.silu(gate) * up, w_down)
 
 
 ATTENTION_BACKENDS = ("reference", "pallas")

@@ -15,7 +15,8 @@ columns and V/tp vocabulary rows:
     ids --embedding: local lookup + psum--> x [T, D] (replicated)
     per layer: norm -> q/k/v (column-parallel) -> paged attention on local heads and local cache
                -> o (row-parallel) -> psum -> + residual -> norm -> gate/up (column) -> down (row)
-               -> psum -> + residual                        (two all-reduces of [T, D] per layer)
+               -> psum -> + residual -> the next layer's norm  (two all-reduces of [T, D] per layer;
+                  with the GPU kernel, each psum + add + norm is one kernel: _add_norm)
     logits: local [num_logits, V/tp] --all_gather--> [num_logits, V] (padded vocab cut off)
 
 Layers are unrolled in Python with one cache array per layer (a list), donated by the caller's
@@ -35,7 +36,7 @@ import jax.numpy as jnp
 
 from jaxserve.models import layers
 from jaxserve.models.layers import ModelBatch
-from sharding import TensorParallel, all_gather, psum, sharded_lookup
+from sharding import TensorParallel, all_gather, all_reduce_kernel, psum, sharded_lookup
 
 Params = dict[str, Any]
 
@@ -158,49 +159,68 @@ def _qkv(lp: Params, cfg: LlamaConfig, x: jax.Array, positions: jax.Array, inv_f
     return layers.apply_rope(q, positions, inv_freq), layers.apply_rope(k, positions, inv_freq), v
 
 
-def _out_and_mlp(lp: Params, cfg: LlamaConfig, x: jax.Array, attn: jax.Array,
-                 tp: TensorParallel | None = None, comm: jax.Array | None = None) -> jax.Array:
-    """Attention output projection + residual, then the MLP block + residual. x [T, D].
+def _add_norm(x: jax.Array, partial: jax.Array, bias: jax.Array | None, weight: jax.Array, cfg: LlamaConfig,
+              tp: TensorParallel | None = None, logical: str = "", comm: jax.Array | None = None):
+    """x' = x + all-reduce(partial) (+ bias), then (rms_norm(x') * weight, x'): the residual update that
+    closes a block and the norm that opens the next. One kernel where tp's all-reduce fuses them
+    (decode-sized, no bias); otherwise sharding.psum, the add and layers.rms_norm."""
+    kernel = all_reduce_kernel(tp, logical, comm)
+    if bias is None and kernel is not None and getattr(kernel, "fits_rms_norm", lambda _: False)(partial):
+        return kernel.add_rms_norm(partial, x, weight, cfg.rms_norm_eps, comm)
+    o = psum(partial, tp, logical, comm)
+    if bias is not None:
+        o = o + bias
+    x = x + o
+    return layers.rms_norm(x, weight, cfg.rms_norm_eps), x
 
-    With `tp` (inside shard_map) attn holds the local heads: wo is row-parallel, so one psum
+
+def _out_and_mlp(lp: Params, cfg: LlamaConfig, x: jax.Array, attn: jax.Array, next_norm: jax.Array,
+                 tp: TensorParallel | None = None, comm: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Attention output projection + residual, then the MLP block + residual. x [T, D] (the residual
+    stream). Returns (the next block's input, rms_norm(x) * next_norm, and x).
+
+    With `tp` (inside shard_map) attn holds the local heads: wo is row-parallel, so one all-reduce
     completes the attention block (biases are added once, after it); the MLP does the same. `comm`:
     the all-reduce kernel's state (sharding.psum), None for XLA's."""
     # NOTE: a 2-D matmul over the flattened (N, H) axis; einsum "tnh,nhd->td" made XLA relayout
     # (copy) the whole wo weight every step.
     num_heads, head_dim, width = lp["wo"].shape
     o = attn.reshape(-1, num_heads * head_dim) @ lp["wo"].reshape(num_heads * head_dim, width)
-    o = psum(o, tp, "heads", comm)
-    if cfg.o_bias:
-        o = o + lp["bo"]
-    x = x + o
-    h = layers.rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    biases = (lp["b_gate"], lp["b_up"], lp["b_down"]) if cfg.mlp_bias else None
-    return x + layers.gated_mlp(h, lp["w_gate"], lp["w_up"], lp["w_down"], biases, tp, comm)
+    h, x = _add_norm(x, o, lp["bo"] if cfg.o_bias else None, lp["mlp_norm"], cfg, tp, "heads", comm)
+    gate_up_biases = (lp["b_gate"], lp["b_up"]) if cfg.mlp_bias else None
+    down = layers.gated_mlp(h, lp["w_gate"], lp["w_up"], lp["w_down"], gate_up_biases)
+    return _add_norm(x, down, lp["b_down"] if cfg.mlp_bias else None, next_norm, cfg, tp, "mlp", comm)
 
 
-def _logits(params: Params, cfg: LlamaConfig, x: jax.Array, tp: TensorParallel | None = None) -> jax.Array:
-    x = layers.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+def _next_norms(params: Params) -> list[jax.Array]:
+    """The norm that follows each layer: the next layer's attention norm, the final norm after the last."""
+    return [lp["attn_norm"] for lp in params["layers"][1:]] + [params["final_norm"]]
+
+
+def _head(params: Params, cfg: LlamaConfig, h: jax.Array, tp: TensorParallel | None = None) -> jax.Array:
+    """Final-normed hidden states -> float32 logits (gathered over the vocabulary shards)."""
     if cfg.tie_word_embeddings:
-        logits = jnp.einsum("...d,vd->...v", x, params["embed"], preferred_element_type=jnp.float32)
+        logits = jnp.einsum("...d,vd->...v", h, params["embed"], preferred_element_type=jnp.float32)
     else:
-        logits = jnp.einsum("...d,dv->...v", x, params["lm_head"], preferred_element_type=jnp.float32)
+        logits = jnp.einsum("...d,dv->...v", h, params["lm_head"], preferred_element_type=jnp.float32)
     return all_gather(logits, tp, "vocab", axis=-1)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "attention_backend", "tp", "decode_only"))
-def _layer(lp: Params, x: jax.Array, kv_cache: jax.Array, batch: ModelBatch, comm: jax.Array | None, *,
-           cfg: LlamaConfig, attention_backend: str, tp: TensorParallel | None,
-           decode_only: bool) -> tuple[jax.Array, jax.Array]:
-    """One decoder layer. Jitted on its own so the step traces it once per shape, not once per layer
-    (XLA inlines the calls: the compiled step is the same; warm starts lower each step shape faster)."""
+def _layer(lp: Params, h: jax.Array, x: jax.Array, next_norm: jax.Array, kv_cache: jax.Array, batch: ModelBatch,
+           comm: jax.Array | None, *, cfg: LlamaConfig, attention_backend: str, tp: TensorParallel | None,
+           decode_only: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One decoder layer: (h = rms_norm(x) * attn_norm, x) -> (the next block's h, x, kv_cache). Jitted
+    on its own so the step traces it once per shape, not once per layer (XLA inlines the calls: the
+    compiled step is the same; warm starts lower each step shape faster)."""
     inv_freq = layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-    h = layers.rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
     q, k, v = _qkv(lp, cfg, h, batch.positions, inv_freq)
     attn, kv_cache = layers.paged_attention(
         q, k, v, kv_cache, batch, sm_scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window,
         backend=attention_backend, decode_only=decode_only,
     )
-    return _out_and_mlp(lp, cfg, x, attn, tp, comm), kv_cache
+    h, x = _out_and_mlp(lp, cfg, x, attn, next_norm, tp, comm)
+    return h, x, kv_cache
 
 
 def _step(params: Params, batch: ModelBatch, kv_caches: list[jax.Array], comm: jax.Array | None = None, *,
@@ -208,12 +228,13 @@ def _step(params: Params, batch: ModelBatch, kv_caches: list[jax.Array], comm: j
           decode_only: bool = False) -> tuple[jax.Array, list[jax.Array]]:
     """The step on one device's params and caches: all of them, or (with `tp`) its shards."""
     x = sharded_lookup(params["embed"], batch.token_ids, tp, "vocab", comm)  # [T, D]
+    h = layers.rms_norm(x, params["layers"][0]["attn_norm"], cfg.rms_norm_eps)
     new_caches = []
-    for lp, kv_cache in zip(params["layers"], kv_caches):
-        x, kv_cache = _layer(lp, x, kv_cache, batch, comm, cfg=cfg, attention_backend=attention_backend, tp=tp,
-                             decode_only=decode_only)
+    for lp, next_norm, kv_cache in zip(params["layers"], _next_norms(params), kv_caches):
+        h, x, kv_cache = _layer(lp, h, x, next_norm, kv_cache, batch, comm, cfg=cfg,
+                                attention_backend=attention_backend, tp=tp, decode_only=decode_only)
         new_caches.append(kv_cache)
-    return _logits(params, cfg, x[batch.logits_indices], tp), new_caches
+    return _head(params, cfg, h[batch.logits_indices], tp), new_caches
 
 
 def forward(
@@ -252,16 +273,16 @@ def forward_dense(params: Params, cfg: LlamaConfig, token_ids: jax.Array) -> jax
     batch, length = token_ids.shape
     positions = jnp.arange(length, dtype=jnp.int32)
     x = params["embed"][token_ids.reshape(-1)]  # [B*T, D]
-    for lp in params["layers"]:
-        h = layers.rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+    h = layers.rms_norm(x, params["layers"][0]["attn_norm"], cfg.rms_norm_eps)
+    for lp, next_norm in zip(params["layers"], _next_norms(params)):
         q, k, v = _qkv(lp, cfg, h, jnp.tile(positions, batch), inv_freq)
         attn = layers.causal_attention(
             q.reshape(batch, length, *q.shape[1:]), k.reshape(batch, length, *k.shape[1:]),
             v.reshape(batch, length, *v.shape[1:]), sm_scale=cfg.head_dim ** -0.5,
             sliding_window=cfg.sliding_window,
         )
-        x = _out_and_mlp(lp, cfg, x, attn.reshape(batch * length, *attn.shape[2:]))
-    return _logits(params, cfg, x).reshape(batch, length, -1)
+        h, x = _out_and_mlp(lp, cfg, x, attn.reshape(batch * length, *attn.shape[2:]), next_norm)
+    return _head(params, cfg, h).reshape(batch, length, -1)
 
 
 def init_kv_caches(cfg: LlamaConfig, num_blocks: int, block_size: int, attention_backend: str = "reference",

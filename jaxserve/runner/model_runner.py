@@ -107,7 +107,7 @@ def forward_fn(platform: str):
                    compiler_options=GPU_COMPILER_OPTIONS if platform == "gpu" else None)
 
 
-def setup_all_reduce(tp: TensorParallel | None, mode: str):
+def setup_all_reduce(tp: TensorParallel | None, mode: str, dtype="bfloat16"):
     """-> (tp, comm, workspace): `tp` with the all-reduce kernel the step uses, the kernel's device state
     (the pointer table, an argument of every step) and the buffers behind it (kept alive by the runner).
 
@@ -115,19 +115,22 @@ def setup_all_reduce(tp: TensorParallel | None, mode: str):
     all-reduces run pallas_kernels.all_reduce, which XLA captures in the step's CUDA graph; its own
     one-shot all-reduce splits the graph at every call, and replaying ~65 pieces per step made the host,
     not the GPUs, set the pace (benchmarks/RESULTS.md). xla: lax.psum everywhere (CPU, TPU, several
-    processes: the kernel reaches its peers through raw device pointers, which only one process holds)."""
+    processes: the kernel reaches its peers through raw device pointers, which only one process holds).
+    The kernel's workspace carries one dtype, the model's (`dtype`: bfloat16 or float32)."""
     if tp is None or tp.size == 1 or mode == "xla":
         return tp, None, None
     devices = list(tp.mesh.devices.flat)
     hopper = all(float(getattr(d, "compute_capability", 0) or 0) >= 9.0 for d in devices)
-    if devices[0].platform != "gpu" or jax.process_count() > 1 or not hopper:
+    dtype = jnp.dtype(dtype).name
+    if devices[0].platform != "gpu" or jax.process_count() > 1 or not hopper or dtype not in ("bfloat16", "float32"):
         if mode == "one_shot":
             raise ValueError(f"parallel.all_reduce=one_shot needs the tensor-parallel GPUs in one process, sm_90 or "
-                             f"newer; this mesh is {devices[0].platform} ({getattr(devices[0], 'device_kind', '')}) "
-                             f"over {jax.process_count()} process(es): use auto or xla")
+                             f"newer, and a bfloat16 or float32 model; this mesh is {devices[0].platform} "
+                             f"({getattr(devices[0], 'device_kind', '')}) over {jax.process_count()} process(es), "
+                             f"dtype {dtype}: use auto or xla")
         return tp, None, None
     from pallas_kernels.all_reduce.mosaic_gpu import OneShotAllReduce, Workspace
-    workspace = Workspace(devices)
+    workspace = Workspace(devices, dtype)
     tp = dataclasses.replace(tp, all_reduce=OneShotAllReduce(workspace.layout))
     return tp, workspace.table(tp.mesh, MODEL_AXIS), workspace
 
@@ -235,7 +238,8 @@ class ModelRunner:
         enable_compilation_cache(config.runner.compilation_cache_dir)
         self.model = model
         # The step's all-reduces: XLA's, or a peer-memory kernel whose state (`comm`) lives with the runner.
-        self.tp, self.comm, self._all_reduce_workspace = setup_all_reduce(tp, config.parallel.all_reduce)
+        self.tp, self.comm, self._all_reduce_workspace = setup_all_reduce(tp, config.parallel.all_reduce,
+                                                                          model.config.jnp_dtype)
         # Small device arrays made where the step runs (the mesh under tensor parallelism).
         # where the step's small arrays and logits live: replicated on the mesh, or the params' device
         self.on_device = tp.sharding(()) if tp is not None else jax.tree.leaves(model.params)[0].sharding
