@@ -40,6 +40,19 @@ case ${1:-flags} in
     run t2 $T2 "" trace
     head -5 "$OUT/t2_trace.txt"
     ;;
+  ratio)  # GPU tests; batch-1 latency T=1 and T=2 with default flags, then both with SKIP_TEMP (KV sized by the driver)
+    timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_all_reduce_gpu.py tests/test_engine_pallas.py \
+      > "$OUT/tests.log" 2>&1; SUMMARY+=("tests: $(tail -1 "$OUT/tests.log")"); grep -E "^FAILED|Error" "$OUT/tests.log" | head
+    for flags in "" "--xla_gpu_command_buffer_update_mode=SKIP_TEMP"; do
+      for cfg in $T1 $T2; do
+        log="$OUT/$(basename $cfg .yaml)${flags:+_skiptemp}.log"
+        XLA_FLAGS="$flags" timeout 200 python3 -m jaxserve.cli bench latency --config $cfg --disable-tqdm \
+          --precompile false --batch-size 1 --input-len 128 --output-len 256 --num-iters-warmup 1 --num-iters 3 \
+          > "$log" 2>&1
+        SUMMARY+=("$(basename "$log" .log): $(grep -iE 'decode|step  ms|idle|blocks' "$log" | head -5 | tr '\n' ' ')")
+      done
+    done
+    ;;
   hostcost)  # GPU tests; T=2 with SKIP_TEMP; graph updates of the T=2 engine under overlap (XLA's log)
     timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_all_reduce_gpu.py tests/test_engine_pallas.py \
       > "$OUT/tests.log" 2>&1; SUMMARY+=("tests: $(tail -1 "$OUT/tests.log")"); grep -E "^FAILED|Error" "$OUT/tests.log" | head

@@ -305,6 +305,13 @@ def test_kv_cache_sizing_leaves_room_for_the_step_buffers(monkeypatch):
     assert reserved == int(((1 << 30) - (1 << 28)) * fraction) // per_block
     exact = load_config(ROOT / "configs" / "tiny.yaml", num_blocks=77)
     assert mr.kv_cache_num_blocks(llm_cfg, exact, 32, 4, reserved_bytes=1 << 28) == 77
+    # an allocator without statistics (XLA's VMM allocator): the driver's free memory, else a clear error
+    Device.memory_stats = lambda self: None
+    monkeypatch.setattr(mr, "driver_free_bytes", lambda device: 1 << 29)
+    assert mr.kv_cache_num_blocks(llm_cfg, engine_config, 32, 4) == int((1 << 29) * fraction) // per_block
+    monkeypatch.setattr(mr, "driver_free_bytes", lambda device: None)
+    with pytest.raises(ValueError, match="set cache.num_blocks"):
+        mr.kv_cache_num_blocks(llm_cfg, engine_config, 32, 4)
 
 
 def test_decode_steps_alternate_twin_executables_when_enabled():

@@ -174,6 +174,39 @@ def kv_block_bytes(cfg: llama.LlamaConfig, block_size: int, dtype_bytes: int, tp
     return cfg.num_layers * 2 * block_size * kv_heads * cfg.head_dim * dtype_bytes
 
 
+def driver_free_bytes(device) -> int | None:
+    """What XLA may still allocate on a CUDA device, from the driver, or None off CUDA. For allocators
+    that keep no statistics, e.g. the VMM allocator that XLA_FLAGS=--xla_gpu_command_buffer_update_mode=
+    SKIP_TEMP selects: it maps memory as it is used, within a budget of XLA_PYTHON_CLIENT_MEM_FRACTION
+    (default 0.75) of the device, so this is the driver's free memory (cuMemGetInfo in the primary
+    context XLA uses) less the part of the device outside that budget."""
+    import ctypes
+
+    if getattr(device, "platform", None) != "gpu":
+        return None
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    handle, ctx = ctypes.c_int(), ctypes.c_void_p()
+    free, total = ctypes.c_size_t(), ctypes.c_size_t()
+    if (cuda.cuInit(0) or cuda.cuDeviceGet(ctypes.byref(handle), getattr(device, "local_hardware_id", device.id))
+            or cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), handle)):
+        return None
+    try:
+        if cuda.cuCtxPushCurrent_v2(ctx):
+            return None
+        try:
+            if cuda.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)):
+                return None
+        finally:
+            cuda.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+    finally:
+        cuda.cuDevicePrimaryCtxRelease_v2(handle)
+    budget = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
+    return max(0, free.value - int((1 - budget) * total.value))
+
+
 def kv_cache_num_blocks(cfg: llama.LlamaConfig, config: EngineConfig, max_model_len: int, dtype_bytes: int,
                        tp: TensorParallel | None = None, reserved_bytes: int = 0) -> int:
     """Blocks that fit in the free memory of one of the engine's devices (or the configured count), after
@@ -187,9 +220,15 @@ def kv_cache_num_blocks(cfg: llama.LlamaConfig, config: EngineConfig, max_model_
         num_blocks = cache.cpu_num_blocks
     else:
         device = jax.devices()[0] if tp is None else tp.mesh.local_devices[0]
-        stats = device.memory_stats() or {}
-        free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0) - reserved_bytes
-        num_blocks = int(free * cache.memory_fraction) // per_block
+        stats = device.memory_stats()
+        if stats:
+            free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+        else:  # allocators without statistics (XLA's VMM allocator): ask the driver
+            free = driver_free_bytes(device)
+            if free is None:
+                raise ValueError(f"cannot tell the free memory of {device} (its allocator keeps no statistics): "
+                                 f"set cache.num_blocks")
+        num_blocks = int((free - reserved_bytes) * cache.memory_fraction) // per_block
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
