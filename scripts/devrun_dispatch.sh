@@ -14,7 +14,7 @@ CB="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"
 SUMMARY=()
 run() {  # name config xla_flags [trace]
   local name=$1 config=$2 flags=$3 trace=${4:-}
-  local extra=""; case $flags in *update_mode*) extra="--num-blocks 2048";; esac
+  local extra=""
   echo "=== $name ($config, XLA_FLAGS='$flags')"
   XLA_FLAGS="$flags" timeout 240 python3 scripts/profile_dispatch.py --config "$config" --steps 20 $extra \
     ${trace:+--trace /tmp/trace_$name} > "$OUT/$name.log" 2>&1
@@ -39,6 +39,17 @@ case ${1:-flags} in
     done
     run t2 $T2 "" trace
     head -5 "$OUT/t2_trace.txt"
+    ;;
+  t2)  # GPU tests; T=2 batch-1 latency with default flags and with SKIP_TEMP; T=2 host profile (SKIP_TEMP)
+    timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_all_reduce_gpu.py tests/test_engine_pallas.py \
+      > "$OUT/tests.log" 2>&1; SUMMARY+=("tests: $(tail -1 "$OUT/tests.log")"); grep -E "^FAILED|Error" "$OUT/tests.log" | head
+    for flags in "" "--xla_gpu_command_buffer_update_mode=SKIP_TEMP"; do
+      log="$OUT/t2${flags:+_skiptemp}.log"
+      XLA_FLAGS="$flags" timeout 200 python3 -m jaxserve.cli bench latency --config $T2 --disable-tqdm \
+        --precompile false --batch-size 1 --input-len 128 --output-len 256 --num-iters-warmup 1 --num-iters 3 > "$log" 2>&1
+      SUMMARY+=("$(basename "$log" .log): $(grep -iE 'decode|step  ms|idle' "$log" | head -4 | tr '\n' ' ')")
+    done
+    run t2_prof_skip $T2 "--xla_gpu_command_buffer_update_mode=SKIP_TEMP"
     ;;
   ratio)  # GPU tests; batch-1 latency T=1 and T=2 with default flags, then both with SKIP_TEMP (KV sized by the driver)
     timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_all_reduce_gpu.py tests/test_engine_pallas.py \

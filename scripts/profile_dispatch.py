@@ -50,8 +50,7 @@ def main() -> None:
 
     def forward(batch, prev_tokens, prev_index, decode_only):
         """The runner's forward (stage the inputs, then the step) on the jit path, not the AOT executables."""
-        logits, _ = runner._run_forward(batch, prev_tokens, prev_index, decode_only)
-        return logits
+        return runner._run_forward(batch, prev_tokens, prev_index, decode_only)
 
     for _ in range(args.steps):
         t0 = time.perf_counter()
@@ -60,11 +59,14 @@ def main() -> None:
         step = runner.prepare(out)
         t2 = time.perf_counter()
         prev = runner._last.tokens
-        logits = forward(step.batch, prev, step.prev_index, step.decode_only)
+        logits, greedy = forward(step.batch, prev, step.prev_index, step.decode_only)
         t3 = time.perf_counter()
         md, all_greedy, use_penalties, num_logprobs = step.sampling
-        result = sampler.sample(logits, md, all_greedy=all_greedy, use_penalties=use_penalties,
-                                num_logprobs=num_logprobs, out_rows=runner.max_rows)
+        if greedy is not None and all_greedy:  # the step's own argmax (what the runner takes): no sampler
+            result = sampler.SamplerOutput(greedy, None)
+        else:
+            result = sampler.sample(logits, md, all_greedy=all_greedy, use_penalties=use_penalties,
+                                    num_logprobs=num_logprobs, out_rows=runner.max_rows)
         t4 = time.perf_counter()
         result.token_ids.copy_to_host_async()
         t5 = time.perf_counter()

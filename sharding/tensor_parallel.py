@@ -11,7 +11,8 @@ callable `(x, comm) -> sum` with `fits(x)`, e.g. pallas_kernels.all_reduce.OneSh
 step passes that kernel's device-side state `comm` (its local shard, sharded over "model"): then
 every all-reduce the kernel takes (decode-sized ones) runs it, the rest stay XLA's. A kernel may also
 offer `fits_rms_norm(x)` / `add_rms_norm(partial, residual, weight, eps, comm)`, the all-reduce fused
-with the residual add and RMSNorm after it (`all_reduce_kernel` hands it to the model code).
+with the residual add and RMSNorm after it (`all_reduce_kernel` hands it to the model code), and
+`gather_size(x, shards, axis)`, with which all_gather runs small gathers as sums into zeros.
 
 `TensorParallel` is frozen and hashable, so it is a static argument of the jitted step. The
 in-shard helpers take `tp=None` on the unsharded path and then return the plain computation: the
@@ -156,10 +157,24 @@ def all_reduce_kernel(tp: TensorParallel | None, logical: str, comm: jax.Array |
     return tp.all_reduce
 
 
-def all_gather(x: jax.Array, tp: TensorParallel | None, logical: str, axis: int) -> jax.Array:
-    """Inside shard_map: concatenate every shard's slice of the `logical` axis (dim `axis` of x)."""
+def all_gather(x: jax.Array, tp: TensorParallel | None, logical: str, axis: int,
+               comm: jax.Array | None = None) -> jax.Array:
+    """Inside shard_map: concatenate every shard's slice of the `logical` axis (dim `axis` of x). With
+    `comm`, a small gather along the last axis runs tp's all-reduce kernel: each shard adds its slice,
+    at its offset, into zeros (exact), which keeps the step one CUDA graph (XLA's all-gather is not
+    captured, and makes the devices' host threads meet every step)."""
     name = _axis_name(tp, logical)
-    return x if name is None else jax.lax.all_gather(x, name, axis=axis, tiled=True)
+    if name is None:
+        return x
+    kernel = all_reduce_kernel(tp, logical, comm)
+    shards = tp.mesh.shape[name]
+    width = kernel.gather_size(x, shards, axis) if kernel is not None else None
+    if width is None:
+        return jax.lax.all_gather(x, name, axis=axis, tiled=True)
+    local = x.shape[-1]
+    full = jnp.zeros((*x.shape[:-1], width), x.dtype)
+    full = jax.lax.dynamic_update_slice_in_dim(full, x, jax.lax.axis_index(name) * local, axis=x.ndim - 1)
+    return kernel(full, comm)[..., : local * shards]
 
 
 def sharded_lookup(table: jax.Array, ids: jax.Array, tp: TensorParallel | None, logical: str,

@@ -120,7 +120,7 @@ def test_kernel_rejects_what_it_cannot_take(two_gpus):
 
     _, spaces = two_gpus
     workspace, _ = spaces["bfloat16"]
-    handle = ar.OneShotAllReduce(workspace.layout)
+    handle = ar.OneShotAllReduce.of(workspace)
     assert handle.fits(jnp.zeros((8, 4096), jnp.bfloat16))
     assert handle.fits_rms_norm(jnp.zeros((8, 4096), jnp.bfloat16))
     assert handle.fits(jnp.zeros((8, 128), jnp.bfloat16)) and not handle.fits_rms_norm(jnp.zeros((8, 128), jnp.bfloat16))

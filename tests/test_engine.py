@@ -123,6 +123,26 @@ def test_decode_steps_take_the_decode_only_path(llm, monkeypatch):
     assert_no_leaks(llm)
 
 
+def test_greedy_decode_steps_take_their_own_argmax(llm, monkeypatch):
+    """An all-greedy decode step without penalties, logprobs or banned ids takes the argmax the step
+    computed (no sampler launch); with logprobs every step runs the sampler. Same tokens either way."""
+    runner = llm.engine.runner
+    calls = []
+    monkeypatch.setattr(runner, "_compiled", {k: v for k, v in runner._compiled.items() if k[0] != "sample"})
+    sample = runner._sample
+    monkeypatch.setattr(runner, "_sample", lambda logits, md, *variant: calls.append(variant) or
+                        sample(logits, md, *variant))
+    prompts = [f"{a}+{b}=" for a, b in problems(6, seed=3)]
+    fast = llm.generate(prompts, GREEDY, use_tqdm=False)
+    fast_calls, calls[:] = len(calls), []
+    with_logprobs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=GREEDY.max_tokens, logprobs=1),
+                                 use_tqdm=False)
+    longest = max(len(o.outputs[0].token_ids) for o in fast)
+    assert fast_calls < longest <= len(calls), (fast_calls, longest, len(calls))  # decode steps skipped the sampler
+    assert [o.outputs[0].token_ids for o in fast] == [o.outputs[0].token_ids for o in with_logprobs]
+    assert_no_leaks(llm)
+
+
 def test_seeded_sampling_reproducible_across_batches(llm):
     params = SamplingParams(temperature=1.5, seed=1234, max_tokens=8)
     alone = llm.generate(["12+34="], params, use_tqdm=False)[0].outputs[0].token_ids

@@ -156,12 +156,13 @@ def test_decode_sized_all_reduces_take_the_one_shot_kernel(hidden):
     # lowered for CUDA, a step whose [T, D] all-reduces are whole kernel chunks has no XLA all-reduce
     # left. The embedding's is the plain kernel; each layer's two are fused with the residual add and
     # the next norm when a row is whole chunks (float32: 512 elements), else plain. A larger step keeps
-    # XLA's. Lowering needs no GPU; the kernels' state is made on CPU devices.
+    # XLA's. The logits' all-gather is a kernel sum into zeros while it fits. Lowering needs no GPU;
+    # the kernels' state is made on CPU devices.
     from pallas_kernels.all_reduce.mosaic_gpu import OneShotAllReduce, Workspace
 
     base = tp(2)
     workspace = Workspace(list(base.mesh.devices.flat), "float32", max_elems=8 * 512)
-    t = dataclasses.replace(base, all_reduce=OneShotAllReduce(workspace.layout))
+    t = dataclasses.replace(base, all_reduce=OneShotAllReduce.of(workspace))
     m = loader.load_model(HF_FIXTURES / "llama3_gqa4_tied", dtype="float32", place=llama.param_placer(t))
     cfg, params = m.config, m.params
     if hidden != cfg.hidden_size:  # the fixture, wider: random weights of the new shapes
@@ -184,10 +185,12 @@ def test_decode_sized_all_reduces_take_the_one_shot_kernel(hidden):
             kind = "fused" if "rms_norm" in body else "plain"
             calls[kind] = calls.get(kind, 0) + len(re.findall(rf"call @{name}\(", text))
         counts[tokens] = (text.count('"stablehlo.all_reduce"'), calls)
+        assert '"stablehlo.all_gather"' not in text
     small, large = sorted(counts)
     blocks = 2 * cfg.num_layers  # o and down per layer
-    assert counts[small] == (0, {"plain": 1, "fused": blocks} if hidden == 512 else {"plain": blocks + 1}), counts
-    assert counts[large] == (blocks + 1, {}), counts  # all XLA's
+    # the logits' gather (2 rows) is a kernel sum into zeros in both: no all-gather is left
+    assert counts[small] == (0, {"plain": 2, "fused": blocks} if hidden == 512 else {"plain": blocks + 2}), counts
+    assert counts[large] == (blocks + 1, {"plain": 1}), counts  # the all-reduces XLA's
 
 
 # ---- the engine ----

@@ -197,13 +197,14 @@ def _next_norms(params: Params) -> list[jax.Array]:
     return [lp["attn_norm"] for lp in params["layers"][1:]] + [params["final_norm"]]
 
 
-def _head(params: Params, cfg: LlamaConfig, h: jax.Array, tp: TensorParallel | None = None) -> jax.Array:
+def _head(params: Params, cfg: LlamaConfig, h: jax.Array, tp: TensorParallel | None = None,
+          comm: jax.Array | None = None) -> jax.Array:
     """Final-normed hidden states -> float32 logits (gathered over the vocabulary shards)."""
     if cfg.tie_word_embeddings:
         logits = jnp.einsum("...d,vd->...v", h, params["embed"], preferred_element_type=jnp.float32)
     else:
         logits = jnp.einsum("...d,dv->...v", h, params["lm_head"], preferred_element_type=jnp.float32)
-    return all_gather(logits, tp, "vocab", axis=-1)
+    return all_gather(logits, tp, "vocab", axis=-1, comm=comm)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "attention_backend", "tp", "decode_only"))
@@ -234,7 +235,7 @@ def _step(params: Params, batch: ModelBatch, kv_caches: list[jax.Array], comm: j
         h, x, kv_cache = _layer(lp, h, x, next_norm, kv_cache, batch, comm, cfg=cfg,
                                 attention_backend=attention_backend, tp=tp, decode_only=decode_only)
         new_caches.append(kv_cache)
-    return _head(params, cfg, h[batch.logits_indices], tp), new_caches
+    return _head(params, cfg, h[batch.logits_indices], tp, comm), new_caches
 
 
 def forward(

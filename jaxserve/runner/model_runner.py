@@ -74,18 +74,23 @@ stage_fn = jax.jit(_stage_step, donate_argnames=("staged",), keep_unused=True)
 
 
 def _forward_step(params, cfg, batch: ModelBatch, kv_caches, logits_buffer, comm, attention_backend, tp=None,
-                  decode_only=False, twin=False):
-    """The model step. `logits_buffer` (donated, never read) gives the logits a buffer that is the same
-    every step, as the staged batch and the donated caches are: XLA then replays the step's CUDA graph
-    without updating any node. `decode_only`: every request has one query token, token r being request
-    r's (the kernels' decode fast path). `comm`: the state of tp.all_reduce (None: XLA's all-reduces).
-    `twin`: the same step as a second executable (ModelRunner._run_forward alternates the two)."""
+                  decode_only=False, twin=False, out_rows=None):
+    """The model step -> (logits, kv_caches, greedy tokens or None). `logits_buffer` (donated, never
+    read) gives the logits a buffer that is the same every step, as the staged batch and the donated
+    caches are: XLA then replays the step's CUDA graph without updating any node. `decode_only`: every
+    request has one query token, token r being request r's (the kernels' decode fast path); such a
+    step also returns each row's argmax padded to `out_rows`, which an all-greedy step takes as its
+    tokens without launching the sampler. `comm`: the state of tp.all_reduce (None: XLA's
+    all-reduces). `twin`: the same step as a second executable (ModelRunner._run_forward alternates)."""
     del logits_buffer
     logits, kv_caches = llama.forward(params, cfg, batch, kv_caches, attention_backend=attention_backend, tp=tp,
                                       decode_only=decode_only, comm=comm)
     if twin:  # a no-op that only makes the program (and so the executable and its CUDA graph) another one
         logits = logits + jnp.zeros((), logits.dtype)
-    return logits, kv_caches
+    tokens = None
+    if decode_only and out_rows is not None:  # sampler.sample's greedy path without banned ids or penalties
+        tokens = jnp.pad(jnp.argmax(logits, axis=-1).astype(jnp.int32), (0, out_rows - logits.shape[0]))
+    return logits, kv_caches, tokens
 
 
 # XLA merges sibling matmuls that share an input into one (q/k/v; gate/up) only while the merged weights
@@ -102,7 +107,7 @@ TWIN_COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 1025}
 def forward_fn(platform: str):
     """The jitted step for a platform (GPU options only where XLA:GPU compiles), one per process so
     engines with the same model config and shapes share compilations."""
-    return jax.jit(_forward_step, static_argnames=("cfg", "attention_backend", "tp", "decode_only", "twin"),
+    return jax.jit(_forward_step, static_argnames=("cfg", "attention_backend", "tp", "decode_only", "twin", "out_rows"),
                    donate_argnames=("kv_caches", "logits_buffer"), keep_unused=True,
                    compiler_options=GPU_COMPILER_OPTIONS if platform == "gpu" else None)
 
@@ -130,8 +135,12 @@ def setup_all_reduce(tp: TensorParallel | None, mode: str, dtype="bfloat16"):
                              f"dtype {dtype}: use auto or xla")
         return tp, None, None
     from pallas_kernels.all_reduce.mosaic_gpu import OneShotAllReduce, Workspace
-    workspace = Workspace(devices, dtype)
-    tp = dataclasses.replace(tp, all_reduce=OneShotAllReduce(workspace.layout))
+    # the activations' all-reduces ([T, D] up to 64 x 8192) and the float32 logits' gather (decode
+    # steps of up to 4 requests at a 128K vocabulary)
+    sizes = {dtype: 64 * 8192}
+    sizes["float32"] = max(sizes.get("float32", 0), 4 * 128 * 1024)
+    workspace = Workspace(devices, sizes)
+    tp = dataclasses.replace(tp, all_reduce=OneShotAllReduce.of(workspace))
     return tp, workspace.table(tp.mesh, MODEL_AXIS), workspace
 
 
@@ -490,15 +499,20 @@ class ModelRunner:
         step = self.prepare(out)
         prev_tokens = self._last.tokens if self._last is not None else self._zeros((self.max_rows,), jnp.int32)
         # A step that samples nothing marks its readiness with its logits: they must not be donated later.
-        logits, self.kv_caches = self._run_forward(step.batch, prev_tokens, step.prev_index, step.decode_only,
-                                                   keep_logits=step.sampling is not None)
+        logits, greedy_tokens = self._run_forward(step.batch, prev_tokens, step.prev_index, step.decode_only,
+                                                  keep_logits=step.sampling is not None)
         if step.sampling is None:  # prefill chunks only: nothing to wait for
             handle = StepHandle(step.request_ids, step.rows, step.generations, prev_tokens, None, logits,
                                 RunnerOutput([], []))
         else:
             md, *variant = step.sampling
-            compiled = self._compiled.get(("sample", logits.shape[0], *variant))
-            result = compiled(logits, md) if compiled is not None else self._sample(logits, md, *variant)
+            all_greedy, use_penalties, num_logprobs = variant
+            if (greedy_tokens is not None and all_greedy and not use_penalties and not num_logprobs
+                    and not (md.banned_token_ids >= 0).any()):
+                result = sampler.SamplerOutput(greedy_tokens, None)  # the step's own argmax: no sampler launch
+            else:
+                compiled = self._compiled.get(("sample", logits.shape[0], *variant))
+                result = compiled(logits, md) if compiled is not None else self._sample(logits, md, *variant)
             result.token_ids.copy_to_host_async()
             handle = StepHandle(step.request_ids, step.rows, step.generations, result.token_ids, result.logprobs,
                                 result.token_ids)
@@ -507,7 +521,8 @@ class ModelRunner:
 
     def _run_forward(self, batch: ModelBatch, prev_tokens, prev_index, decode_only: bool = False,
                      keep_logits: bool = True):
-        """Stage the step's inputs, run the forward. Every device buffer the forward reads or writes is
+        """Stage the step's inputs, run the forward -> (logits, greedy tokens of a decode-only step or
+        None). Every device buffer the forward reads or writes is
         the same each time a shape recurs (staged inputs, caches, logits: all donated back in), so XLA
         launches its CUDA graph as recorded: updating a graph's nodes and re-uploading it cost ~2 us a
         node, most of a decode step's host time (benchmarks/RESULTS.md). `keep_logits=False`: the
@@ -531,14 +546,16 @@ class ModelRunner:
             twin = self._twin[(t_pad, r_pad)] = not self._twin.get((t_pad, r_pad), True)
         compiled = self._compiled.get(("forward", t_pad, r_pad, decode_only, twin))
         if compiled is not None:
-            logits, self.kv_caches = compiled(self.model.params, staged, self.kv_caches, logits_buffer, self.comm)
+            logits, self.kv_caches, tokens = compiled(self.model.params, staged, self.kv_caches, logits_buffer,
+                                                      self.comm)
         else:
-            logits, self.kv_caches = self.forward_fn(
+            logits, self.kv_caches, tokens = self.forward_fn(
                 self.model.params, self.cfg, staged, self.kv_caches, logits_buffer, self.comm,
-                attention_backend=self.attention_backend, tp=self.tp, decode_only=decode_only, twin=twin)
+                attention_backend=self.attention_backend, tp=self.tp, decode_only=decode_only, twin=twin,
+                out_rows=self.max_rows)
         if keep_logits:
             self._logits[r_pad] = logits
-        return logits, self.kv_caches
+        return logits, tokens
 
     def _sample(self, logits, md, all_greedy: bool, use_penalties: bool, num_logprobs: int):
         return sampler.sample(logits, md, all_greedy=all_greedy, use_penalties=use_penalties,
@@ -596,7 +613,7 @@ class ModelRunner:
             logits = jax.ShapeDtypeStruct((r_pad, self.cfg.vocab_size), jnp.float32, sharding=on_device)
             lowered = self.forward_fn.lower(self.model.params, self.cfg, device_batch(t_pad, r_pad), self.kv_caches,
                                             logits, self.comm, attention_backend=self.attention_backend, tp=self.tp,
-                                            decode_only=decode_only)
+                                            decode_only=decode_only, out_rows=self.max_rows)
             if not (decode_only and self.use_twins):
                 return {("forward", t_pad, r_pad, decode_only, False): lowered.compile()}
             # The twin: the same program compiled once more (an option that changes nothing makes it a

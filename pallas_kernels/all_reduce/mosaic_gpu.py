@@ -27,9 +27,11 @@ that lands in pieces is never taken half-written.
 block per row, the row's sum of squares reduced in the block) with the rounding steps of the unfused
 XLA ops: the sum and the residual add are rounded to the dtype, the norm's statistics are f32.
 
-The workspace is one persistent device buffer per device, allocated once (`Workspace`) for one dtype
-(its "empty" marker is that dtype's -0.0); the kernels reach their own and their peers' workspaces
-through raw device pointers held in a small int32 table (lo/hi words), one row per device. This needs
+The workspace is one persistent device buffer per device and dtype, allocated once (`Workspace`; a
+buffer's "empty" marker is its dtype's -0.0); the kernels reach their own and their peers' buffers
+through raw device pointers held in a small int32 table (lo/hi words), one row per device. An
+all-gather of a small tensor runs as an all-reduce of zeros around each device's slice (exact), so
+a decode step's logits gather stays in the step's graph too (`OneShotAllReduce.gather_size`). This needs
 CUDA peer access between the devices (XLA enables it between the local GPUs of one process) and one
 process driving all of them.
 
@@ -47,6 +49,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -68,7 +71,8 @@ class Layout:
     slots of max_elems elements (slot [p][src] receives device src's data in calls of parity p)."""
     num_devices: int
     max_elems: int  # largest all-reduce (elements) the workspace holds
-    dtype: str = "bfloat16"  # the one dtype the workspace carries
+    dtype: str = "bfloat16"  # the one dtype the buffer carries
+    table_index: int = 0  # which of the pointer table's address sets is this buffer's (one per dtype)
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -107,28 +111,37 @@ def _round_up(x: int, m: int) -> int:
 
 
 class Workspace:
-    """Persistent peer-visible buffers for one group of devices (one tensor-parallel group) and one dtype.
+    """Persistent peer-visible buffers for one group of devices (one tensor-parallel group): per device
+    one byte buffer per dtype (counters zero, slots "empty"), and the pointer table the kernels read.
 
-    Holds one byte buffer per device (counters zero, slots "empty") and the pointer table the kernels
-    read: a jax array [N, 2 + 2N] int32 sharded one row per device (row r: rank r, then every device's
-    workspace address as lo/hi words). Keep the Workspace alive as long as any compiled step may run.
+    `dtypes`: {dtype: max_elems}, e.g. the model's activations (decode-sized all-reduces) and float32
+    (the logits' all-gather). The table is a jax array [N, 2 + 2 N D] int32 sharded one row per device
+    (row r: rank r, then for each dtype every device's buffer address as lo/hi words). Keep the
+    Workspace alive as long as any compiled step may run.
     """
 
-    def __init__(self, devices, dtype="bfloat16", max_elems: int = 64 * 8192):
+    def __init__(self, devices, dtypes=None, max_elems: int = 64 * 8192):
         self.devices = list(devices)
-        self.layout = Layout(len(self.devices), max_elems, jnp.dtype(dtype).name)
-        init = np.zeros(self.layout.nbytes, np.uint8)
-        empty = init[self.layout.data_offset:].view(np.uint16 if self.layout.itemsize == 2 else np.uint32)
-        empty[:] = _EMPTY[self.layout.itemsize]
-        self.buffers = [jax.device_put(init, d) for d in self.devices]
-        addrs = [b.unsafe_buffer_pointer() for b in self.buffers]
         n = len(self.devices)
-        rows = np.zeros((n, 2 + 2 * n), np.uint32)
-        for r in range(n):
-            rows[r, 0] = r
-            for j, a in enumerate(addrs):
-                rows[r, 2 + 2 * j] = a & 0xFFFFFFFF
-                rows[r, 3 + 2 * j] = a >> 32
+        if dtypes is None or isinstance(dtypes, str) or not isinstance(dtypes, dict):
+            dtypes = {jnp.dtype(dtypes or "bfloat16").name: max_elems}
+        self.layouts = {}
+        self.buffers = []
+        rows = np.zeros((n, 2 + 2 * n * len(dtypes)), np.uint32)
+        rows[:, 0] = np.arange(n)
+        for k, (dtype, elems) in enumerate(dtypes.items()):
+            layout = Layout(n, elems, jnp.dtype(dtype).name, k)
+            init = np.zeros(layout.nbytes, np.uint8)
+            init[layout.data_offset:].view(np.uint16 if layout.itemsize == 2 else np.uint32)[:] = \
+                _EMPTY[layout.itemsize]
+            buffers = [jax.device_put(init, d) for d in self.devices]
+            for j, b in enumerate(buffers):
+                a = b.unsafe_buffer_pointer()
+                rows[:, 2 + 2 * (k * n + j)] = a & 0xFFFFFFFF
+                rows[:, 3 + 2 * (k * n + j)] = a >> 32
+            self.layouts[layout.dtype] = layout
+            self.buffers += buffers
+        self.layout = next(iter(self.layouts.values()))  # the first dtype's
         self.rows = rows.view(np.int32)
 
     def table(self, mesh, axis: str) -> jax.Array:
@@ -143,25 +156,48 @@ class Workspace:
 
 @dataclasses.dataclass(frozen=True)
 class OneShotAllReduce:
-    """The kernels as a static, hashable all-reduce for sharding.TensorParallel.all_reduce."""
-    layout: Layout
+    """The kernels as a static, hashable all-reduce for sharding.TensorParallel.all_reduce, over the
+    buffers of one Workspace (`OneShotAllReduce.of(workspace)`)."""
+    layouts: tuple[Layout, ...]
+
+    @classmethod
+    def of(cls, workspace: Workspace) -> OneShotAllReduce:
+        return cls(tuple(workspace.layouts.values()))
+
+    def layout(self, x) -> Layout | None:
+        return next((l for l in self.layouts if jnp.dtype(l.dtype) == jnp.dtype(x.dtype)), None)
 
     def fits(self, x) -> bool:
-        """Tensors of the workspace's dtype, whole chunks, that fit it (decode-sized); others take psum."""
-        return (jnp.dtype(x.dtype) == jnp.dtype(self.layout.dtype) and x.size % self.layout.chunk == 0
-                and 0 < x.size <= self.layout.max_elems)
+        """Tensors of a dtype the workspace carries, whole chunks, that fit it (decode-sized); others
+        take XLA's collectives."""
+        layout = self.layout(x)
+        return layout is not None and x.size % layout.chunk == 0 and 0 < x.size <= layout.max_elems
 
     def fits_rms_norm(self, x) -> bool:
         """Also fused with the residual add and RMSNorm: rows of whole chunks, one CUDA block per row."""
         width = x.shape[-1]
-        return (self.fits(x) and width % self.layout.chunk == 0
-                and width * self.layout.itemsize // VECTOR_BYTES <= MAX_BLOCK_THREADS)
+        return (self.fits(x) and width % self.layout(x).chunk == 0
+                and width * x.dtype.itemsize // VECTOR_BYTES <= MAX_BLOCK_THREADS)
 
     def __call__(self, x: jax.Array, table_row: jax.Array) -> jax.Array:
-        return all_reduce(x, table_row, self.layout)
+        return all_reduce(x, table_row, self.layout(x))
 
     def add_rms_norm(self, partial, residual, weight, eps: float, table_row):
-        return all_reduce_rms_norm(partial, residual, weight, eps, table_row, self.layout)
+        return all_reduce_rms_norm(partial, residual, weight, eps, table_row, self.layout(partial))
+
+    def gather_size(self, x, num_shards: int, axis: int) -> int | None:
+        """The padded width of `x`'s all-gather along its last axis run as an all-reduce (each device
+        adds its slice into zeros: exact), or None when that does not fit the workspace."""
+        if axis not in (-1, x.ndim - 1):
+            return None
+        layout = self.layout(x)
+        if layout is None:
+            return None
+        rows = x.size // x.shape[-1]
+        width = x.shape[-1] * num_shards
+        per_chunk = layout.chunk // math.gcd(layout.chunk, rows)  # width multiple making rows x width whole chunks
+        width = -(-width // per_chunk) * per_chunk
+        return width if rows * width <= layout.max_elems else None
 
 
 def _check(x: jax.Array, layout: Layout) -> None:
@@ -173,10 +209,11 @@ def _check(x: jax.Array, layout: Layout) -> None:
 
 
 def all_reduce(x: jax.Array, table_row: jax.Array, layout: Layout) -> jax.Array:
-    """Inside shard_map: sum `x` over the devices of the workspace; `table_row` is this device's
-    [1, 2 + 2N] (or [2 + 2N]) row of `Workspace.table`. Returns x's shape and dtype."""
+    """Inside shard_map: sum `x` over the devices of the workspace; `table_row` is this device's row
+    of `Workspace.table` ([1, W] or [W]); `layout` the workspace's buffer for x's dtype. Returns x's
+    shape and dtype."""
     _check(x, layout)
-    kernel = _kernel(x.size, layout, layout.chunk, None)
+    kernel = _kernel(x.size, layout, layout.chunk, None, table_row.size)
     return kernel(x.reshape(-1), table_row.reshape(-1)).reshape(x.shape)
 
 
@@ -192,16 +229,17 @@ def all_reduce_rms_norm(partial: jax.Array, residual: jax.Array, weight: jax.Arr
         raise ValueError(f"all_reduce_rms_norm: partial {partial.shape}, residual {residual.shape}, weight "
                          f"{weight.shape}; rows must be whole chunks of {layout.chunk} and at most "
                          f"{MAX_BLOCK_THREADS * VECTOR_BYTES // layout.itemsize} wide")
-    kernel = _kernel(partial.size, layout, width, float(eps))
+    kernel = _kernel(partial.size, layout, width, float(eps), table_row.size)
     normed, x = kernel(partial.reshape(-1), residual.reshape(-1), weight.astype(partial.dtype),
                        table_row.reshape(-1))
     return normed.reshape(partial.shape), x.reshape(partial.shape)
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(n: int, layout: Layout, row: int, eps: float | None):
+def _kernel(n: int, layout: Layout, row: int, eps: float | None, table_words: int):
     """n elements in CUDA blocks of `row` elements (one 16-byte vector per thread). eps None: the
-    plain all-reduce (row = one chunk); otherwise fused with the residual add and RMSNorm over rows."""
+    plain all-reduce (row = one chunk); otherwise fused with the residual add and RMSNorm over rows.
+    `table_words`: the length of a pointer-table row (Workspace.table)."""
     from jax._src.interpreters import mlir
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, gpu, llvm, memref
@@ -294,7 +332,9 @@ def _kernel(n: int, layout: Layout, row: int, eps: float | None):
             return values if itemsize == 4 else unpack(pack(values))
 
         rank = word(0)
-        bases = [arith.ori(word(2 + 2 * j), arith.shli(word(3 + 2 * j), c64(32))) for j in range(num_devices)]
+        first = 2 + 2 * layout.table_index * num_devices  # this dtype's address set in the table
+        bases = [arith.ori(word(first + 2 * j), arith.shli(word(first + 1 + 2 * j), c64(32)))
+                 for j in range(num_devices)]
         own = bases[0]
         for j in range(1, num_devices):  # own = bases[rank]
             own = arith.select(arith.cmpi(arith.CmpIPredicate.eq, rank, c64(j)), bases[j], own)
@@ -362,7 +402,7 @@ def _kernel(n: int, layout: Layout, row: int, eps: float | None):
                          predicate=first)
 
     flat = jax.ShapeDtypeStruct((n,), dtype)
-    table = jax.ShapeDtypeStruct((2 + 2 * num_devices,), jnp.int32)
+    table = jax.ShapeDtypeStruct((table_words,), jnp.int32)
     if fused:
         in_shape = (flat, flat, jax.ShapeDtypeStruct((row,), dtype), table)
         out_shape = (flat, flat)
