@@ -3,6 +3,10 @@
 #   bash scripts/devrun_dispatch.sh trace   # profile + jax.profiler trace, command buffers on/off
 #   bash scripts/devrun_dispatch.sh flags   # host time of the step under XLA command-buffer options
 #   bash scripts/devrun_dispatch.sh kernel  # T=2 with the one-shot all-reduce kernel: traces, update log
+#   bash scripts/devrun_dispatch.sh state   # T=1 / T=2 latency, then traces: device ms per step by kernel kind
+#   bash scripts/devrun_dispatch.sh ar      # the all-reduce kernels: GPU tests, latency; T=2 latency + trace
+#   bash scripts/devrun_dispatch.sh ratio   # GPU tests; T=1 and T=2 latency, default flags and SKIP_TEMP
+#   bash scripts/devrun_dispatch.sh t2 | hostcost  # T=2 with and without SKIP_TEMP; XLA's graph-update log
 # Logs and traces under $OUT; a table last.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -26,51 +30,41 @@ run() {  # name config xla_flags [trace]
     cp "$(find /tmp/trace_$name -name '*.json.gz' | head -1)" "$OUT/$name.json.gz" 2>/dev/null
   fi
 }
+gpu_tests() {  # the GPU tier of the given test files; its last line into the summary
+  timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider "$@" > "$OUT/tests.log" 2>&1
+  SUMMARY+=("tests: $(tail -1 "$OUT/tests.log")"); grep -E "^FAILED|Error" "$OUT/tests.log" | head
+}
+latency() {  # name config [xla_flags]: batch-1 decode (128 in, 256 out, overlap on) into the summary
+  XLA_FLAGS="${3:-}" timeout 300 python3 -m jaxserve.cli bench latency --config "$2" --disable-tqdm \
+    --precompile false --batch-size 1 --input-len 128 --output-len 256 --num-iters-warmup 1 --num-iters 3 \
+    > "$OUT/$1.log" 2>&1
+  SUMMARY+=("$1: $(grep -iE 'decode|step  ms|idle' "$OUT/$1.log" | head -4 | tr '\n' ' ')")
+}
+SKIP_TEMP=--xla_gpu_command_buffer_update_mode=SKIP_TEMP
 case ${1:-flags} in
-  ar)  # the all-reduce kernels' GPU tests and latency, then T=2 batch-1 latency and a trace (T=1: STATE_T1=1)
-    timeout 300 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_all_reduce_gpu.py > "$OUT/tests.log" 2>&1
-    SUMMARY+=("tests: $(tail -1 "$OUT/tests.log")"); tail -30 "$OUT/tests.log" | grep -vE "^\s*$" | tail -25
+  ar)  # the all-reduce kernels' GPU tests and latency, then T=2 batch-1 latency and a trace
+    gpu_tests tests/test_all_reduce_gpu.py
     timeout 200 python3 benchmarks/all_reduce.py > "$OUT/all_reduce.log" 2>&1; tail -12 "$OUT/all_reduce.log"
-    for cfg in ${STATE_T1:+$T1} $T2; do
-      timeout 300 python3 -m jaxserve.cli bench latency --config $cfg --disable-tqdm --precompile false \
-        --batch-size 1 --input-len 128 --output-len 256 --num-iters-warmup 1 --num-iters 3 \
-        > "$OUT/$(basename $cfg .yaml).log" 2>&1
-      SUMMARY+=("$(basename $cfg .yaml): $(grep -iE 'output tok|decode' "$OUT/$(basename $cfg .yaml).log" | head -3 | tr '\n' ' ')")
-    done
+    latency t2_latency $T2
     run t2 $T2 "" trace
     head -5 "$OUT/t2_trace.txt"
     ;;
   t2)  # GPU tests; T=2 batch-1 latency with default flags and with SKIP_TEMP; T=2 host profile (SKIP_TEMP)
-    timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_all_reduce_gpu.py tests/test_engine_pallas.py \
-      > "$OUT/tests.log" 2>&1; SUMMARY+=("tests: $(tail -1 "$OUT/tests.log")"); grep -E "^FAILED|Error" "$OUT/tests.log" | head
-    for flags in "" "--xla_gpu_command_buffer_update_mode=SKIP_TEMP"; do
-      log="$OUT/t2${flags:+_skiptemp}.log"
-      XLA_FLAGS="$flags" timeout 200 python3 -m jaxserve.cli bench latency --config $T2 --disable-tqdm \
-        --precompile false --batch-size 1 --input-len 128 --output-len 256 --num-iters-warmup 1 --num-iters 3 > "$log" 2>&1
-      SUMMARY+=("$(basename "$log" .log): $(grep -iE 'decode|step  ms|idle' "$log" | head -4 | tr '\n' ' ')")
-    done
-    run t2_prof_skip $T2 "--xla_gpu_command_buffer_update_mode=SKIP_TEMP"
+    gpu_tests tests/test_all_reduce_gpu.py tests/test_engine_pallas.py
+    latency t2_latency $T2
+    latency t2_latency_skiptemp $T2 $SKIP_TEMP
+    run t2_prof_skip $T2 $SKIP_TEMP
     ;;
   ratio)  # GPU tests; batch-1 latency T=1 and T=2 with default flags, then both with SKIP_TEMP (KV sized by the driver)
-    timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_all_reduce_gpu.py tests/test_engine_pallas.py \
-      > "$OUT/tests.log" 2>&1; SUMMARY+=("tests: $(tail -1 "$OUT/tests.log")"); grep -E "^FAILED|Error" "$OUT/tests.log" | head
-    for flags in "" "--xla_gpu_command_buffer_update_mode=SKIP_TEMP"; do
-      for cfg in $T1 $T2; do
-        log="$OUT/$(basename $cfg .yaml)${flags:+_skiptemp}.log"
-        XLA_FLAGS="$flags" timeout 200 python3 -m jaxserve.cli bench latency --config $cfg --disable-tqdm \
-          --precompile false --batch-size 1 --input-len 128 --output-len 256 --num-iters-warmup 1 --num-iters 3 \
-          > "$log" 2>&1
-        SUMMARY+=("$(basename "$log" .log): $(grep -iE 'decode|step  ms|idle|blocks' "$log" | head -5 | tr '\n' ' ')")
-      done
-    done
+    gpu_tests tests/test_all_reduce_gpu.py tests/test_engine_pallas.py
+    latency t1_latency $T1
+    latency t2_latency $T2
+    latency t1_latency_skiptemp $T1 $SKIP_TEMP
+    latency t2_latency_skiptemp $T2 $SKIP_TEMP
     ;;
   hostcost)  # GPU tests; T=2 with SKIP_TEMP; graph updates of the T=2 engine under overlap (XLA's log)
-    timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_all_reduce_gpu.py tests/test_engine_pallas.py \
-      > "$OUT/tests.log" 2>&1; SUMMARY+=("tests: $(tail -1 "$OUT/tests.log")"); grep -E "^FAILED|Error" "$OUT/tests.log" | head
-    XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP timeout 300 python3 -m jaxserve.cli bench latency \
-      --config $T2 --disable-tqdm --precompile false --num-blocks 4096 --batch-size 1 --input-len 128 --output-len 256 \
-      --num-iters-warmup 1 --num-iters 3 > "$OUT/t2_skiptemp.log" 2>&1
-    SUMMARY+=("t2 SKIP_TEMP: $(grep -iE 'decode|step  ms|idle' "$OUT/t2_skiptemp.log" | head -4 | tr '\n' ' ')")
+    gpu_tests tests/test_all_reduce_gpu.py tests/test_engine_pallas.py
+    latency t2_latency_skiptemp $T2 $SKIP_TEMP
     TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=1 timeout 200 \
       python3 -m jaxserve.cli bench latency --config $T2 --disable-tqdm --precompile false --batch-size 1 \
       --input-len 128 --output-len 64 --num-iters-warmup 0 --num-iters 1 > "$OUT/t2_overlap_vlog.log" 2>&1
@@ -78,12 +72,8 @@ case ${1:-flags} in
       | grep -oE "num_commands=[0-9]+; updated_allocs=[0-9]+|Updated [0-9]+ commands" | sort | uniq -c
     ;;
   state)  # batch-1 latency T=1 and T=2 (overlap on), then traces of both: device ms per step by kernel kind
-    for cfg in $T1 $T2; do
-      timeout 300 python3 -m jaxserve.cli bench latency --config $cfg --disable-tqdm --precompile false \
-        --batch-size 1 --input-len 128 --output-len 256 --num-iters-warmup 1 --num-iters 3 \
-        > "$OUT/$(basename $cfg .yaml).log" 2>&1
-      SUMMARY+=("$(basename $cfg .yaml): $(grep -iE 'output tok|decode' "$OUT/$(basename $cfg .yaml).log" | head -3 | tr '\n' ' ')")
-    done
+    latency t1_latency $T1
+    latency t2_latency $T2
     run t1 $T1 "" trace
     run t2 $T2 "" trace
     head -3 "$OUT/t1_trace.txt" "$OUT/t2_trace.txt"
