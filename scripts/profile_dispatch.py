@@ -62,7 +62,8 @@ def main() -> None:
         logits, greedy = forward(step.batch, prev, step.prev_index, step.decode_only)
         t3 = time.perf_counter()
         md, all_greedy, use_penalties, num_logprobs = step.sampling
-        if greedy is not None and all_greedy:  # the step's own argmax (what the runner takes): no sampler
+        if (greedy is not None and all_greedy and not use_penalties and not num_logprobs
+                and not (md.banned_token_ids >= 0).any()):  # the step's own argmax, as the runner takes it
             result = sampler.SamplerOutput(greedy, None)
         else:
             result = sampler.sample(logits, md, all_greedy=all_greedy, use_penalties=use_penalties,

@@ -168,7 +168,8 @@ def all_gather(x: jax.Array, tp: TensorParallel | None, logical: str, axis: int,
         return x
     kernel = all_reduce_kernel(tp, logical, comm)
     shards = tp.mesh.shape[name]
-    width = kernel.gather_size(x, shards, axis) if kernel is not None else None
+    gather_size = getattr(kernel, "gather_size", None)
+    width = gather_size(x, shards, axis) if gather_size is not None else None
     if width is None:
         return jax.lax.all_gather(x, name, axis=axis, tiled=True)
     local = x.shape[-1]

@@ -70,7 +70,7 @@ def test_kernel_matches_psum(two_gpus, dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("shape", [(1, 4096), (8, 4096), (3, 2048)])
+@pytest.mark.parametrize("shape", [(1, 4096), (8, 4096), (3, 2048), (2, 8192)])  # 8192 bf16: 1024 threads
 def test_fused_rms_norm_matches_unfused(two_gpus, dtype, shape):
     # x = residual + all_reduce(partial); h = rms_norm(x) * w, 33 times in a row with plain all-reduces
     # between (calls of both kernels share the workspace's regions), against psum + jnp: the residual
@@ -80,6 +80,8 @@ def test_fused_rms_norm_matches_unfused(two_gpus, dtype, shape):
 
     mesh, spaces = two_gpus
     workspace, table = spaces[jnp.dtype(dtype).name]
+    if shape[-1] * jnp.dtype(dtype).itemsize > 1024 * 16:
+        pytest.skip("one CUDA block per row: rows up to 1024 16-byte vectors")
     eps = 1e-5
 
     def make(fused, plain):

@@ -125,7 +125,8 @@ def test_decode_steps_take_the_decode_only_path(llm, monkeypatch):
 
 def test_greedy_decode_steps_take_their_own_argmax(llm, monkeypatch):
     """An all-greedy decode step without penalties, logprobs or banned ids takes the argmax the step
-    computed (no sampler launch); with logprobs every step runs the sampler. Same tokens either way."""
+    computed (no sampler launch); with logprobs or penalties every step runs the sampler. Greedy
+    tokens are the same either way."""
     runner = llm.engine.runner
     calls = []
     monkeypatch.setattr(runner, "_compiled", {k: v for k, v in runner._compiled.items() if k[0] != "sample"})
@@ -140,6 +141,10 @@ def test_greedy_decode_steps_take_their_own_argmax(llm, monkeypatch):
     longest = max(len(o.outputs[0].token_ids) for o in fast)
     assert fast_calls < longest <= len(calls), (fast_calls, longest, len(calls))  # decode steps skipped the sampler
     assert [o.outputs[0].token_ids for o in fast] == [o.outputs[0].token_ids for o in with_logprobs]
+    calls[:] = []  # penalties read the history: the sampler again (min_tokens: test_stop_strings_...)
+    penalized = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=GREEDY.max_tokens,
+                                                     repetition_penalty=1.3), use_tqdm=False)
+    assert max(len(o.outputs[0].token_ids) for o in penalized) <= len(calls)
     assert_no_leaks(llm)
 
 

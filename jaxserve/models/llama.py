@@ -177,7 +177,7 @@ def _add_norm(x: jax.Array, partial: jax.Array, bias: jax.Array | None, weight: 
 def _out_and_mlp(lp: Params, cfg: LlamaConfig, x: jax.Array, attn: jax.Array, next_norm: jax.Array,
                  tp: TensorParallel | None = None, comm: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Attention output projection + residual, then the MLP block + residual. x [T, D] (the residual
-    stream). Returns (the next block's input, rms_norm(x) * next_norm, and x).
+    stream). Returns (rms_norm(x) * next_norm, the next block's input; x).
 
     With `tp` (inside shard_map) attn holds the local heads: wo is row-parallel, so one all-reduce
     completes the attention block (biases are added once, after it); the MLP does the same. `comm`:

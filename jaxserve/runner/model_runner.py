@@ -121,7 +121,8 @@ def setup_all_reduce(tp: TensorParallel | None, mode: str, dtype="bfloat16"):
     one-shot all-reduce splits the graph at every call, and replaying ~65 pieces per step made the host,
     not the GPUs, set the pace (benchmarks/RESULTS.md). xla: lax.psum everywhere (CPU, TPU, several
     processes: the kernel reaches its peers through raw device pointers, which only one process holds).
-    The kernel's workspace carries one dtype, the model's (`dtype`: bfloat16 or float32)."""
+    The kernel's workspace carries the model's dtype (`dtype`: bfloat16 or float32) for the activations
+    and float32 for the logits' gather."""
     if tp is None or tp.size == 1 or mode == "xla":
         return tp, None, None
     devices = list(tp.mesh.devices.flat)
@@ -186,9 +187,9 @@ def kv_block_bytes(cfg: llama.LlamaConfig, block_size: int, dtype_bytes: int, tp
 def driver_free_bytes(device) -> int | None:
     """What XLA may still allocate on a CUDA device, from the driver, or None off CUDA. For allocators
     that keep no statistics, e.g. the VMM allocator that XLA_FLAGS=--xla_gpu_command_buffer_update_mode=
-    SKIP_TEMP selects: it maps memory as it is used, within a budget of XLA_PYTHON_CLIENT_MEM_FRACTION
-    (default 0.75) of the device, so this is the driver's free memory (cuMemGetInfo in the primary
-    context XLA uses) less the part of the device outside that budget."""
+    SKIP_TEMP selects: it maps memory as it is used, within a budget of XLA_CLIENT_MEM_FRACTION (or
+    XLA_PYTHON_CLIENT_MEM_FRACTION; default 0.75) of the device, so this is the driver's free memory
+    (cuMemGetInfo in the primary context XLA uses) less the part of the device outside that budget."""
     import ctypes
 
     if getattr(device, "platform", None) != "gpu":
@@ -212,7 +213,8 @@ def driver_free_bytes(device) -> int | None:
             cuda.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
     finally:
         cuda.cuDevicePrimaryCtxRelease_v2(handle)
-    budget = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
+    budget = next((float(v) for v in map(os.environ.get, ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION"))
+                   if v), 0.75)  # (jaxlib reads the first name, then the older one)
     return max(0, free.value - int((1 - budget) * total.value))
 
 

@@ -16,6 +16,8 @@ all-reduce is pure latency, so the protocol has no flags and no fences (the "Lam
     for every peer j:  ws_j.data[p][r][v] = x[v]    (one 16-byte NVLink store per thread and peer)
     for every peer j:  spin on ws_r.data[p][j][v] until none of its elements is -0.0
     y[v] = sum over j = 0..N-1 in that order, in f32 (own x for j = r): bit-identical on all devices
+                                                    (and to XLA's psum at N = 2; for N > 2 XLA may round
+                                                    between partial sums, this kernel rounds once)
     ws_r.data[p][j][v] = -0.0 again; counter[region] = epoch (after a block barrier)
 
 One NVLink hop per call instead of a store, a fence round trip and a flag. Slot p is written again
