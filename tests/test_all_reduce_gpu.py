@@ -142,7 +142,7 @@ def test_step_with_fused_kernels_matches_one_device():
 
     from jaxserve.models import llama
     from jaxserve.models.layers import ModelBatch
-    from jaxserve.runner.model_runner import setup_all_reduce
+    from jaxserve.runner.device_setup import setup_all_reduce
     from sharding import TensorParallel, make_mesh
 
     cfg = llama.LlamaConfig(vocab_size=512, hidden_size=1024, intermediate_size=2048, num_layers=2, num_heads=8,

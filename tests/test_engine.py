@@ -311,7 +311,7 @@ def test_kv_cache_sizing_leaves_room_for_the_step_buffers(monkeypatch):
     """On an accelerator the cache takes memory_fraction of what is free after the buffers the runner
     makes later (staged step inputs, logits); the exact count when cache.num_blocks is set."""
     from jaxserve.models.llama import LlamaConfig
-    from jaxserve.runner import model_runner as mr
+    from jaxserve.runner import device_setup as mr
 
     class Device:
         def memory_stats(self):

@@ -223,7 +223,7 @@ def test_heads_that_do_not_divide_are_refused():
 
 
 def test_kv_memory_accounting_uses_per_device_heads():
-    from jaxserve.runner.model_runner import kv_block_bytes
+    from jaxserve.runner.device_setup import kv_block_bytes
 
     for name, heads_per_device in [("llama3_gqa4_tied", {1: 2, 2: 1, 4: 1, 8: 1}),  # 2 kv heads
                                    ("qwen3_gqa1_untied", {1: 4, 2: 2, 4: 1})]:  # 4 kv heads
@@ -267,7 +267,7 @@ def test_tensor_parallel_steady_state_never_compiles(tiny_tp2):
 
 
 def test_all_reduce_mode_is_xla_off_gpu_and_checked():
-    from jaxserve.runner.model_runner import setup_all_reduce
+    from jaxserve.runner.device_setup import setup_all_reduce
 
     t = tp(2)
     assert setup_all_reduce(t, "auto") == (t, None, None)  # CPU devices: XLA's psum

@@ -27,7 +27,6 @@ import functools
 import logging
 import math
 import os
-from pathlib import Path
 from typing import NamedTuple
 
 import jax
@@ -42,7 +41,9 @@ from jaxserve.models import llama
 from jaxserve.models.layers import ModelBatch
 from jaxserve.models.loader import LoadedModel
 from jaxserve.runner import sampler
-from sharding import MODEL_AXIS, TensorParallel
+from jaxserve.runner.device_setup import (enable_compilation_cache, kv_cache_num_blocks, resolve_attention_backend,
+                                         setup_all_reduce)
+from sharding import TensorParallel
 from sharding.tensor_parallel import zeros
 
 logger = logging.getLogger(__name__)
@@ -110,149 +111,6 @@ def forward_fn(platform: str):
     return jax.jit(_forward_step, static_argnames=("cfg", "attention_backend", "tp", "decode_only", "twin", "out_rows"),
                    donate_argnames=("kv_caches", "logits_buffer"), keep_unused=True,
                    compiler_options=GPU_COMPILER_OPTIONS if platform == "gpu" else None)
-
-
-def setup_all_reduce(tp: TensorParallel | None, mode: str, dtype="bfloat16"):
-    """-> (tp, comm, workspace): `tp` with the all-reduce kernel the step uses, the kernel's device state
-    (the pointer table, an argument of every step) and the buffers behind it (kept alive by the runner).
-
-    one_shot (what `auto` picks for tensor parallelism over the GPUs of one process): the decode-sized
-    all-reduces run pallas_kernels.all_reduce, which XLA captures in the step's CUDA graph; its own
-    one-shot all-reduce splits the graph at every call, and replaying ~65 pieces per step made the host,
-    not the GPUs, set the pace (benchmarks/RESULTS.md). xla: lax.psum everywhere (CPU, TPU, several
-    processes: the kernel reaches its peers through raw device pointers, which only one process holds).
-    The kernel's workspace carries the model's dtype (`dtype`: bfloat16 or float32) for the activations
-    and float32 for the logits' gather."""
-    if tp is None or tp.size == 1 or mode == "xla":
-        return tp, None, None
-    devices = list(tp.mesh.devices.flat)
-    hopper = all(float(getattr(d, "compute_capability", 0) or 0) >= 9.0 for d in devices)
-    dtype = jnp.dtype(dtype).name
-    if devices[0].platform != "gpu" or jax.process_count() > 1 or not hopper or dtype not in ("bfloat16", "float32"):
-        if mode == "one_shot":
-            raise ValueError(f"parallel.all_reduce=one_shot needs the tensor-parallel GPUs in one process, sm_90 or "
-                             f"newer, and a bfloat16 or float32 model; this mesh is {devices[0].platform} "
-                             f"({getattr(devices[0], 'device_kind', '')}) over {jax.process_count()} process(es), "
-                             f"dtype {dtype}: use auto or xla")
-        return tp, None, None
-    from pallas_kernels.all_reduce.mosaic_gpu import OneShotAllReduce, Workspace
-    # the activations' all-reduces ([T, D] up to 64 x 8192) and the float32 logits' gather (decode
-    # steps of up to 4 requests at a 128K vocabulary)
-    sizes = {dtype: 64 * 8192}
-    sizes["float32"] = max(sizes.get("float32", 0), 4 * 128 * 1024)
-    workspace = Workspace(devices, sizes)
-    tp = dataclasses.replace(tp, all_reduce=OneShotAllReduce.of(workspace))
-    return tp, workspace.table(tp.mesh, MODEL_AXIS), workspace
-
-
-def enable_compilation_cache(directory: str | None) -> None:
-    """JAX's persistent compilation cache in a private (0700) directory. Its entries are trusted code."""
-    if not directory:
-        return
-    path = Path(os.path.expanduser(directory))
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(path, 0o700)
-    jax.config.update("jax_compilation_cache_dir", str(path))
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-
-
-def _pallas_supports(cfg: llama.LlamaConfig, block_size: int) -> bool:
-    """Shapes the Pallas kernels take: Triton needs power-of-two head dims >= 16 and page sizes."""
-    def pow2(n: int) -> bool:
-        return n > 0 and n & (n - 1) == 0
-    return pow2(cfg.head_dim) and cfg.head_dim >= 16 and pow2(block_size)
-
-
-def resolve_attention_backend(name: str, cfg: llama.LlamaConfig, block_size: int) -> str:
-    """auto: the Pallas kernels on GPU and TPU when they take the model's shapes, else the reference."""
-    if name == "auto":
-        if jax.default_backend() not in ("gpu", "tpu"):
-            return "reference"
-        if not _pallas_supports(cfg, block_size):
-            logger.warning("attention_backend auto: head_dim=%d / block_size=%d are not supported by the Pallas "
-                           "kernels; using the reference attention", cfg.head_dim, block_size)
-            return "reference"
-        return "pallas"
-    return name
-
-
-def kv_block_bytes(cfg: llama.LlamaConfig, block_size: int, dtype_bytes: int, tp: TensorParallel | None = None) -> int:
-    """Bytes of one KV block (all layers, K and V) on one device: with tensor parallelism a device holds
-    its kv heads only (num_kv_heads / tp, or one replicated head when num_kv_heads < tp)."""
-    kv_heads = cfg.num_kv_heads if tp is None else tp.local_size("kv_heads", cfg.num_kv_heads, "num_key_value_heads")
-    return cfg.num_layers * 2 * block_size * kv_heads * cfg.head_dim * dtype_bytes
-
-
-def driver_free_bytes(device) -> int | None:
-    """What XLA may still allocate on a CUDA device, from the driver, or None off CUDA. For allocators
-    that keep no statistics, e.g. the VMM allocator that XLA_FLAGS=--xla_gpu_command_buffer_update_mode=
-    SKIP_TEMP selects: it maps memory as it is used, within a budget of XLA_CLIENT_MEM_FRACTION (or
-    XLA_PYTHON_CLIENT_MEM_FRACTION; default 0.75) of the device, so this is the driver's free memory
-    (cuMemGetInfo in the primary context XLA uses) less the part of the device outside that budget."""
-    import ctypes
-
-    if getattr(device, "platform", None) != "gpu":
-        return None
-    try:
-        cuda = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return None
-    handle, ctx = ctypes.c_int(), ctypes.c_void_p()
-    free, total = ctypes.c_size_t(), ctypes.c_size_t()
-    if (cuda.cuInit(0) or cuda.cuDeviceGet(ctypes.byref(handle), getattr(device, "local_hardware_id", device.id))
-            or cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), handle)):
-        return None
-    try:
-        if cuda.cuCtxPushCurrent_v2(ctx):
-            return None
-        try:
-            if cuda.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)):
-                return None
-        finally:
-            cuda.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
-    finally:
-        cuda.cuDevicePrimaryCtxRelease_v2(handle)
-    budget = next((float(v) for v in map(os.environ.get, ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION"))
-                   if v), 0.75)  # (jaxlib reads the first name, then the older one)
-    return max(0, free.value - int((1 - budget) * total.value))
-
-
-def kv_cache_num_blocks(cfg: llama.LlamaConfig, config: EngineConfig, max_model_len: int, dtype_bytes: int,
-                       tp: TensorParallel | None = None, reserved_bytes: int = 0) -> int:
-    """Blocks that fit in the free memory of one of the engine's devices (or the configured count), after
-    `reserved_bytes` for buffers made later; over several processes, the fewest any process offers, so
-    that every process builds the same cache."""
-    cache = config.cache
-    per_block = kv_block_bytes(cfg, cache.block_size, dtype_bytes, tp)
-    if cache.num_blocks is not None:
-        num_blocks = cache.num_blocks
-    elif jax.default_backend() == "cpu":
-        num_blocks = cache.cpu_num_blocks
-    else:
-        device = jax.devices()[0] if tp is None else tp.mesh.local_devices[0]
-        stats = device.memory_stats()
-        if stats:
-            free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
-        else:  # allocators without statistics (XLA's VMM allocator): ask the driver
-            free = driver_free_bytes(device)
-            if free is None:
-                raise ValueError(f"cannot tell the free memory of {device} (its allocator keeps no statistics): "
-                                 f"set cache.num_blocks")
-        num_blocks = int((free - reserved_bytes) * cache.memory_fraction) // per_block
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        offer = min(num_blocks, np.iinfo(np.int32).max)  # (block ids are int32)
-        num_blocks = int(multihost_utils.process_allgather(np.int32(offer)).min())
-    needed = math.ceil(max_model_len / cache.block_size) + 1  # + the null block
-    if num_blocks < needed:
-        raise ValueError(
-            f"the KV cache has {num_blocks} blocks of {cache.block_size} tokens ({num_blocks * per_block / 2**30:.2f} "
-            f"GiB) but one request of max_model_len={max_model_len} needs {needed} (with the null block); raise "
-            f"cache.num_blocks or cache.memory_fraction, or lower model.max_model_len"
-        )
-    return num_blocks
 
 
 class HostStep(NamedTuple):

@@ -125,7 +125,7 @@ class Workspace:
     def __init__(self, devices, dtypes=None, max_elems: int = 64 * 8192):
         self.devices = list(devices)
         n = len(self.devices)
-        if dtypes is None or isinstance(dtypes, str) or not isinstance(dtypes, dict):
+        if not isinstance(dtypes, dict):  # one dtype
             dtypes = {jnp.dtype(dtypes or "bfloat16").name: max_elems}
         self.layouts = {}
         self.buffers = []
