@@ -6,6 +6,8 @@
 #   bash scripts/devrun_dispatch.sh state   # T=1 / T=2 latency, then traces: device ms per step by kernel kind
 #   bash scripts/devrun_dispatch.sh ar      # the all-reduce kernels: GPU tests, latency; T=2 latency + trace
 #   bash scripts/devrun_dispatch.sh ratio   # GPU tests; T=1 and T=2 latency, default flags and SKIP_TEMP
+#   bash scripts/devrun_dispatch.sh buckets # T=1 / T=2 latency with the configs' token buckets, then with 1 and 4 added
+#   bash scripts/devrun_dispatch.sh cublas  # decode GEMMs with XLA's Triton GEMMs on/off; T=1 / T=2 latency off
 #   bash scripts/devrun_dispatch.sh t2 | hostcost  # T=2 with and without SKIP_TEMP; XLA's graph-update log
 # Logs and traces under $OUT; a table last.
 set -u
@@ -61,6 +63,23 @@ case ${1:-flags} in
     latency t2_latency $T2
     latency t1_latency_skiptemp $T1 $SKIP_TEMP
     latency t2_latency_skiptemp $T2 $SKIP_TEMP
+    ;;
+  buckets)  # GPU tests; batch-1 latency T=1 and T=2 with the configs' buckets, then with token buckets 1 and 4
+    gpu_tests tests/test_engine_pallas.py
+    latency t1_latency $T1
+    latency t2_latency $T2
+    for c in $T1 $T2; do sed 's/token_buckets: \[16,/token_buckets: [1, 4, 16,/' $c > ${c%.yaml}-small.yaml; done
+    latency t1_small ${T1%.yaml}-small.yaml
+    latency t2_small ${T2%.yaml}-small.yaml
+    ;;
+  cublas)  # decode GEMMs through XLA's dot with Triton GEMMs on and off, then T=1 / T=2 latency with them off
+    NOTRITON=--xla_gpu_enable_triton_gemm=false
+    for flags in "" "$NOTRITON" "$NOTRITON --xla_gpu_enable_cublaslt=true"; do
+      XLA_FLAGS="$flags" timeout 120 python3 benchmarks/decode_gemm.py --xla-only --tp 1 2 > "$OUT/gemm.log" 2>&1
+      SUMMARY+=("decode_gemm XLA_FLAGS='$flags'" "$(grep -E '^tp=' "$OUT/gemm.log" | cut -c1-46)")
+    done
+    latency t1_notriton $T1 $NOTRITON
+    latency t2_notriton $T2 $NOTRITON
     ;;
   hostcost)  # GPU tests; T=2 with SKIP_TEMP; graph updates of the T=2 engine under overlap (XLA's log)
     gpu_tests tests/test_all_reduce_gpu.py tests/test_engine_pallas.py
