@@ -28,7 +28,7 @@ run() {  # name config xla_flags [trace]
   tail -10 "$OUT/$name.log"
   SUMMARY+=("$name rc=$rc $(grep -E '^  (forward|sample|prepare) ' "$OUT/$name.log" | awk '{printf "%s=%s ", $1, $2}')")
   if [ -n "$trace" ]; then
-    python3 scripts/trace_summary.py "/tmp/trace_$name" --top 14 --steps 5 > "$OUT/${name}_trace.txt" 2>&1
+    python3 scripts/trace_summary.py "/tmp/trace_$name" --top 16 --steps 5 --by-kernel > "$OUT/${name}_trace.txt" 2>&1
     cp "$(find /tmp/trace_$name -name '*.json.gz' | head -1)" "$OUT/$name.json.gz" 2>/dev/null
   fi
 }

@@ -1,6 +1,9 @@
 """Summarize a jax.profiler perfetto trace (perfetto_trace.json.gz): time per event name per thread.
 
-    python scripts/trace_summary.py TRACE_DIR_OR_FILE [--top 25]
+    python scripts/trace_summary.py TRACE_DIR_OR_FILE [--top 25] [--steps N [--by-kernel]]
+
+--steps N: device busy time per step by kernel kind (the trace holds N steps); with --by-kernel, also
+one step's kernels on GPU 0's busiest stream, by name: total, count and mean us (a middle step).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ def main() -> None:
     parser.add_argument("path")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--steps", type=int, default=0, help="with N > 0: device time per step by kernel kind")
+    parser.add_argument("--by-kernel", action="store_true", help="with --steps: one step's kernels by name")
     args = parser.parse_args()
     path = args.path
     if os.path.isdir(path):
@@ -39,6 +43,8 @@ def main() -> None:
         stat[1] += float(e.get("dur", 0))
     if args.steps:
         device_table(events, names, args.steps)
+        if args.by_kernel:
+            kernel_table(events, names, args.steps, args.top)
     for key, stats in sorted(by_thread.items(), key=lambda kv: -sum(v[1] for v in kv[1].values())):
         total = sum(v[1] for v in stats.values())
         print(f"\n== {key[0]} / {key[1]}: {total / 1e3:.2f} ms in {sum(v[0] for v in stats.values())} events")
@@ -74,6 +80,26 @@ def device_table(events, names, steps: int) -> None:
         parts = " ".join(f"{k}={v / steps / 1e3:.3f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]))
         print(f"{key[0]} / {key[1]}: busy {busy / steps / 1e3:.3f} ms/step ({len(evs) / steps:.0f} kernels), "
               f"span {span / 1e3:.2f} ms; {parts}")
+
+
+def kernel_table(events, names, steps: int, top: int) -> None:
+    """GPU 0's busiest stream cut into `steps` equal runs of kernels; the middle one, by kernel name."""
+    streams = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and "/device:GPU:0" in str(names.get((e["pid"], None), "")) and e.get("dur"):
+            streams[e.get("tid")].append(e)
+    if not streams:
+        return
+    evs = sorted(max(streams.values(), key=len), key=lambda e: float(e["ts"]))
+    per_step = len(evs) // steps
+    step = evs[per_step * (steps // 2): per_step * (steps // 2 + 1)]
+    stats = collections.defaultdict(lambda: [0, 0.0])
+    for e in step:
+        stats[e["name"][:60]][0] += 1
+        stats[e["name"][:60]][1] += float(e["dur"])
+    print(f"\none step on GPU 0 ({per_step} kernels, busy {sum(v[1] for v in stats.values()):.0f} us):")
+    for name, (count, dur) in sorted(stats.items(), key=lambda kv: -kv[1][1])[:top]:
+        print(f"  {dur:9.1f} us {count:5d}x {dur / count:7.2f}  {name}")
 
 
 if __name__ == "__main__":
