@@ -71,6 +71,7 @@ case ${1:-flags} in
     for c in $T1 $T2; do sed 's/token_buckets: \[16,/token_buckets: [1, 4, 16,/' $c > ${c%.yaml}-small.yaml; done
     latency t1_small ${T1%.yaml}-small.yaml
     latency t2_small ${T2%.yaml}-small.yaml
+    rm -f ${T1%.yaml}-small.yaml ${T2%.yaml}-small.yaml  # (beside the originals: model.path is relative)
     ;;
   cublas)  # decode GEMMs through XLA's dot with Triton GEMMs on and off, then T=1 / T=2 latency with them off
     NOTRITON=--xla_gpu_enable_triton_gemm=false

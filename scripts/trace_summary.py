@@ -61,17 +61,21 @@ def kind_of(name: str) -> str:
     return next((kind for kind, keys in KINDS if any(k in low for k in keys)), "other")
 
 
-def device_table(events, names, steps: int) -> None:
-    """Per GPU stream: busy ms per step by kernel kind, kernels per step, and the span of the trace."""
+def gpu_streams(events, names) -> dict[tuple, list]:
+    """The complete events of each GPU stream, by (device name, stream name)."""
     streams = collections.defaultdict(list)
     for e in events:
         if e.get("ph") != "X":
             continue
         pname = str(names.get((e["pid"], None), e["pid"]))
-        if "/device:GPU" not in pname:
-            continue
-        streams[(pname, names.get((e["pid"], e.get("tid")), e.get("tid")))].append(e)
-    for key, evs in sorted(streams.items(), key=lambda kv: str(kv[0])):
+        if "/device:GPU" in pname:
+            streams[(pname, names.get((e["pid"], e.get("tid")), e.get("tid")))].append(e)
+    return streams
+
+
+def device_table(events, names, steps: int) -> None:
+    """Per GPU stream: busy ms per step by kernel kind, kernels per step, and the span of the trace."""
+    for key, evs in sorted(gpu_streams(events, names).items(), key=lambda kv: str(kv[0])):
         kinds = collections.defaultdict(float)
         for e in evs:
             kinds[kind_of(e["name"])] += float(e.get("dur", 0))
@@ -84,13 +88,11 @@ def device_table(events, names, steps: int) -> None:
 
 def kernel_table(events, names, steps: int, top: int) -> None:
     """GPU 0's busiest stream cut into `steps` equal runs of kernels; the middle one, by kernel name."""
-    streams = collections.defaultdict(list)
-    for e in events:
-        if e.get("ph") == "X" and "/device:GPU:0" in str(names.get((e["pid"], None), "")) and e.get("dur"):
-            streams[e.get("tid")].append(e)
+    streams = [[e for e in evs if e.get("dur")] for (device, _), evs in gpu_streams(events, names).items()
+               if "/device:GPU:0" in device]
     if not streams:
         return
-    evs = sorted(max(streams.values(), key=len), key=lambda e: float(e["ts"]))
+    evs = sorted(max(streams, key=len), key=lambda e: float(e["ts"]))
     per_step = len(evs) // steps
     step = evs[per_step * (steps // 2): per_step * (steps // 2 + 1)]
     stats = collections.defaultdict(lambda: [0, 0.0])

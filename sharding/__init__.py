@@ -9,6 +9,5 @@ from sharding.mesh import DATA_AXIS, MODEL_AXIS, make_mesh, replica_meshes
 from sharding.rules import TENSOR_PARALLEL, AxisRules
 from sharding.tensor_parallel import TensorParallel, all_gather, all_reduce_kernel, psum, sharded_lookup
 
-__all__ = ["DATA_AXIS", "MODEL_AXIS", "AxisRules", "TENSOR_PARALLEL", "TensorParallel", "all_gather", "all_reduce_kernel",
-           "make_mesh",
-           "psum", "replica_meshes", "sharded_lookup"]
+__all__ = ["DATA_AXIS", "MODEL_AXIS", "AxisRules", "TENSOR_PARALLEL", "TensorParallel", "all_gather",
+           "all_reduce_kernel", "make_mesh", "psum", "replica_meshes", "sharded_lookup"]
