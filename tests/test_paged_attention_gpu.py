@@ -168,7 +168,8 @@ def test_module_is_an_attention_backend():
 
 
 def test_lowers_for_cuda():
-    """The Triton lowering accepts both kernels (power-of-two shapes, no scalar prefetch)."""
+    """The Triton lowering accepts the kernels (power-of-two shapes, no scalar prefetch): decode,
+    general, and the split-K combine where the decode kernel splits (auto: 2 splits at this shape)."""
     gdev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
     sds = jax.ShapeDtypeStruct
     for window, config in ((None, None), (128, SPLIT_OFF)):
@@ -181,7 +182,9 @@ def test_lowers_for_cuda():
             with jax.sharding.use_abstract_mesh(
                     jax.sharding.AbstractMesh((), (), abstract_device=gdev)):
                 text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-        assert text.count(TRITON_CALL) == 2, "expected the decode and the general kernel"
+        combine = int(gpu.decode_splits(config or gpu.TuningConfig(), 64, 8, 256 // 4) > 1)
+        assert combine == (config is None)
+        assert text.count(TRITON_CALL) == 2 + combine, "expected the decode, the general (and combine) kernels"
         decode = jax.jit(lambda *a: gpu.ragged_paged_attention(*a, sm_scale=0.08, sliding_window=window,
                                                                config=config, decode_only=True))
         with warnings.catch_warnings():
@@ -189,7 +192,7 @@ def test_lowers_for_cuda():
             with jax.sharding.use_abstract_mesh(
                     jax.sharding.AbstractMesh((), (), abstract_device=gdev)):
                 text = decode.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-        assert text.count(TRITON_CALL) == 1, "decode_only launches the decode kernel alone"
+        assert text.count(TRITON_CALL) == 1 + combine, "decode_only launches the decode kernel (and its combine)"
 
 
 # ---------------------------------------------------------------------------------------------

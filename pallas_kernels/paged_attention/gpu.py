@@ -10,14 +10,14 @@ Data flow of one call:
     decode rows (requests with q_len == 1):
         q[query_start_loc[r]] padded to M >= 16 rows --decode kernel, grid (R, K, splits)-->
         splits == 1: o [R, K, G', H]
-        splits  > 1: partial (o, m, l) per split --combine (XLA)--> o [R, K, G', H]
+        splits  > 1: partial (o, m, l) per split --combine kernel, grid (R or T, K)--> o [R, K, G', H]
         --scatter into zeros--> out [T, K, G', H]
     the other rows (requests with q_len >= 2: chunked prefill, fresh prompts):
         --general kernel, grid (cdiv(T, BQ) + R, K), aliased onto out--> out [T, K, G', H]
     out -> [T, N, H]
     decode_only=True (the caller's promise: every request has one query token, token r is request
-    r's): o [R, K, G', H] is already in token order: cut or zero-padded to T rows, no scatter, no
-    general kernel launched
+    r's): o [R, K, G', H] is already in token order: cut or zero-padded to T rows (with split-K, the
+    combine kernel writes the T rows itself, zeros past R), no scatter, no general kernel launched
 
 Both kernels pack the G query heads of a kv head into the rows of one program, so every K/V
 page is loaded once for all of them, and both walk only the request's real pages: the tile loop
@@ -29,8 +29,8 @@ mask arithmetic. Masks use a finite value and select V rows to zero, and a row w
 to zero divides by one, so NaN in unused cache slots cannot reach the output.
 
 Split-K (flash-decoding) is chosen from static shapes only (`TuningConfig.decode_splits`): a
-request's tiles are dealt evenly to the splits by its own length, and the combine is a small XLA
-fusion. The general kernel's grid is the (request, query block) grid flattened the vLLM way:
+request's tiles are dealt evenly to the splits by its own length, and one small kernel combines the
+splits (XLA made it two fusions plus a pad of the output: 3 kernel launches per layer at batch 1). The general kernel's grid is the (request, query block) grid flattened the vLLM way:
 request r owns grid rows `query_start_loc[r] // BQ + r ...`, found by a binary search, so the
 grid is bounded by cdiv(T, BQ) + R instead of R * cdiv(T, BQ) and programs past a request's
 last block exit at once.
@@ -228,13 +228,14 @@ def _decode_kernel(qsl_ref, seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, *out_refs
     else:
         o_ref, m_ref, l_ref = out_refs
         o_ref[...] = _first_rows(out, group_pad)
-        m_ref[...] = m
-        l_ref[...] = l
+        m_ref[...] = _first_rows(m, group_pad)
+        l_ref[...] = _first_rows(l, group_pad)
 
 
 def _decode(q4, kv_cache, qsl, seq_lens, block_tables, *, sm_scale, sliding_window, config,
-            interpret):
-    """Attention for the q_len == 1 requests. Returns o [R, K, G', H] (rows of others: garbage)."""
+            interpret, out_rows=None):
+    """Attention for the q_len == 1 requests. Returns o [R, K, G', H] (rows of others: garbage), or with
+    `out_rows` >= R (split-K only) [out_rows, K, G', H] with zeros past row R."""
     _, num_kv_heads, num_pages, page_size, head_dim = kv_cache.shape
     group_pad = q4.shape[2]
     num_reqs, max_blocks = block_tables.shape
@@ -260,12 +261,12 @@ def _decode(q4, kv_cache, qsl, seq_lens, block_tables, *, sm_scale, sliding_wind
     else:
         part = (num_splits, num_reqs, num_kv_heads)
         out_shape = (jax.ShapeDtypeStruct((*part, group_pad, head_dim), jnp.float32),
-                     jax.ShapeDtypeStruct((*part, rows), jnp.float32),
-                     jax.ShapeDtypeStruct((*part, rows), jnp.float32))
+                     jax.ShapeDtypeStruct((*part, group_pad), jnp.float32),
+                     jax.ShapeDtypeStruct((*part, group_pad), jnp.float32))
         out_specs = (pl.BlockSpec((None, None, None, group_pad, head_dim),
                                   lambda r, h, s: (s, r, h, 0, 0)),
-                     pl.BlockSpec((None, None, None, rows), lambda r, h, s: (s, r, h, 0)),
-                     pl.BlockSpec((None, None, None, rows), lambda r, h, s: (s, r, h, 0)))
+                     pl.BlockSpec((None, None, None, group_pad), lambda r, h, s: (s, r, h, 0)),
+                     pl.BlockSpec((None, None, None, group_pad), lambda r, h, s: (s, r, h, 0)))
     kernel = functools.partial(_decode_kernel, sm_scale=sm_scale, sliding_window=sliding_window,
                                pages_per_tile=pages_per_tile, num_splits=num_splits,
                                group_pad=group_pad)
@@ -277,13 +278,35 @@ def _decode(q4, kv_cache, qsl, seq_lens, block_tables, *, sm_scale, sliding_wind
     )(qsl, seq_lens, block_tables, q_dec, kv_cache, kv_cache)
     if num_splits == 1:
         return result
-    o_part, m_part, l_part = result
-    m_part, l_part = m_part[..., :group_pad], l_part[..., :group_pad]  # [splits, R, K, G']
-    m_max = m_part.max(axis=0)
-    weight = l_part * jnp.exp2(m_part - m_max[None])  # m is in the log2 domain; empty splits: l == 0
-    denom = weight.sum(axis=0)
-    out = (o_part * weight[..., None]).sum(axis=0) / jnp.where(denom == 0.0, 1.0, denom)[..., None]
-    return out.astype(q4.dtype)
+    return _combine(*result, out_rows or num_reqs, q4.dtype, interpret)
+
+
+def _combine_kernel(o_ref, m_ref, l_ref, out_ref, *, num_reqs):
+    """One (row, kv head): the splits' partial outputs [S, G', H] weighted by their softmax sums."""
+    m, l = m_ref[...], l_ref[...]  # [S, G'], m in the log2 domain
+    m_max = jnp.max(m, axis=0)
+    weight = l * jnp.exp2(m - m_max[None, :])  # empty splits: l == 0
+    denom = jnp.sum(weight, axis=0)
+    out = jnp.sum(o_ref[...] * weight[:, :, None], axis=0) / jnp.where(denom == 0.0, 1.0, denom)[:, None]
+    out_ref[...] = jnp.where(pl.program_id(0) < num_reqs, out, 0.0).astype(out_ref.dtype)
+
+
+def _combine(o_part, m_part, l_part, out_rows: int, dtype, interpret):
+    """Split-K partials (o [S, R, K, G', H], m and l [S, R, K, G']) -> o [out_rows, K, G', H] in one
+    kernel, rows past R zero (a decode-only step's padding tokens: no pad kernel after it)."""
+    splits, num_reqs, num_kv_heads, group_pad, head_dim = o_part.shape
+    row = lambda r: jnp.minimum(r, num_reqs - 1)  # rows past R read the last request's (and write zeros)
+    return pl.pallas_call(
+        functools.partial(_combine_kernel, num_reqs=num_reqs),
+        out_shape=jax.ShapeDtypeStruct((out_rows, num_kv_heads, group_pad, head_dim), dtype),
+        grid=(out_rows, num_kv_heads),
+        in_specs=[pl.BlockSpec((splits, None, None, group_pad, head_dim), lambda r, h: (0, row(r), h, 0, 0)),
+                  pl.BlockSpec((splits, None, None, group_pad), lambda r, h: (0, row(r), h, 0)),
+                  pl.BlockSpec((splits, None, None, group_pad), lambda r, h: (0, row(r), h, 0))],
+        out_specs=pl.BlockSpec((None, None, group_pad, head_dim), lambda r, h: (r, h, 0, 0)),
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret, name="ragged_paged_attention_combine",
+    )(o_part, m_part, l_part)
 
 
 # General kernel: one program per (query block of a request, kv head); q_len >= 2 requests only.
@@ -424,9 +447,12 @@ def ragged_paged_attention(
     common = dict(sm_scale=float(sm_scale), sliding_window=sliding_window, config=config,
                   interpret=interpret)
 
-    o_dec = _decode(q4, kv_cache, qsl, seq_lens, block_tables, **common)
-    if decode_only:  # token r is request r's query: rows past the requests are padding (zero)
-        out = (o_dec[:num_tokens] if num_reqs >= num_tokens
+    # decode_only: token r is request r's query, rows past the requests are padding (zero); a split-K
+    # decode writes them in its combine
+    out_rows = num_tokens if decode_only and num_tokens > num_reqs else None
+    o_dec = _decode(q4, kv_cache, qsl, seq_lens, block_tables, out_rows=out_rows, **common)
+    if decode_only:
+        out = (o_dec[:num_tokens] if o_dec.shape[0] >= num_tokens
                else jnp.pad(o_dec, ((0, num_tokens - num_reqs), (0, 0), (0, 0), (0, 0))))
     else:
         is_decode = (qsl[1:] - qsl[:-1]) == 1
