@@ -9,6 +9,9 @@
 #   bash scripts/devrun_dispatch.sh buckets # T=1 / T=2 latency with the configs' token buckets, then with 1 and 4 added
 #   bash scripts/devrun_dispatch.sh cublas  # decode GEMMs with XLA's Triton GEMMs on/off; T=1 / T=2 latency off
 #   bash scripts/devrun_dispatch.sh t2 | hostcost  # T=2 with and without SKIP_TEMP; XLA's graph-update log
+#   bash scripts/devrun_dispatch.sh loop    # engine step period vs forwards queued back to back, T=1 and T=2
+#   bash scripts/devrun_dispatch.sh steady  # traces of 10 overlapped steps, T=1 and T=2: idle gaps, all-reduce skew
+#   bash scripts/devrun_dispatch.sh ab      # this tree against the files under .alt/ (same paths): GPU tests, latency
 # Logs and traces under $OUT; a table last.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -18,18 +21,22 @@ T1=configs/llama3-8b-dummy.yaml
 T2=configs/llama3-8b-dummy-tp2.yaml
 CB="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"
 SUMMARY=()
-run() {  # name config xla_flags [trace]
-  local name=$1 config=$2 flags=$3 trace=${4:-}
-  local extra=""
+run() {  # name config xla_flags [trace [steady]]: steady traces 10 overlapped steps, without the json
+  local name=$1 config=$2 flags=$3 trace=${4:-} steady=${5:-}
+  local extra="${EXTRA:-}" steps=5
+  [ -n "$steady" ] && extra="$extra --overlap --trace-steps 10" && steps=10
   echo "=== $name ($config, XLA_FLAGS='$flags')"
   XLA_FLAGS="$flags" timeout 240 python3 scripts/profile_dispatch.py --config "$config" --steps 20 $extra \
     ${trace:+--trace /tmp/trace_$name} > "$OUT/$name.log" 2>&1
   local rc=$?
   tail -10 "$OUT/$name.log"
   SUMMARY+=("$name rc=$rc $(grep -E '^  (forward|sample|prepare) ' "$OUT/$name.log" | awk '{printf "%s=%s ", $1, $2}')")
+  grep -q "^loop of" "$OUT/$name.log" && SUMMARY+=("  $(grep "^loop of" "$OUT/$name.log")")
   if [ -n "$trace" ]; then
-    python3 scripts/trace_summary.py "/tmp/trace_$name" --top 16 --steps 5 --by-kernel > "$OUT/${name}_trace.txt" 2>&1
-    cp "$(find /tmp/trace_$name -name '*.json.gz' | head -1)" "$OUT/$name.json.gz" 2>/dev/null
+    python3 scripts/trace_summary.py "/tmp/trace_$name" --top 16 --steps $steps --by-kernel --gaps \
+      > "$OUT/${name}_trace.txt" 2>&1
+    [ -n "$steady" ] || cp "$(find /tmp/trace_$name -name '*.json.gz' | head -1)" "$OUT/$name.json.gz" 2>/dev/null
+    SUMMARY+=("$name trace: $(grep -E 'span .* ms/step|all-reduce kernels' "$OUT/${name}_trace.txt" | tr '\n' ' ')")
   fi
 }
 gpu_tests() {  # the GPU tier of the given test files; its last line into the summary
@@ -90,6 +97,28 @@ case ${1:-flags} in
       --input-len 128 --output-len 64 --num-iters-warmup 0 --num-iters 1 > "$OUT/t2_overlap_vlog.log" 2>&1
     grep -E "command_buffer_thunk|command_executor" "$OUT/t2_overlap_vlog.log" | tail -300 \
       | grep -oE "num_commands=[0-9]+; updated_allocs=[0-9]+|Updated [0-9]+ commands" | sort | uniq -c
+    ;;
+  loop)  # step period of the engine under overlap vs decode forwards queued back to back, T=1 and T=2
+    EXTRA="--loop 200"
+    run t1_loop_skip $T1 $SKIP_TEMP
+    run t2_loop_skip $T2 $SKIP_TEMP
+    run t2_loop $T2 ""
+    NOSPLITK=--xla_gpu_enable_split_k_autotuning=false
+    run t2_loop_skip_nosplitk $T2 "$SKIP_TEMP $NOSPLITK"
+    run t1_loop_skip_nosplitk $T1 "$SKIP_TEMP $NOSPLITK"
+    ;;
+  steady)  # traces of 10 steps under overlap (the engine's loop), T=1 and T=2: gaps on each GPU, skew
+    run t1s $T1 "" trace steady
+    run t2s $T2 "" trace steady
+    ;;
+  ab)  # this tree, then with .alt/'s files over it (same relative paths): GPU tests, T=1 / T=2 latency
+    latency t1_a $T1
+    latency t2_a $T2
+    (cd .alt && find . -type f) | while read -r f; do cp ".alt/$f" "$f"; done
+    gpu_tests tests/test_paged_attention_gpu.py tests/test_engine_pallas.py
+    latency t1_b $T1
+    latency t2_b $T2
+    run t2s_b $T2 "" trace steady
     ;;
   state)  # batch-1 latency T=1 and T=2 (overlap on), then traces of both: device ms per step by kernel kind
     latency t1_latency $T1
@@ -155,3 +184,5 @@ case ${1:-flags} in
     ;;
 esac
 printf '%s\n' "${SUMMARY[@]}"
+# PACK=1: the logs in one archive (the device tool returns at most 8 files)
+if [ -n "${PACK:-}" ]; then (cd "$OUT" && tar czf "logs_${1:-flags}.tgz" --remove-files ./*.log ./*.txt 2>/dev/null); fi
