@@ -42,6 +42,8 @@ class GemvConfig:
     block_k: int = 128
     splits: int = 1
     stages: int = 4
+    inplace: bool = True  # one accumulator across K steps, each wgmma left in flight while the next
+    #                       step's tiles are awaited; False: a fresh accumulator per step, added in registers
 
 
 def _transforms(minor: int, dtype):
@@ -52,7 +54,7 @@ def _transforms(minor: int, dtype):
 
 
 def _kernel(x_ref, w_ref, o_ref, x_smem, w_smem, out_smem, x_ready, w_ready, free, *, block_k: int,
-            steps: int, stages: int):
+            steps: int, stages: int, inplace: bool):
     rows = x_ref.shape[0]
     n_tile, split = lax.axis_index("n"), lax.axis_index("s")
     n_rows = pl.ds(n_tile * TILE_N, TILE_N)
@@ -74,8 +76,29 @@ def _kernel(x_ref, w_ref, o_ref, x_smem, w_smem, out_smem, x_ready, w_ready, fre
             plgpu.barrier_arrive(free.at[slot])
             return acc + part
 
-        acc = plgpu.layout_cast(jnp.zeros((TILE_N, rows), jnp.float32), plgpu.Layout.WGMMA)
-        acc = lax.fori_loop(0, steps, step, acc)
+        def accumulate(acc_ref):
+            def step_inplace(j, carry):
+                slot = lax.rem(j, jnp.int32(stages))
+                plgpu.barrier_wait(x_ready.at[slot])
+                plgpu.barrier_wait(w_ready.at[slot])
+                plgpu.wgmma(acc_ref, w_smem.at[slot], x_smem.at[slot].transpose((1, 0)))
+                plgpu.wgmma_wait(1)  # step j - 1's product is done: its slot can be refilled
+
+                @pl.when(j > 0)
+                def _():
+                    plgpu.barrier_arrive(free.at[lax.rem(j + stages - 1, jnp.int32(stages))])
+                return carry
+
+            lax.fori_loop(0, steps, step_inplace, None)
+            plgpu.wgmma_wait(0)
+            plgpu.barrier_arrive(free.at[(steps - 1) % stages])
+            return acc_ref[...]
+
+        if inplace:
+            acc = pl.run_scoped(accumulate, plgpu.ACC((TILE_N, rows), jnp.float32))  # starts at zero
+        else:
+            acc = plgpu.layout_cast(jnp.zeros((TILE_N, rows), jnp.float32), plgpu.Layout.WGMMA)
+            acc = lax.fori_loop(0, steps, step, acc)
         out_smem[...] = acc
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(out_smem, o_ref.at[split, n_rows])
@@ -110,7 +133,7 @@ def gemv(x, w, config: GemvConfig = GemvConfig(), interpret: bool = False):
         raise ValueError(f"x {x.shape} / w {w.shape}: N must be a multiple of {TILE_N}, K of splits x "
                          f"block_k = {splits * bk}, M of 8")
     steps = k // (splits * bk)
-    kernel = functools.partial(_kernel, block_k=bk, steps=steps, stages=stages)
+    kernel = functools.partial(_kernel, block_k=bk, steps=steps, stages=stages, inplace=config.inplace)
     return plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((splits, n, rows), jnp.float32),
@@ -134,7 +157,7 @@ def check() -> None:
     """The kernel in GPU interpret mode (CPU) against a float32 product, small shapes."""
     rng = np.random.default_rng(0)
     for rows, k, n, config in ((16, 512, 128, GemvConfig(128, 1, 2)), (16, 512, 128, GemvConfig(128, 2, 2)),
-                               (8, 256, 64, GemvConfig(64, 1, 3))):
+                               (8, 256, 64, GemvConfig(64, 1, 3)), (16, 512, 128, GemvConfig(128, 1, 2, False))):
         x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
         w = jnp.asarray(rng.standard_normal((n, k)) / np.sqrt(k), jnp.bfloat16)
         out = np.asarray(gemv(x, w, config, interpret=True)).sum(0).T
@@ -149,6 +172,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[16])
     parser.add_argument("--tp", type=int, nargs="+", default=[2])
     parser.add_argument("--check", action="store_true", help="GPU interpret mode on the CPU, small shapes")
+    parser.add_argument("--shapes", nargs="+", default=None, help="default: all of decode_gemm.SHAPES")
+    parser.add_argument("--configs", nargs="+", default=None, metavar="BK,SPLITS,STAGES,INPLACE",
+                        help="configs to time (e.g. 128,1,8,1) instead of the sweep")
     args = parser.parse_args()
     if args.check:
         check()
@@ -156,7 +182,12 @@ def main() -> None:
     from benchmarks.decode_gemm import SHAPES, timed  # noqa: PLC0415 (the shared timing)
     rng = np.random.default_rng(0)
     lines = []
-    for tp, rows, name in itertools.product(args.tp, args.rows, SHAPES):
+    if args.configs:
+        configs = [GemvConfig(*(int(v) for v in c.split(",")[:3]), bool(int(c.split(",")[3]))) for c in args.configs]
+    else:
+        configs = [GemvConfig(bk, splits, stages)
+                   for bk, splits, stages in itertools.product((128, 256), (1, 2, 4), (4, 8))]
+    for tp, rows, name in itertools.product(args.tp, args.rows, args.shapes or SHAPES):
         k, n, kind = SHAPES[name]
         k, n = (k, n // tp) if kind == "col" else (k // tp, n)
         nbytes = k * n * 2
@@ -169,9 +200,8 @@ def main() -> None:
         del ws_kn
         ws_nk = [w_kn.T + 0 for _ in range(copies)]
         results = []
-        for bk, splits, stages in itertools.product((128, 256), (1, 2, 4), (4, 8)):
-            config = GemvConfig(bk, splits, stages)
-            if k % (splits * bk) or stages * (rows + TILE_N) * bk * 2 > 200_000:
+        for config in configs:
+            if k % (config.splits * config.block_k) or config.stages * (rows + TILE_N) * config.block_k * 2 > 200_000:
                 continue
             fn = functools.partial(gemv, config=config)
             try:
