@@ -15,7 +15,8 @@ from benchmarks.decode_gemv_mgpu import GemvConfig, gemv
 
 @pytest.mark.parametrize("rows,k,n,config", [(16, 512, 128, GemvConfig(128, 1, 2)),
                                              (16, 512, 128, GemvConfig(128, 2, 2)),
-                                             (8, 256, 64, GemvConfig(64, 1, 3))])
+                                             (8, 256, 64, GemvConfig(64, 1, 3)),
+                                             (16, 512, 128, GemvConfig(128, 1, 2, inplace=False))])
 def test_gemv_matches_float32_product(rows, k, n, config):
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
