@@ -5,6 +5,10 @@
 Times each piece of dispatch with perf_counter after a warm-up: prepare (host numpy), the forward
 (staging the inputs into the step's reused buffers, then the step; returns once enqueued), the
 sampler call, the async copy, the wait for the sampled tokens.
+
+--trace DIR [--overlap]: a jax.profiler trace of --trace-steps engine steps (with --overlap, of the
+engine's own overlapped loop). --loop N: the engine's step period against N decode forwards queued
+back to back (loop_periods), which tells the GPU's own step time from the host's share.
 """
 
 from __future__ import annotations
@@ -111,10 +115,11 @@ def main() -> None:
 
 
 def loop_periods(engine: Engine, n: int) -> None:
-    """The engine's step period under overlap, then the period of `n` decode forwards queued back to
-    back with no host work between them (each call still stages its inputs and launches the step),
-    and the host time of one such call: if that host time is below the queued period, the queued
-    period is the device's own time per step."""
+    """The engine's step period under overlap (without and with the step records `jaxserve bench`
+    keeps), the steady decode step of `jaxserve bench latency`'s own loop in this process, then the
+    period of `n` decode forwards queued back to back with no host work between them (each call still
+    stages its inputs and launches the step), and the host time of one such call: if that host time
+    is below the queued period, the queued period is the device's own time per step."""
     runner = engine.runner
     engine.async_scheduling = True
 
@@ -165,8 +170,8 @@ def loop_periods(engine: Engine, n: int) -> None:
         host.append(time.perf_counter() - t)
     jax.block_until_ready((tokens, runner.kv_caches))
     queued_ms = (time.perf_counter() - t0) / n * 1e3
-    print(f"loop of {n}: engine step period {engine_ms:.3f} ms (overlap), {stats_ms:.3f} with step records; queued forwards {queued_ms:.3f} ms "
-          f"per step, host {np.median(host) * 1e3:.3f} ms per call (median)")
+    print(f"loop of {n}: engine step period {engine_ms:.3f} ms (overlap), {stats_ms:.3f} with step records; "
+          f"queued forwards {queued_ms:.3f} ms per step, host {np.median(host) * 1e3:.3f} ms per call (median)")
 
 
 if __name__ == "__main__":

@@ -30,10 +30,10 @@ to zero divides by one, so NaN in unused cache slots cannot reach the output.
 
 Split-K (flash-decoding) is chosen from static shapes only (`TuningConfig.decode_splits`): a
 request's tiles are dealt evenly to the splits by its own length, and one small kernel combines the
-splits (XLA made it two fusions plus a pad of the output: 3 kernel launches per layer at batch 1). The general kernel's grid is the (request, query block) grid flattened the vLLM way:
-request r owns grid rows `query_start_loc[r] // BQ + r ...`, found by a binary search, so the
-grid is bounded by cdiv(T, BQ) + R instead of R * cdiv(T, BQ) and programs past a request's
-last block exit at once.
+splits (XLA made it two fusions plus a pad of the output: 3 kernel launches per layer at batch 1).
+The general kernel's grid is the (request, query block) grid flattened the vLLM way: request r
+owns grid rows `query_start_loc[r] // BQ + r ...`, found by a binary search, so the grid is bounded
+by cdiv(T, BQ) + R instead of R * cdiv(T, BQ) and programs past a request's last block exit at once.
 
 Measured on one H200 (2026-11-30, `benchmarks/attention.py --section decode`): decode at 32 q /
 8 kv heads, head dim 128, page 16, bf16 reads K+V at 3.6 TB/s (B=64, ctx 2048), 4.2 (B=64, ctx
