@@ -183,7 +183,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     lines = []
     if args.configs:
-        configs = [GemvConfig(*(int(v) for v in c.split(",")[:3]), bool(int(c.split(",")[3]))) for c in args.configs]
+        fields = [[int(v) for v in c.split(",")] for c in args.configs]  # BK,SPLITS,STAGES[,INPLACE]
+        configs = [GemvConfig(*f[:3], *(bool(v) for v in f[3:4])) for f in fields]
     else:
         configs = [GemvConfig(bk, splits, stages)
                    for bk, splits, stages in itertools.product((128, 256), (1, 2, 4), (4, 8))]
@@ -201,7 +202,8 @@ def main() -> None:
         ws_nk = [w_kn.T + 0 for _ in range(copies)]
         results = []
         for config in configs:
-            if k % (config.splits * config.block_k) or config.stages * (rows + TILE_N) * config.block_k * 2 > 200_000:
+            smem = config.stages * (rows + TILE_N) * config.block_k * 2 + TILE_N * rows * 4
+            if k % (config.splits * config.block_k) or smem > 200_000:
                 continue
             fn = functools.partial(gemv, config=config)
             try:

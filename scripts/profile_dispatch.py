@@ -38,7 +38,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from free memory)")
-    parser.add_argument("--trace", default=None, help="write a jax.profiler trace (perfetto json too) of 5 steps here")
+    parser.add_argument("--trace", default=None, help="write a jax.profiler trace (perfetto json too) of --trace-steps steps here")
     parser.add_argument("--trace-steps", type=int, default=5, help="steps in the trace")
     parser.add_argument("--loop", type=int, default=0,
                         help="then N engine steps with overlap (the step period), and N forwards of one decode "

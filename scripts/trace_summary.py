@@ -57,7 +57,7 @@ def main() -> None:
             print(f"  {dur / 1e3:9.3f} ms {count:6d}x  {name}")
 
 
-KINDS = (("all_reduce", ("all_reduce", "allreduce", "mosaic")), ("attention", ("attention", "paged", "triton")),
+KINDS = (("all_reduce", ("all_reduce", "allreduce")), ("attention", ("attention", "paged", "triton")),
          ("gemm", ("gemm", "cutlass", "nvjet", "sm90_", "cublas", "dot")), ("copy", ("memcpy", "memset")))
 
 

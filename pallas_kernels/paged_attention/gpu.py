@@ -10,7 +10,7 @@ Data flow of one call:
     decode rows (requests with q_len == 1):
         q[query_start_loc[r]] padded to M >= 16 rows --decode kernel, grid (R, K, splits)-->
         splits == 1: o [R, K, G', H]
-        splits  > 1: partial (o, m, l) per split --combine kernel, grid (R or T, K)--> o [R, K, G', H]
+        splits  > 1: partial (o, m, l) per split --combine kernel, grid (R or T, K)--> o [R or T, K, G', H]
         --scatter into zeros--> out [T, K, G', H]
     the other rows (requests with q_len >= 2: chunked prefill, fresh prompts):
         --general kernel, grid (cdiv(T, BQ) + R, K), aliased onto out--> out [T, K, G', H]
