@@ -1,25 +1,13 @@
-"""A decode GEMM on Hopper's TMA + wgmma (Mosaic GPU) against XLA's dot, for the per-device shapes of the
-Llama-3-8B decode step: is the first block of a persistent decode-layer kernel as fast as XLA's GEMMs?
+"""Decode GEMMs on Hopper's TMA + wgmma (Mosaic GPU) against XLA's, for the per-device shapes of the
+Llama-3-8B decode step: are the first blocks of a persistent decode-layer kernel as fast as XLA's GEMMs?
 
     python3 benchmarks/decode_gemv_mgpu.py [--rows 16] [--tp 2]        (H100/H200)
     python3 benchmarks/decode_gemv_mgpu.py --swiglu [--tp 1 2]          (gate_up_swiglu against XLA)
     python3 benchmarks/decode_gemv_mgpu.py --check                      (CPU: GPU interpret mode)
 
-The kernel computes y = x @ w.T for x [M, K] (M = decode rows, 8..256) and w [N, K] (the weight stored
-output-major, as checkpoints store it) with the operands swapped, so that the weight is wgmma's A
-operand (M = 64 output features per tile) and the few decode rows are its N:
-
-    grid (N / 64, splits), 2 warpgroups per CTA:
-      producer: TMA-loads w[n tile, k step] [64, BK] and x[:, k step] [M, BK] into a ring of `stages`
-        SMEM slots; a slot is reloaded once the consumer has released it
-      consumer: acc [64, M] f32 += w tile @ x tile^T (wgmma, both from SMEM) per k step
-      out [splits, N, M] float32: each split's partial sums, transposed (the consumer of a split
-        GEMM, e.g. an all-reduce kernel, sums them as it reads)
-
-`gate_up_swiglu` is the same pipeline with two weights [K, N] in the engine's own layout (each [BK, 64]
-tile is wgmma's A operand transposed) and two accumulators, and SwiGLU in the epilogue: h [M, N] in
-one kernel, where XLA runs the gate/up GEMM and then the product as another kernel. GPU interpret
-mode and CUDA lowering pass for it; it has not run on a GPU yet.
+The kernels are `pallas_kernels/decode_gemm/mosaic_gpu.py`'s: `gemv` (x [M, K] @ w [N, K].T, float32
+partial sums per K split, not summed) and `gate_up_swiglu` (silu(x @ w_gate) * (x @ w_up) on [K, N]
+weights, SwiGLU in the epilogue; the unfused ops are its reference).
 
 Timing as in `decode_gemm.py` (~1 GB of weight copies, 10 calls queued back to back): the per-GEMM time
 including launch gaps, as a decode step pays it. XLA's dot includes its split-K sum; the kernel's
@@ -29,236 +17,14 @@ partial sums are not summed (say so when comparing).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import itertools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
-TILE_N = 64  # wgmma's M: output features per CTA
-
-
-@dataclasses.dataclass(frozen=True)
-class GemvConfig:
-    block_k: int = 128
-    splits: int = 1
-    stages: int = 4
-    inplace: bool = True  # one accumulator across K steps, each wgmma left in flight while the next
-    #                       step's tiles are awaited; False: a fresh accumulator per step, added in registers
-
-
-def _transforms(minor: int, dtype):
-    """SMEM tiling + swizzle for a [rows, minor] wgmma operand (the widest swizzle that fits)."""
-    row_bytes = minor * jnp.dtype(dtype).itemsize
-    swizzle = next(s for s in (128, 64, 32) if row_bytes % s == 0)
-    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
-
-
-def _kernel(x_ref, w_ref, o_ref, x_smem, w_smem, out_smem, x_ready, w_ready, free, *, block_k: int,
-            steps: int, stages: int, inplace: bool):
-    rows = x_ref.shape[0]
-    n_tile, split = lax.axis_index("n"), lax.axis_index("s")
-    n_rows = pl.ds(n_tile * TILE_N, TILE_N)
-    k_first = split * (steps * block_k)
-    wg = lax.axis_index("wg")
-
-    @pl.when(wg == 0)
-    def _consumer():
-        def step(j, acc):
-            slot = lax.rem(j, jnp.int32(stages))
-            plgpu.barrier_wait(x_ready.at[slot])
-            plgpu.barrier_wait(w_ready.at[slot])
-
-            def product(acc_ref):
-                plgpu.wgmma(acc_ref, w_smem.at[slot], x_smem.at[slot].transpose((1, 0)))
-                return acc_ref[...]
-
-            part = pl.run_scoped(product, plgpu.ACC((TILE_N, rows), jnp.float32))
-            plgpu.barrier_arrive(free.at[slot])
-            return acc + part
-
-        def accumulate(acc_ref):
-            def step_inplace(j, carry):
-                slot = lax.rem(j, jnp.int32(stages))
-                plgpu.barrier_wait(x_ready.at[slot])
-                plgpu.barrier_wait(w_ready.at[slot])
-                plgpu.wgmma(acc_ref, w_smem.at[slot], x_smem.at[slot].transpose((1, 0)))
-                plgpu.wgmma_wait(1)  # step j - 1's product is done: its slot can be refilled
-
-                @pl.when(j > 0)
-                def _():
-                    plgpu.barrier_arrive(free.at[lax.rem(j + stages - 1, jnp.int32(stages))])
-                return carry
-
-            lax.fori_loop(0, steps, step_inplace, None)
-            plgpu.wgmma_wait(0)
-            plgpu.barrier_arrive(free.at[(steps - 1) % stages])
-            return acc_ref[...]
-
-        if inplace:
-            acc = pl.run_scoped(accumulate, plgpu.ACC((TILE_N, rows), jnp.float32))  # starts at zero
-        else:
-            acc = plgpu.layout_cast(jnp.zeros((TILE_N, rows), jnp.float32), plgpu.Layout.WGMMA)
-            acc = lax.fori_loop(0, steps, step, acc)
-        out_smem[...] = acc
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem, o_ref.at[split, n_rows])
-        plgpu.wait_smem_to_gmem(0)
-
-    @pl.when(wg == 1)
-    def _producer():
-        def load(j, slot):
-            ks = pl.ds(k_first + j * block_k, block_k)
-            plgpu.copy_gmem_to_smem(x_ref.at[:, ks], x_smem.at[slot], x_ready.at[slot])
-            plgpu.copy_gmem_to_smem(w_ref.at[n_rows, ks], w_smem.at[slot], w_ready.at[slot])
-
-        for j in range(min(stages, steps)):
-            load(j, j)
-
-        @pl.loop(stages, steps)
-        def _(j):
-            slot = lax.rem(j, jnp.int32(stages))
-            plgpu.barrier_wait(free.at[slot])
-            load(j, slot)
-
-        for slot in range(min(stages, steps)):  # every barrier phase is observed before the CTA exits
-            plgpu.barrier_wait(free.at[slot])
-
-
-def _swiglu_kernel(x_ref, wg_ref, wu_ref, o_ref, x_smem, wg_smem, wu_smem, out_smem, x_ready, wg_ready,
-                   wu_ready, free, *, block_k: int, steps: int, stages: int):
-    """One CTA: h[:, 64 features] = silu(x @ w_gate[:, f]) * (x @ w_up[:, f]), weights [K, N] (the
-    engine's layout: each [BK, 64] tile is wgmma's A operand transposed)."""
-    rows = x_ref.shape[0]
-    cols = pl.ds(lax.axis_index("n") * TILE_N, TILE_N)
-    wg = lax.axis_index("wg")
-
-    @pl.when(wg == 0)
-    def _consumer():
-        def accumulate(acc_g, acc_u):
-            def step(j, carry):
-                slot = lax.rem(j, jnp.int32(stages))
-                x_t = x_smem.at[slot].transpose((1, 0))
-                plgpu.barrier_wait(x_ready.at[slot])
-                plgpu.barrier_wait(wg_ready.at[slot])
-                plgpu.wgmma(acc_g, wg_smem.at[slot].transpose((1, 0)), x_t)
-                plgpu.barrier_wait(wu_ready.at[slot])
-                plgpu.wgmma(acc_u, wu_smem.at[slot].transpose((1, 0)), x_t)
-                plgpu.wgmma_wait(2)  # step j - 1's two products are done: its slot can be refilled
-
-                @pl.when(j > 0)
-                def _():
-                    plgpu.barrier_arrive(free.at[lax.rem(j + stages - 1, jnp.int32(stages))])
-                return carry
-
-            lax.fori_loop(0, steps, step, None)
-            plgpu.wgmma_wait(0)
-            plgpu.barrier_arrive(free.at[(steps - 1) % stages])
-            return acc_g[...], acc_u[...]
-
-        gate, up = pl.run_scoped(accumulate, plgpu.ACC((TILE_N, rows), jnp.float32),
-                                 plgpu.ACC((TILE_N, rows), jnp.float32))
-        # rounded as the unfused ops round them: gate and up to the dtype, then silu(gate) * up
-        dtype = o_ref.dtype
-        gate, up = gate.astype(dtype).astype(jnp.float32), up.astype(dtype).astype(jnp.float32)
-        h = gate / (1.0 + jnp.exp(-gate)) * up
-        out_smem.transpose((1, 0))[...] = h.astype(dtype)  # [64, M] registers -> [M, 64] tile
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem, o_ref.at[:, cols])
-        plgpu.wait_smem_to_gmem(0)
-
-    @pl.when(wg == 1)
-    def _producer():
-        def load(j, slot):
-            ks = pl.ds(j * block_k, block_k)
-            plgpu.copy_gmem_to_smem(x_ref.at[:, ks], x_smem.at[slot], x_ready.at[slot])
-            plgpu.copy_gmem_to_smem(wg_ref.at[ks, cols], wg_smem.at[slot], wg_ready.at[slot])
-            plgpu.copy_gmem_to_smem(wu_ref.at[ks, cols], wu_smem.at[slot], wu_ready.at[slot])
-
-        for j in range(min(stages, steps)):
-            load(j, j)
-
-        @pl.loop(stages, steps)
-        def _(j):
-            slot = lax.rem(j, jnp.int32(stages))
-            plgpu.barrier_wait(free.at[slot])
-            load(j, slot)
-
-        for slot in range(min(stages, steps)):  # every barrier phase is observed before the CTA exits
-            plgpu.barrier_wait(free.at[slot])
-
-
-def gate_up_swiglu(x, w_gate, w_up, config: GemvConfig = GemvConfig(), interpret: bool = False):
-    """silu(x @ w_gate) * (x @ w_up) for decode rows: x [M, K], w_gate and w_up [K, N] -> [M, N] in x's
-    dtype, in one kernel (XLA runs the two products as one GEMM and the product of the two as another
-    kernel). Only config.block_k and config.stages are used (no K splits: silu is not linear)."""
-    rows, k = x.shape
-    n = w_gate.shape[1]
-    bk, stages = config.block_k, config.stages
-    if w_gate.shape != (k, n) or w_up.shape != (k, n) or n % TILE_N or k % bk or rows % 8 or rows > 64:
-        raise ValueError(f"x {x.shape}, w_gate {w_gate.shape}, w_up {w_up.shape}: weights [K, N] alike, N a "
-                         f"multiple of {TILE_N}, K of block_k = {bk}, M a multiple of 8 and at most 64")
-    kernel = functools.partial(_swiglu_kernel, block_k=bk, steps=k // bk, stages=stages)
-    w_smem = plgpu.SMEM((stages, bk, TILE_N), w_gate.dtype, transforms=_transforms(TILE_N, w_gate.dtype))
-    return plgpu.kernel(
-        kernel,
-        out_type=jax.ShapeDtypeStruct((rows, n), x.dtype),
-        scratch_types=(
-            plgpu.SMEM((stages, rows, bk), x.dtype, transforms=_transforms(bk, x.dtype)),
-            w_smem, w_smem,
-            plgpu.SMEM((rows, TILE_N), x.dtype, transforms=_transforms(TILE_N, x.dtype)),
-            plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_barriers=stages),
-        ),
-        grid=(n // TILE_N,),
-        grid_names=("n",),
-        num_threads=2,
-        thread_name="wg",
-        interpret=plgpu.InterpretGPUParams() if interpret else False,
-    )(x, w_gate, w_up)
-
-
-def swiglu_reference(x, w_gate, w_up):
-    """The unfused ops as the model runs them (layers.gated_mlp before its down projection)."""
-    gate = jnp.einsum("td,df->tf", x, w_gate)
-    up = jnp.einsum("td,df->tf", x, w_up)
-    return jax.nn.silu(gate) * up
-
-
-def gemv(x, w, config: GemvConfig = GemvConfig(), interpret: bool = False):
-    """x [M, K] @ w[N, K].T -> float32 partial sums [splits, N, M] (transposed)."""
-    rows, k = x.shape
-    n = w.shape[0]
-    bk, splits, stages = config.block_k, config.splits, config.stages
-    if n % TILE_N or k % (splits * bk) or rows % 8 or w.shape[1] != k:
-        raise ValueError(f"x {x.shape} / w {w.shape}: N must be a multiple of {TILE_N}, K of splits x "
-                         f"block_k = {splits * bk}, M of 8")
-    steps = k // (splits * bk)
-    kernel = functools.partial(_kernel, block_k=bk, steps=steps, stages=stages, inplace=config.inplace)
-    return plgpu.kernel(
-        kernel,
-        out_type=jax.ShapeDtypeStruct((splits, n, rows), jnp.float32),
-        scratch_types=(
-            plgpu.SMEM((stages, rows, bk), x.dtype, transforms=_transforms(bk, x.dtype)),
-            plgpu.SMEM((stages, TILE_N, bk), w.dtype, transforms=_transforms(bk, w.dtype)),
-            plgpu.SMEM((TILE_N, rows), jnp.float32),
-            plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_barriers=stages),
-        ),
-        grid=(n // TILE_N, splits),
-        grid_names=("n", "s"),
-        num_threads=2,
-        thread_name="wg",
-        interpret=plgpu.InterpretGPUParams() if interpret else False,
-    )(x, w)
+from pallas_kernels.decode_gemm.mosaic_gpu import TILE_N, GemvConfig, gate_up_swiglu, gemv, swiglu_reference
 
 
 def check() -> None:

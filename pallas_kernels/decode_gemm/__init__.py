@@ -1,0 +1,1 @@
+"""Decode-sized GEMMs for a persistent decode layer (Mosaic GPU): `mosaic_gpu.py`."""
