@@ -51,6 +51,40 @@ def _transforms(minor: int, dtype):
     return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
+def _fill_ring(load, free, steps: int, stages: int):
+    """The producer: `load(j, slot)` issues step j's TMA copies into `slot`; slot j % stages is refilled
+    once the consumer has arrived on its `free` barrier (each arrival waited on exactly once)."""
+    for j in range(min(stages, steps)):
+        load(j, j)
+
+    @pl.loop(stages, steps)
+    def _(j):
+        slot = lax.rem(j, jnp.int32(stages))
+        plgpu.barrier_wait(free.at[slot])
+        load(j, slot)
+
+    for slot in range(min(stages, steps)):  # every barrier phase is observed before the CTA exits
+        plgpu.barrier_wait(free.at[slot])
+
+
+def _drain_ring(issue, free, steps: int, stages: int, per_step: int):
+    """The consumer's in-place loop: `issue(slot)` waits for the slot's tiles and issues `per_step`
+    wgmmas into accumulators that live across steps. They stay in flight across the next step's
+    wait; a slot is released once its products are done, one step later."""
+    def step(j, carry):
+        issue(lax.rem(j, jnp.int32(stages)))
+        plgpu.wgmma_wait(per_step)  # step j - 1's products are done: its slot can be refilled
+
+        @pl.when(j > 0)
+        def _():
+            plgpu.barrier_arrive(free.at[lax.rem(j + stages - 1, jnp.int32(stages))])
+        return carry
+
+    lax.fori_loop(0, steps, step, None)
+    plgpu.wgmma_wait(0)
+    plgpu.barrier_arrive(free.at[(steps - 1) % stages])
+
+
 def _kernel(x_ref, w_ref, o_ref, x_smem, w_smem, out_smem, x_ready, w_ready, free, *, block_k: int,
             steps: int, stages: int, inplace: bool):
     rows = x_ref.shape[0]
@@ -75,21 +109,12 @@ def _kernel(x_ref, w_ref, o_ref, x_smem, w_smem, out_smem, x_ready, w_ready, fre
             return acc + part
 
         def accumulate(acc_ref):
-            def step_inplace(j, carry):
-                slot = lax.rem(j, jnp.int32(stages))
+            def issue(slot):
                 plgpu.barrier_wait(x_ready.at[slot])
                 plgpu.barrier_wait(w_ready.at[slot])
                 plgpu.wgmma(acc_ref, w_smem.at[slot], x_smem.at[slot].transpose((1, 0)))
-                plgpu.wgmma_wait(1)  # step j - 1's product is done: its slot can be refilled
 
-                @pl.when(j > 0)
-                def _():
-                    plgpu.barrier_arrive(free.at[lax.rem(j + stages - 1, jnp.int32(stages))])
-                return carry
-
-            lax.fori_loop(0, steps, step_inplace, None)
-            plgpu.wgmma_wait(0)
-            plgpu.barrier_arrive(free.at[(steps - 1) % stages])
+            _drain_ring(issue, free, steps, stages, per_step=1)
             return acc_ref[...]
 
         if inplace:
@@ -109,17 +134,7 @@ def _kernel(x_ref, w_ref, o_ref, x_smem, w_smem, out_smem, x_ready, w_ready, fre
             plgpu.copy_gmem_to_smem(x_ref.at[:, ks], x_smem.at[slot], x_ready.at[slot])
             plgpu.copy_gmem_to_smem(w_ref.at[n_rows, ks], w_smem.at[slot], w_ready.at[slot])
 
-        for j in range(min(stages, steps)):
-            load(j, j)
-
-        @pl.loop(stages, steps)
-        def _(j):
-            slot = lax.rem(j, jnp.int32(stages))
-            plgpu.barrier_wait(free.at[slot])
-            load(j, slot)
-
-        for slot in range(min(stages, steps)):  # every barrier phase is observed before the CTA exits
-            plgpu.barrier_wait(free.at[slot])
+        _fill_ring(load, free, steps, stages)
 
 
 def _swiglu_kernel(x_ref, wg_ref, wu_ref, o_ref, x_smem, wg_smem, wu_smem, out_smem, x_ready, wg_ready,
@@ -133,24 +148,15 @@ def _swiglu_kernel(x_ref, wg_ref, wu_ref, o_ref, x_smem, wg_smem, wu_smem, out_s
     @pl.when(wg == 0)
     def _consumer():
         def accumulate(acc_g, acc_u):
-            def step(j, carry):
-                slot = lax.rem(j, jnp.int32(stages))
+            def issue(slot):
                 x_t = x_smem.at[slot].transpose((1, 0))
                 plgpu.barrier_wait(x_ready.at[slot])
                 plgpu.barrier_wait(wg_ready.at[slot])
                 plgpu.wgmma(acc_g, wg_smem.at[slot].transpose((1, 0)), x_t)
                 plgpu.barrier_wait(wu_ready.at[slot])
                 plgpu.wgmma(acc_u, wu_smem.at[slot].transpose((1, 0)), x_t)
-                plgpu.wgmma_wait(2)  # step j - 1's two products are done: its slot can be refilled
 
-                @pl.when(j > 0)
-                def _():
-                    plgpu.barrier_arrive(free.at[lax.rem(j + stages - 1, jnp.int32(stages))])
-                return carry
-
-            lax.fori_loop(0, steps, step, None)
-            plgpu.wgmma_wait(0)
-            plgpu.barrier_arrive(free.at[(steps - 1) % stages])
+            _drain_ring(issue, free, steps, stages, per_step=2)
             return acc_g[...], acc_u[...]
 
         gate, up = pl.run_scoped(accumulate, plgpu.ACC((TILE_N, rows), jnp.float32),
@@ -172,17 +178,7 @@ def _swiglu_kernel(x_ref, wg_ref, wu_ref, o_ref, x_smem, wg_smem, wu_smem, out_s
             plgpu.copy_gmem_to_smem(wg_ref.at[ks, cols], wg_smem.at[slot], wg_ready.at[slot])
             plgpu.copy_gmem_to_smem(wu_ref.at[ks, cols], wu_smem.at[slot], wu_ready.at[slot])
 
-        for j in range(min(stages, steps)):
-            load(j, j)
-
-        @pl.loop(stages, steps)
-        def _(j):
-            slot = lax.rem(j, jnp.int32(stages))
-            plgpu.barrier_wait(free.at[slot])
-            load(j, slot)
-
-        for slot in range(min(stages, steps)):  # every barrier phase is observed before the CTA exits
-            plgpu.barrier_wait(free.at[slot])
+        _fill_ring(load, free, steps, stages)
 
 
 def gate_up_swiglu(x, w_gate, w_up, config: GemvConfig = GemvConfig(), interpret: bool = False):
