@@ -11,7 +11,8 @@
 #   bash scripts/devrun_dispatch.sh t2 | hostcost  # T=2 with and without SKIP_TEMP; XLA's graph-update log
 #   bash scripts/devrun_dispatch.sh loop    # engine step period vs forwards queued back to back, T=1 and T=2
 #   bash scripts/devrun_dispatch.sh steady  # traces of 10 overlapped steps, T=1 and T=2: idle gaps, all-reduce skew
-#   bash scripts/devrun_dispatch.sh ab      # this tree against the files under .alt/ (same paths): GPU tests, latency
+#   bash scripts/devrun_dispatch.sh ab      # this tree against the files under .alt/ (same paths): GPU tests
+#                                             (AB_TESTS=... to choose them), latency
 # Logs and traces under $OUT; a table last.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -114,10 +115,10 @@ case ${1:-flags} in
     latency t2_a $T2
     [ -d .alt ] || { echo "ab: no .alt/ here (carry it)" >&2; exit 2; }
     (cd .alt && find . -type f) | while read -r f; do mkdir -p "$(dirname "$f")"; cp ".alt/$f" "$f"; done
-    gpu_tests tests/test_paged_attention_gpu.py tests/test_engine_pallas.py
+    gpu_tests ${AB_TESTS:-tests/test_paged_attention_gpu.py tests/test_engine_pallas.py}
     latency t1_b $T1
     latency t2_b $T2
-    run t2_b $T2 "" trace  # kernels per step (a trace without overlap)
+    run t2_b_prof $T2 "" trace  # kernels per step (a trace without overlap)
     ;;
   state)  # batch-1 latency T=1 and T=2 (overlap on), then traces of both: device ms per step by kernel kind
     latency t1_latency $T1

@@ -14,13 +14,9 @@ back to back (loop_periods), which tells the GPU's own step time from the host's
 from __future__ import annotations
 
 import argparse
-import collections
-import queue
-import threading
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.bench.common import random_prompts, run_batch, step_report
@@ -48,7 +44,7 @@ def main() -> None:
     args = parser.parse_args()
     overrides = {"num_blocks": args.num_blocks} if args.num_blocks else {}
     config = load_config(args.config, precompile=False, async_scheduling=False, **overrides)
-    engine = Engine(config, progress=False)
+    engine = Engine(config, progress=False, record_step_stats=args.loop > 0)  # (--loop toggles them)
     rng = np.random.default_rng(0)
     for _ in range(args.batch):
         engine.add_request({"prompt_token_ids": rng.integers(0, engine.vocab_size, args.prompt_len).tolist()},
@@ -132,11 +128,10 @@ def loop_periods(engine: Engine, n: int) -> None:
         jax.block_until_ready(runner.kv_caches)
         return (time.perf_counter() - t0) / n * 1e3
 
+    records, engine.step_stats = engine.step_stats, None
     engine_ms = engine_period()
     # the same with the step records `jaxserve bench` keeps (a watcher thread waits on each step)
-    engine.step_stats = collections.deque(maxlen=100_000)
-    engine._stats_by_step, engine._watch_queue = {}, queue.SimpleQueue()
-    threading.Thread(target=engine._watch_device, daemon=True).start()
+    engine.step_stats = records
     stats_ms = engine_period()
     # and `jaxserve bench latency`'s own loop: 3 runs of one request (128 prompt tokens, 256 decoded)
     engine.abort_request(list(engine._parents))

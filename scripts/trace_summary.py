@@ -93,11 +93,9 @@ def device_table(events, names, steps: int) -> None:
 
 def kernel_table(events, names, steps: int, top: int) -> None:
     """GPU 0's busiest stream cut into `steps` equal runs of kernels; the middle one, by kernel name."""
-    streams = [[e for e in evs if e.get("dur")] for (device, _), evs in gpu_streams(events, names).items()
-               if "/device:GPU:0" in device]
-    if not streams:
+    evs = next((evs for device, evs in busiest_streams(events, names).items() if "/device:GPU:0" in device), None)
+    if not evs:
         return
-    evs = sorted(max(streams, key=len), key=lambda e: float(e["ts"]))
     per_step = len(evs) // steps
     step = evs[per_step * (steps // 2): per_step * (steps // 2 + 1)]
     stats = collections.defaultdict(lambda: [0, 0.0])
