@@ -19,7 +19,7 @@ import numpy as np
 from jaxserve.config import EngineConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.scheduler import Scheduler
-from jaxserve.models.llama import LlamaConfig
+from jaxserve.models.llama import LlamaConfig  # (a benchmark of the llama family's shapes)
 from jaxserve.models.loader import GenerationDefaults, LoadedModel
 from jaxserve.request import Request
 from jaxserve.runner.model_runner import ModelRunner, StepHandle
@@ -42,7 +42,7 @@ def main() -> None:
     config = EngineConfig().with_overrides(
         max_num_seqs=args.num_requests, max_num_batched_tokens=8192, block_size=args.block_size,
         num_blocks=num_blocks, precompile=False, compilation_cache_dir=None)
-    runner = ModelRunner(LoadedModel(None, cfg, None, GenerationDefaults(), {}), config, max_model_len)
+    runner = ModelRunner(config, model=LoadedModel(None, cfg, None, GenerationDefaults(), {}))
     kv = KVCacheManager(num_blocks, args.block_size, enable_caching=True)
     scheduler = Scheduler(config.scheduler, kv, max_model_len)
     rng = np.random.default_rng(0)

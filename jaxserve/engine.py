@@ -31,7 +31,6 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.sched_types import SchedulerOutput
 from jaxserve.core.scheduler import Scheduler
-from jaxserve.models import llama, loader
 from jaxserve.outputs import OutputStream, RequestMetrics, RequestOutput
 from jaxserve.request import Request, RequestStatus
 from jaxserve.runner.model_runner import MAX_BANNED, ModelRunner, StepHandle
@@ -79,22 +78,16 @@ class Engine:
                              "jaxserve.data_parallel.DataParallelEngine, or give each Engine its mesh")
         self.config = config
         self.tp = distributed.engine_devices(config.parallel, mesh)
-        self.model = loader.load_model(config.model.path, dtype=config.model.dtype,
-                                       load_format=config.model.load_format,
-                                       place=llama.param_placer(self.tp) if self.tp is not None else None)
+        start = time.monotonic()
+        self.runner = ModelRunner(config, self.tp)  # loads the model
+        self.model = self.runner.model
+        self.max_model_len = self.runner.max_model_len
         self.tokenizer = (None if config.model.skip_tokenizer_init
                           else Tokenizer.from_dir(config.model.tokenizer or config.model.path))
-        limit = self.model.config.max_position_embeddings
-        self.max_model_len = config.model.max_model_len or limit
-        if self.max_model_len > limit:
-            raise ValueError(f"model.max_model_len={self.max_model_len} exceeds the model's max_position_embeddings "
-                             f"({limit}); lower max_model_len")
         self.vocab_size = self.model.config.vocab_size
         tokenizer_eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         self.eos_token_ids = self.model.generation.eos_token_ids or (
             (tokenizer_eos,) if tokenizer_eos is not None else ())
-        start = time.monotonic()
-        self.runner = ModelRunner(self.model, config, self.max_model_len, self.tp)
         if config.parallel.num_processes > 1:
             self.runner = distributed.connect(self.runner, config.parallel)
         self.kv_cache = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
@@ -102,7 +95,7 @@ class Engine:
                                        hash_algo=config.cache.prefix_hash)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
         self.num_compiled = self.runner.precompile(progress) if config.runner.precompile else 0
-        self.startup_seconds = time.monotonic() - start
+        self.startup_seconds = time.monotonic() - start - self.runner.load_seconds  # compiling, not loading
         self._seeds = random.Random(config.model.seed)
         self._ids = itertools.count()
         self._parents: dict[str, _Parent] = {}

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxserve.models import llama, loader, registry
+from jaxserve.models import loader, registry
 
 VOCAB = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{c: i + 4 for i, c in enumerate("0123456789+=")}}
 PAD, BOS, EOS = 0, 1, 2
@@ -36,11 +36,13 @@ CHAT_TEMPLATE = (
     "{% endif %}{% endfor %}"
 )
 
-MODEL_CONFIG = llama.LlamaConfig(
-    vocab_size=len(VOCAB), hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4,
-    num_kv_heads=2, head_dim=32, max_position_embeddings=32, rms_norm_eps=1e-5, rope_theta=10000.0,
-    tie_word_embeddings=True, dtype="float32", architecture="LlamaForCausalLM",
-)
+# The model, as the config.json it is saved with describes it.
+MODEL_CONFIG = registry.config_from_hf({
+    "architectures": ["LlamaForCausalLM"], "vocab_size": len(VOCAB), "hidden_size": 128, "intermediate_size": 384,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+    "max_position_embeddings": 32, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True,
+    "torch_dtype": "float32"})
+FAMILY = registry.family_of(MODEL_CONFIG)
 
 
 def is_held_out(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -93,7 +95,7 @@ def sample_batch(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarr
 
 
 def loss_fn(params, rows, mask):
-    logits = llama.forward_dense(params, MODEL_CONFIG, rows)
+    logits = FAMILY.forward_dense(params, MODEL_CONFIG, rows)
     targets = jnp.roll(rows, -1, axis=1)
     nll = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     return jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
@@ -118,7 +120,7 @@ def greedy_answers(params, prompts):
     lengths = jnp.sum(prompts != PAD, axis=1)
 
     def step(i, rows):
-        logits = llama.forward_dense(params, MODEL_CONFIG, rows)
+        logits = FAMILY.forward_dense(params, MODEL_CONFIG, rows)
         pos = lengths + i - 1
         nxt = jnp.argmax(logits[jnp.arange(rows.shape[0]), pos], axis=-1).astype(rows.dtype)
         return rows.at[jnp.arange(rows.shape[0]), jnp.minimum(pos + 1, SEQ_LEN - 1)].set(nxt)
@@ -176,7 +178,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
 
     rng = np.random.default_rng(args.seed)
-    params = llama.init_params(MODEL_CONFIG, jax.random.key(args.seed), std=0.02)
+    params = FAMILY.init_params(MODEL_CONFIG, jax.random.key(args.seed), std=0.02)
     warmup = min(1000, args.steps // 10)
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps, end_value=args.lr * 0.01)
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.98, weight_decay=0.01))

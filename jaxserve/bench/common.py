@@ -38,7 +38,7 @@ from tqdm import tqdm
 from jaxserve.cli import DEFAULT_CONFIG
 from jaxserve.config import EngineConfig, load_config
 from jaxserve.engine import Engine
-from jaxserve.models import llama
+from jaxserve.models import registry
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.step_stats import StepStats, device_idle_share
@@ -221,12 +221,13 @@ def step_report(runs: list[list[StepStats]]) -> dict[str, Any]:
     }
 
 
-def roofline(cfg: llama.LlamaConfig, batch: float, mean_context: float, num_devices: int = 1,
+def roofline(cfg, batch: float, mean_context: float, num_devices: int = 1,
              bandwidth: float = HBM_BYTES_PER_S) -> dict[str, float]:
     """Decode tokens/s if a step only had to read the weights and the batch's KV once (module docstring).
     Under tensor parallelism each of the `num_devices` devices reads its share at its own bandwidth."""
     bandwidth = bandwidth * num_devices
-    weight_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(llama.abstract(cfg)))
+    abstract_params = registry.family_of(cfg).abstract(cfg)
+    weight_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(abstract_params))
     kv_bytes_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * np.dtype(cfg.jnp_dtype).itemsize
     step_bytes = weight_bytes + batch * mean_context * kv_bytes_per_token
     return {"batch": batch, "mean_context": mean_context, "weight_bytes": weight_bytes,

@@ -2,7 +2,7 @@
 
     load_model(hf_dir) -> params --save_params--> orbax dir --restore_params(cfg)--> params
 
-Restoring needs only the model config: shapes and dtypes come from `llama.abstract(cfg)`, and
+Restoring needs only the model config: shapes and dtypes come from its family's `abstract(cfg)`, and
 `shardings` (a pytree of jax.sharding.Sharding matching the params) places each array directly.
 """
 
@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
-from jaxserve.models.llama import LlamaConfig, Params, abstract
+from jaxserve.models import registry
+
+Params = Any  # a family's params pytree
 
 
 def save_params(params: Params, directory: str | os.PathLike) -> None:
@@ -24,8 +27,8 @@ def save_params(params: Params, directory: str | os.PathLike) -> None:
         checkpointer.wait_until_finished()
 
 
-def restore_params(cfg: LlamaConfig, directory: str | os.PathLike, shardings=None) -> Params:
-    target = abstract(cfg)
+def restore_params(cfg: Any, directory: str | os.PathLike, shardings=None) -> Params:
+    target = registry.family_of(cfg).abstract(cfg)
     if shardings is not None:
         target = jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
                               target, shardings)

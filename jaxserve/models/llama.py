@@ -130,16 +130,24 @@ def param_placer(tp: TensorParallel) -> Callable[[tuple, Any], jax.Array]:
     return lambda path, array: tp.place(array, AXES[path[-1]], "/".join(map(str, path)))
 
 
+def param_init(name: str) -> str:
+    """How the parameter named `name` starts when made at random: norms "ones", biases "zeros", weights
+    "normal" (used by init_params and by the loader's dummy weights)."""
+    if name.endswith("norm"):
+        return "ones"
+    return "zeros" if name.startswith("b") else "normal"
+
+
 def init_params(cfg: LlamaConfig, key: jax.Array, std: float = 0.02) -> Params:
-    """Random parameters (training from scratch and tests): normal weights, unit norms, zero biases."""
+    """Random parameters (training from scratch and tests), as `param_init` says."""
     leaves, treedef = jax.tree.flatten_with_path(abstract(cfg))
     keys = jax.random.split(key, len(leaves))
     out = []
     for (path, leaf), leaf_key in zip(leaves, keys):
-        name = str(path[-1].key)
-        if name.endswith("norm"):
+        init = param_init(str(path[-1].key))
+        if init == "ones":
             out.append(jnp.ones(leaf.shape, leaf.dtype))
-        elif name.startswith("b"):
+        elif init == "zeros":
             out.append(jnp.zeros(leaf.shape, leaf.dtype))
         else:
             out.append((std * jax.random.normal(leaf_key, leaf.shape, jnp.float32)).astype(leaf.dtype))

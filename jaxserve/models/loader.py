@@ -1,13 +1,14 @@
 """Local Hugging Face checkpoint directory -> (model config, params pytree, generation defaults).
 
-    config.json --registry.config_from_hf--> LlamaConfig --llama.abstract--> expected tensors
+    config.json --registry.config_from_hf--> the family's config --family.hf_tensor_table--> expected tensors
     *.safetensors (+ model.safetensors.index.json) --safe_open(numpy), on the host--> checks
         (every expected tensor present exactly once, shape as expected, nothing unknown left over)
-    --transpose to x @ W layout, cast--> jax.device_put (one tensor at a time, with its sharding)
+    --transpose to x @ W layout, cast--> `place` (one leaf at a time, with its sharding; a leaf stacked
+        from several tensors, e.g. experts, once all of its slices are read)
 
     load_format="dummy" (vLLM's name; benchmarks without a download): config.json only
-    --llama.abstract--> every tensor made on the device by a jitted jax.random per shape
-    (weights normal * 0.02, norms 1, biases 0; fixed seed), then `place`d like a real one
+    --family.abstract--> every tensor made on the device by a jitted jax.random per shape
+    (as family.param_init says: weights normal * 0.02, norms 1, biases 0; fixed seed), then `place`d
 
 Only safetensors are read: pickle-based weights (*.bin, *.pt, ...) are refused, and code named in
 config.json's `auto_map` is never imported. Every error names the file or tensor at fault.
@@ -29,7 +30,8 @@ import numpy as np
 from safetensors import safe_open
 
 from jaxserve.models import registry
-from jaxserve.models.llama import LlamaConfig, Params, abstract
+
+Params = Any  # a family's params pytree
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # Tensors some exporters include that carry nothing we need.
@@ -57,7 +59,7 @@ class GenerationDefaults:
 @dataclasses.dataclass
 class LoadedModel:
     path: Path
-    config: LlamaConfig
+    config: Any  # the family's model config (models/family.py ModelConfig)
     params: Params
     generation: GenerationDefaults
     hf_config: dict[str, Any]
@@ -76,7 +78,7 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def load_config(model_dir: str | os.PathLike, dtype: str = "auto") -> tuple[LlamaConfig, dict[str, Any]]:
+def load_config(model_dir: str | os.PathLike, dtype: str = "auto") -> tuple[Any, dict[str, Any]]:
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointError(f"model path {model_dir} is not a directory; pass a local Hugging Face checkpoint directory")
@@ -146,50 +148,6 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
     return files
 
 
-def hf_tensor_table(cfg: LlamaConfig) -> dict[str, tuple[tuple, tuple[int, ...], bool]]:
-    """HF tensor name -> (path in our params pytree, HF shape, transposed).
-
-    Our layout is `x @ W` with heads split out, so a transposed HF weight [out, in] becomes
-    W.T reshaped to our shape (e.g. q_proj [N*H, D] -> wq [D, N, H]); the rest only reshape.
-    """
-    d, n, k, h, f, v = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                        cfg.intermediate_size, cfg.vocab_size)
-    table = {
-        "model.embed_tokens.weight": (("embed",), (v, d), False),
-        "model.norm.weight": (("final_norm",), (d,), False),
-    }
-    if not cfg.tie_word_embeddings:
-        table["lm_head.weight"] = (("lm_head",), (v, d), True)
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        at = ("layers", i)
-        table |= {
-            p + "input_layernorm.weight": (at + ("attn_norm",), (d,), False),
-            p + "post_attention_layernorm.weight": (at + ("mlp_norm",), (d,), False),
-            p + "self_attn.q_proj.weight": (at + ("wq",), (n * h, d), True),
-            p + "self_attn.k_proj.weight": (at + ("wk",), (k * h, d), True),
-            p + "self_attn.v_proj.weight": (at + ("wv",), (k * h, d), True),
-            p + "self_attn.o_proj.weight": (at + ("wo",), (d, n * h), True),
-            p + "mlp.gate_proj.weight": (at + ("w_gate",), (f, d), True),
-            p + "mlp.up_proj.weight": (at + ("w_up",), (f, d), True),
-            p + "mlp.down_proj.weight": (at + ("w_down",), (d, f), True),
-        }
-        if cfg.qkv_bias:
-            table |= {p + "self_attn.q_proj.bias": (at + ("bq",), (n * h,), False),
-                      p + "self_attn.k_proj.bias": (at + ("bk",), (k * h,), False),
-                      p + "self_attn.v_proj.bias": (at + ("bv",), (k * h,), False)}
-        if cfg.o_bias:
-            table[p + "self_attn.o_proj.bias"] = (at + ("bo",), (d,), False)
-        if cfg.mlp_bias:
-            table |= {p + "mlp.gate_proj.bias": (at + ("b_gate",), (f,), False),
-                      p + "mlp.up_proj.bias": (at + ("b_up",), (f,), False),
-                      p + "mlp.down_proj.bias": (at + ("b_down",), (d,), False)}
-        if cfg.qk_norm:
-            table |= {p + "self_attn.q_norm.weight": (at + ("q_norm",), (h,), False),
-                      p + "self_attn.k_norm.weight": (at + ("k_norm",), (h,), False)}
-    return table
-
-
 def _get(tree, path):
     for key in path:
         tree = tree[key]
@@ -202,18 +160,19 @@ def _set(tree, path, value):
     tree[path[-1]] = value
 
 
-def load_params(model_dir: str | os.PathLike, cfg: LlamaConfig,
+def load_params(model_dir: str | os.PathLike, cfg: Any,
                 place: Callable[[tuple, np.ndarray], jax.Array] | None = None) -> Params:
-    """Read and check every tensor on the host, then place each with `place(path, array)`.
+    """Read and check every tensor on the host, then place each leaf with `place(path, array)`.
 
     `place` defaults to `jax.device_put` on the default device; sharded loading passes a function
-    that puts each tensor straight into its NamedSharding.
+    that puts each tensor straight into its NamedSharding (family.param_placer).
     """
     model_dir = Path(model_dir)
+    family = registry.family_of(cfg)
     files = weight_files(model_dir)
-    table = hf_tensor_table(cfg)
+    table = family.hf_tensor_table(cfg)
     ignorable = {n for n in files if n.endswith(IGNORED_SUFFIXES)}
-    if cfg.tie_word_embeddings:
+    if getattr(cfg, "tie_word_embeddings", False):
         ignorable.add("lm_head.weight")  # some exporters write the tied head anyway
     missing = sorted(set(table) - set(files))
     if missing:
@@ -229,24 +188,41 @@ def load_params(model_dir: str | os.PathLike, cfg: LlamaConfig,
 
     place = place or (lambda _path, array: jax.device_put(array))
     np_dtype = NP_DTYPES[cfg.dtype]
-    shapes = abstract(cfg)
+    shapes = family.abstract(cfg)
     params: Params = jax.tree.map(lambda _: None, shapes)
+    # Stacked leaves (HFTensor.stack_index) are assembled on the host: leaf path -> (buffer, slices left).
+    stacks: dict[tuple, list] = {}
+    for entry in table.values():
+        if entry.stack_index is not None:
+            stacks.setdefault(entry.path, [None, 0])[1] += 1
     by_file: dict[Path, list[str]] = {}
     for name in table:
         by_file.setdefault(files[name], []).append(name)
     for fpath, names in sorted(by_file.items()):
         with safe_open(fpath, framework="numpy") as f:
             for name in names:
-                path, hf_shape, transposed = table[name]
+                entry = table[name]
                 shape = tuple(f.get_slice(name).get_shape())
-                if shape != hf_shape:
+                if shape != entry.shape:
                     raise CheckpointError(
-                        f"tensor {name} in {fpath.name} has shape {list(shape)}, expected {list(hf_shape)} "
+                        f"tensor {name} in {fpath.name} has shape {list(shape)}, expected {list(entry.shape)} "
                         f"from config.json"
                     )
                 array = f.get_tensor(name)
-                array = (array.T if transposed else array).reshape(_get(shapes, path).shape)
-                _set(params, path, place(path, np.ascontiguousarray(array.astype(np_dtype))))
+                array = array.T if entry.transposed else array
+                leaf_shape = _get(shapes, entry.path).shape
+                if entry.stack_index is None:
+                    _set(params, entry.path, place(entry.path, np.ascontiguousarray(
+                        array.reshape(leaf_shape).astype(np_dtype))))
+                    continue
+                stack = stacks[entry.path]
+                if stack[0] is None:
+                    stack[0] = np.empty(leaf_shape, np_dtype)
+                stack[0][entry.stack_index] = array.reshape(leaf_shape[1:])
+                stack[1] -= 1
+                if stack[1] == 0:
+                    _set(params, entry.path, place(entry.path, stack[0]))
+                    stack[0] = None
     return params
 
 
@@ -257,18 +233,20 @@ def _random_normal(key: jax.Array, shape: tuple[int, ...], dtype) -> jax.Array:
     return (DUMMY_STD * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
 
 
-def dummy_params(cfg: LlamaConfig, place: Callable[[tuple, jax.Array], jax.Array] | None = None) -> Params:
-    """Random params with exactly the shapes and dtypes `load_params` gives: weights normal * 0.02,
-    norms 1, biases 0, from a fixed seed. Each tensor is made on the default device, then `place`d."""
+def dummy_params(cfg: Any, place: Callable[[tuple, jax.Array], jax.Array] | None = None) -> Params:
+    """Random params with exactly the shapes and dtypes `load_params` gives, started as the family's
+    `param_init` says (weights normal * 0.02), from a fixed seed. Each tensor is made on the default
+    device, then `place`d."""
+    family = registry.family_of(cfg)
     place = place or (lambda _path, array: array)
     root = jax.random.key(DUMMY_SEED)
-    leaves, treedef = jax.tree.flatten_with_path(abstract(cfg))
+    leaves, treedef = jax.tree.flatten_with_path(family.abstract(cfg))
     out = []
     for index, (keys, leaf) in enumerate(leaves):
-        name = str(keys[-1].key)
-        if name.endswith("norm"):
+        init = family.param_init(str(keys[-1].key))
+        if init == "ones":
             array = jnp.ones(leaf.shape, leaf.dtype)
-        elif name.startswith("b"):
+        elif init == "zeros":
             array = jnp.zeros(leaf.shape, leaf.dtype)
         else:
             array = _random_normal(jax.random.fold_in(root, index), leaf.shape, leaf.dtype)
@@ -278,23 +256,30 @@ def dummy_params(cfg: LlamaConfig, place: Callable[[tuple, jax.Array], jax.Array
 
 def load_model(model_dir: str | os.PathLike, dtype: str = "auto",
                place: Callable[[tuple, np.ndarray | jax.Array], jax.Array] | None = None,
-               load_format: str = "auto") -> LoadedModel:
-    """`load_format`: auto reads the safetensors; dummy needs only config.json (random weights)."""
+               load_format: str = "auto", tp=None) -> LoadedModel:
+    """`load_format`: auto reads the safetensors; dummy needs only config.json (random weights).
+    `tp` (a sharding.TensorParallel): place each tensor into its sharding on that mesh, as the model's
+    family says (its param_placer); else `place`, or the default device."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {list(LOAD_FORMATS)}, got {load_format!r}")
     model_dir = Path(model_dir)
     cfg, hf = load_config(model_dir, dtype)
+    if tp is not None:
+        place = registry.family_of(cfg).param_placer(tp)
     params = dummy_params(cfg, place) if load_format == "dummy" else load_params(model_dir, cfg, place)
     return LoadedModel(model_dir, cfg, params, read_generation_defaults(model_dir, hf), hf)
 
 
-def save_safetensors(params: Params, cfg: LlamaConfig, path: str | os.PathLike) -> None:
+def save_safetensors(params: Params, cfg: Any, path: str | os.PathLike) -> None:
     """Write params back in HF names and layout (the inverse of load_params), e.g. after training."""
     from safetensors.numpy import save_file
 
     tensors = {}
-    for name, (ppath, hf_shape, transposed) in hf_tensor_table(cfg).items():
-        array = np.asarray(_get(params, ppath))
+    for name, entry in registry.family_of(cfg).hf_tensor_table(cfg).items():
+        array = np.asarray(_get(params, entry.path))
+        if entry.stack_index is not None:
+            array = array[entry.stack_index]
+        hf_shape = entry.shape
         tensors[name] = np.ascontiguousarray(
-            array.reshape(hf_shape[::-1]).T if transposed else array.reshape(hf_shape))
+            array.reshape(hf_shape[::-1]).T if entry.transposed else array.reshape(hf_shape))
     save_file(tensors, str(path), metadata={"format": "pt"})

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import EngineConfig
-from jaxserve.models import llama
+from jaxserve.models.family import ModelConfig
 from sharding import MODEL_AXIS, TensorParallel
 
 logger = logging.getLogger(__name__)
@@ -66,14 +66,14 @@ def enable_compilation_cache(directory: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
-def _pallas_supports(cfg: llama.LlamaConfig, block_size: int) -> bool:
+def _pallas_supports(cfg: ModelConfig, block_size: int) -> bool:
     """Shapes the Pallas kernels take: Triton needs power-of-two head dims >= 16 and page sizes."""
     def pow2(n: int) -> bool:
         return n > 0 and n & (n - 1) == 0
     return pow2(cfg.head_dim) and cfg.head_dim >= 16 and pow2(block_size)
 
 
-def resolve_attention_backend(name: str, cfg: llama.LlamaConfig, block_size: int) -> str:
+def resolve_attention_backend(name: str, cfg: ModelConfig, block_size: int) -> str:
     """auto: the Pallas kernels on GPU and TPU when they take the model's shapes, else the reference."""
     if name == "auto":
         if jax.default_backend() not in ("gpu", "tpu"):
@@ -86,7 +86,7 @@ def resolve_attention_backend(name: str, cfg: llama.LlamaConfig, block_size: int
     return name
 
 
-def kv_block_bytes(cfg: llama.LlamaConfig, block_size: int, dtype_bytes: int, tp: TensorParallel | None = None) -> int:
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype_bytes: int, tp: TensorParallel | None = None) -> int:
     """Bytes of one KV block (all layers, K and V) on one device: with tensor parallelism a device holds
     its kv heads only (num_kv_heads / tp, or one replicated head when num_kv_heads < tp)."""
     kv_heads = cfg.num_kv_heads if tp is None else tp.local_size("kv_heads", cfg.num_kv_heads, "num_key_value_heads")
@@ -127,7 +127,7 @@ def driver_free_bytes(device) -> int | None:
     return max(0, free.value - int((1 - budget) * total.value))
 
 
-def kv_cache_num_blocks(cfg: llama.LlamaConfig, config: EngineConfig, max_model_len: int, dtype_bytes: int,
+def kv_cache_num_blocks(cfg: ModelConfig, config: EngineConfig, max_model_len: int, dtype_bytes: int,
                        tp: TensorParallel | None = None, reserved_bytes: int = 0) -> int:
     """Blocks that fit in the free memory of one of the engine's devices (or the configured count), after
     `reserved_bytes` for buffers made later; over several processes, the fewest any process offers, so

@@ -27,6 +27,7 @@ import functools
 import logging
 import math
 import os
+import time
 from typing import NamedTuple
 
 import jax
@@ -37,7 +38,7 @@ from tqdm import tqdm
 from jaxserve.config import EngineConfig
 from jaxserve.core.buckets import BucketLadders
 from jaxserve.core.sched_types import Logprobs, NewRequestData, RunnerOutput, SchedulerOutput
-from jaxserve.models import llama
+from jaxserve.models import loader, registry
 from jaxserve.models.layers import ModelBatch
 from jaxserve.models.loader import LoadedModel
 from jaxserve.runner import sampler
@@ -84,8 +85,8 @@ def _forward_step(params, cfg, batch: ModelBatch, kv_caches, logits_buffer, comm
     tokens without launching the sampler. `comm`: the state of tp.all_reduce (None: XLA's
     all-reduces). `twin`: the same step as a second executable (ModelRunner._run_forward alternates)."""
     del logits_buffer
-    logits, kv_caches = llama.forward(params, cfg, batch, kv_caches, attention_backend=attention_backend, tp=tp,
-                                      decode_only=decode_only, comm=comm)
+    logits, kv_caches = registry.family_of(cfg).forward(params, cfg, batch, kv_caches, attention_backend=attention_backend,
+                                                        tp=tp, decode_only=decode_only, comm=comm)
     if twin:  # a no-op that only makes the program (and so the executable and its CUDA graph) another one
         logits = logits + jnp.zeros((), logits.dtype)
     tokens = None
@@ -138,12 +139,33 @@ class StepHandle:
     output: RunnerOutput | None = None
 
 
+def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> LoadedModel:
+    """The model of config.model, each tensor placed straight into its sharding on `tp`'s mesh (by its
+    family's param_placer), or on the default device without `tp`."""
+    model = config.model
+    return loader.load_model(model.path, dtype=model.dtype, load_format=model.load_format, tp=tp)
+
+
+def resolve_max_model_len(config: EngineConfig, model_config) -> int:
+    """model.max_model_len, or the model's max_position_embeddings; ValueError past the latter."""
+    limit = model_config.max_position_embeddings
+    max_model_len = config.model.max_model_len or limit
+    if max_model_len > limit:
+        raise ValueError(f"model.max_model_len={max_model_len} exceeds the model's max_position_embeddings "
+                         f"({limit}); lower max_model_len")
+    return max_model_len
+
+
 class ModelRunner:
-    def __init__(self, model: LoadedModel, config: EngineConfig, max_model_len: int,
-                 tp: TensorParallel | None = None):
-        """`tp`: the mesh the step runs on (params already placed by `llama.param_placer(tp)`); None
-        runs on the default device."""
+    def __init__(self, config: EngineConfig, tp: TensorParallel | None = None, *, model: LoadedModel | None = None):
+        """Loads config.model (unless `model` is given: already loaded and placed) and sets up the step on
+        `tp`'s mesh, or on the default device without `tp`. The engine reads the model's facts from here:
+        `model` (config, generation defaults), `max_model_len`, `num_blocks`."""
         enable_compilation_cache(config.runner.compilation_cache_dir)
+        start = time.monotonic()
+        model = model if model is not None else load_model(config, tp)
+        self.load_seconds = time.monotonic() - start
+        max_model_len = resolve_max_model_len(config, model.config)
         self.model = model
         # The step's all-reduces: XLA's, or a peer-memory kernel whose state (`comm`) lives with the runner.
         self.tp, self.comm, self._all_reduce_workspace = setup_all_reduce(tp, config.parallel.all_reduce,
@@ -175,8 +197,8 @@ class ModelRunner:
                     + 4 * sum(self.buckets.request_buckets) * self.cfg.vocab_size)
         self.num_blocks = kv_cache_num_blocks(self.cfg, config, max_model_len, np.dtype(dtype).itemsize, tp,
                                               reserved)
-        self.kv_caches = llama.init_kv_caches(self.cfg, self.num_blocks, self.block_size, self.attention_backend,
-                                              tp=tp)
+        self.kv_caches = registry.family_of(self.cfg).init_kv_caches(self.cfg, self.num_blocks, self.block_size,
+                                                                     self.attention_backend, tp=tp)
         self.max_logprobs = min(sched.max_logprobs, self.cfg.vocab_size)
 
         # Per-row state (rows are assigned by the scheduler), so a step gathers rows with fancy indexing
