@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
+from jaxserve.config import DEFAULT_CONFIG
 
 SAMPLING_FLAGS = {  # flag -> (type, SamplingParams field)
     "--temperature": float, "--top-p": float, "--top-k": int, "--min-p": float, "--max-tokens": int,
@@ -48,6 +48,11 @@ def _generate(args: argparse.Namespace) -> int:
 
     overrides = {"model": str(args.model)} if args.model else {}
     config = load_config(args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None), **overrides)
+    if config.parallel.num_processes > 1 and config.parallel.process_id != 0:
+        from jaxserve.distributed import run_follower
+
+        run_follower(config)  # process 0 generates; this one follows its steps
+        return 0
     params = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
               for flag in SAMPLING_FLAGS if getattr(args, flag[2:].replace("-", "_")) is not None}
     if args.stop:

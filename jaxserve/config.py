@@ -18,6 +18,8 @@ from typing import Any
 import yaml
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parent / "assets" / "tiny-adder")
+# The default config of the command line (package data, so an installed wheel has it too).
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny.yaml"
 
 
 @dataclasses.dataclass(frozen=True)

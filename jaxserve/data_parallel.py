@@ -21,7 +21,8 @@ import itertools
 from concurrent.futures import ThreadPoolExecutor
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine import Engine, PreparedRequest
+from jaxserve.engine import Engine
+from jaxserve.engine_client import EngineStats, PreparedRequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from sharding import make_mesh, replica_meshes
@@ -73,9 +74,8 @@ class RequestDistributor:
 
 
 class DataParallelEngine:
-    """The Engine API of `LLM` and `jaxserve serve` (prepare_request / enqueue / add_request / step /
-    abort_request / has_unfinished_requests; tokenizer, model, max_model_len, vocab_size) over parallel.data
-    replicas. One thread drives it, as an Engine; the server's metrics read each of `engines`."""
+    """An engine client (engine_client.EngineClient, as Engine) over parallel.data replicas: what `LLM` and
+    `jaxserve serve` call. One thread drives it, as an Engine; stats() combines the replicas'."""
 
     def __init__(self, config: EngineConfig, progress: bool = True):
         parallel = config.parallel
@@ -86,6 +86,7 @@ class DataParallelEngine:
         first = self.engines[0]
         self.config, self.model, self.tokenizer = config, first.model, first.tokenizer
         self.max_model_len, self.vocab_size = first.max_model_len, first.vocab_size
+        self.sampling_defaults = first.sampling_defaults
         self.eos_token_ids = first.eos_token_ids
         self.distributor = RequestDistributor(len(self.engines), config.cache.block_size,
                                               config.scheduler.max_num_batched_tokens)
@@ -127,6 +128,9 @@ class DataParallelEngine:
 
     def has_unfinished_requests(self) -> bool:
         return any(engine.has_unfinished_requests() for engine in self.engines)
+
+    def stats(self) -> EngineStats:
+        return EngineStats.combine([engine.stats() for engine in self.engines])
 
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """One step of every replica that has work, concurrently; their outputs, replica by replica."""

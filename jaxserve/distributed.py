@@ -2,11 +2,11 @@
 
     every process: engine_devices(parallel) -> jax.distributed.initialize (before any device is used)
                    -> the same mesh over every process's devices -> the same params and caches
-    process 0:     connect(runner) -> BroadcastingRunner: each runner call that runs device code
-                   (execute / dispatch / collect / precompile) is first sent to the others, then made
-    the others:    connect(runner) -> follow(): receive each call, make it on their own runner (the same
-                   SPMD program on their devices), until process 0 closes the channel; then the
-                   process exits
+    process 0:     Engine -> connect(runner) -> BroadcastingRunner: each runner call that runs device
+                   code (execute / dispatch / collect / precompile) is first sent to the others, then made
+    the others:    run_follower(config) (their entry point; `jaxserve serve` / `generate` call it) -> the
+                   same runner -> follow(): receive each call, make it on their own runner (the same SPMD
+                   program on their devices), until process 0 closes the channel; then it returns
 
 Every process runs the same program; only process 0 schedules. The channel is TCP from process 0
 (listening on the coordinator's host, on a free port) to each other process; the port and a random
@@ -50,6 +50,7 @@ from jax.sharding import Mesh
 
 from jaxserve.config import ParallelConfig
 from jaxserve.core.sched_types import SchedulerOutput
+from jaxserve.runner.model_runner import ModelRunner
 from sharding import TensorParallel, make_mesh
 
 logger = logging.getLogger(__name__)
@@ -83,18 +84,37 @@ def engine_devices(parallel: ParallelConfig, mesh: Mesh | None = None) -> Tensor
     return TensorParallel(mesh)
 
 
-def connect(runner, parallel: ParallelConfig):
-    """Process 0: the runner wrapped to lead the others. Other processes: follow process 0's steps,
-    then end the process (SystemExit(0)) when it closes the channel."""
+def check_leader(parallel: ParallelConfig) -> None:
+    """ValueError unless this process builds engines: process 0 (or the only one)."""
+    if parallel.num_processes > 1 and parallel.process_id != 0:
+        raise ValueError(f"parallel.process_id={parallel.process_id}: only process 0 of a multi-process engine builds "
+                         "an Engine (or LLM); the others follow its steps: call "
+                         "jaxserve.distributed.run_follower(config) there (jaxserve serve and jaxserve generate do)")
+
+
+def connect(runner, parallel: ParallelConfig) -> BroadcastingRunner:
+    """Process 0: the runner wrapped to lead the others (who run `run_follower`)."""
+    check_leader(parallel)
     channel = Channel.open(parallel)
-    if parallel.process_id == 0:
-        atexit.register(channel.close)
-        return BroadcastingRunner(runner, channel)
+    atexit.register(channel.close)
+    return BroadcastingRunner(runner, channel)
+
+
+def run_follower(config) -> int:
+    """The entry point of every process but 0 of a multi-process engine (parallel.num_processes > 1): builds
+    the same runner (model, caches) on this process's devices, then makes process 0's runner calls until it
+    closes the channel. Returns the number of calls; raises what a call raised (process 0 is told first)."""
+    parallel = config.parallel
+    if parallel.num_processes < 2 or parallel.process_id == 0:
+        raise ValueError(f"run_follower is for processes 1..{parallel.num_processes - 1} of a multi-process engine "
+                         f"(parallel.process_id={parallel.process_id}, num_processes={parallel.num_processes}); "
+                         "process 0 builds the Engine")
+    runner = ModelRunner(config, engine_devices(parallel))
+    channel = Channel.open(parallel)
     try:
-        follow(runner, channel)
+        return follow(runner, channel)
     finally:
         channel.close()
-    raise SystemExit(0)
 
 
 # ---- the codec ----

@@ -1,8 +1,11 @@
 """Offline batch generation with vLLM's API: `LLM(model).generate(prompts, SamplingParams(...))`.
 
     prompts (+ one SamplingParams or one per prompt) -> every request validated first (a bad one
-    raises ValueError before anything is queued) -> Engine.enqueue -> step until done (tqdm)
+    raises ValueError before anything is queued) -> engine.enqueue -> step until done (tqdm)
     -> RequestOutputs in input order
+
+The engine is an Engine, or a DataParallelEngine when parallel.data > 1 (engine_client.EngineClient).
+With parallel.num_processes > 1, LLM runs on process 0 only; the others run distributed.run_follower.
 """
 
 from __future__ import annotations
@@ -49,8 +52,10 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
-        priority: Sequence[int] | None = None,
+        priority: int | Sequence[int] | None = None,
     ) -> list[RequestOutput]:
+        """`priority`: one int for every prompt, or one per prompt (scheduler.policy "priority": lower first).
+        A max_tokens past the context does not raise: generation stops at max_model_len ("length")."""
         single = isinstance(prompts, (str, dict))
         prompt_list = [prompts] if single else list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -60,12 +65,15 @@ class LLM:
             if len(params_list) != len(prompt_list):
                 raise ValueError(f"sampling_params has {len(params_list)} entries but there are {len(prompt_list)} "
                                  "prompts; pass one SamplingParams or one per prompt")
-        if priority is not None and len(priority) != len(prompt_list):
-            raise ValueError(f"priority has {len(priority)} entries but there are {len(prompt_list)} prompts")
-        prepared = [
-            self.engine.prepare_request(prompt, params or self._default_params(), priority=priority[i] if priority else 0)
-            for i, (prompt, params) in enumerate(zip(prompt_list, params_list))
-        ]
+        if priority is None or isinstance(priority, int):
+            priorities = [priority or 0] * len(prompt_list)
+        else:
+            priorities = list(priority)
+            if len(priorities) != len(prompt_list):
+                raise ValueError(f"priority has {len(priorities)} entries but there are {len(prompt_list)} prompts; "
+                                 "pass one int or one per prompt")
+        prepared = [self.engine.prepare_request(prompt, params or self._default_params(), priority=prio)
+                    for prompt, params, prio in zip(prompt_list, params_list, priorities)]
         return self._run(prepared, use_tqdm)
 
     def chat(
@@ -91,7 +99,7 @@ class LLM:
 
     def _default_params(self) -> SamplingParams:
         """vLLM applies the checkpoint's generation_config.json sampling defaults."""
-        return SamplingParams(**{k: v for k, v in self.engine.model.generation.sampling.items()
+        return SamplingParams(**{k: v for k, v in self.engine.sampling_defaults.items()
                                  if k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")})
 
     def _run(self, prepared, use_tqdm: bool) -> list[RequestOutput]:

@@ -128,13 +128,14 @@ def loop_periods(engine: Engine, n: int) -> None:
         jax.block_until_ready(runner.kv_caches)
         return (time.perf_counter() - t0) / n * 1e3
 
-    records, engine.step_stats = engine.step_stats, None
+    recorder = engine.step_recorder
+    engine.remove_observer(recorder)
     engine_ms = engine_period()
     # the same with the step records `jaxserve bench` keeps (a watcher thread waits on each step)
-    engine.step_stats = records
+    engine.add_observer(recorder)
     stats_ms = engine_period()
     # and `jaxserve bench latency`'s own loop: 3 runs of one request (128 prompt tokens, 256 decoded)
-    engine.abort_request(list(engine._parents))
+    engine.abort_request(engine.output_processor.request_ids())
     while engine.has_unfinished_requests():
         engine.step()
     rng = np.random.default_rng(1)
@@ -145,7 +146,7 @@ def loop_periods(engine: Engine, n: int) -> None:
     steady = step_report(runs)["steady_decode"]["step_ms"]
     print(f"bench loop (3 x {prompt_len} in / {output_len} out): steady decode step ms p50 {steady['p50']:.3f} "
           f"mean {steady['mean']:.3f} p90 {steady['p90']:.3f}")
-    engine.step_stats = None
+    engine.remove_observer(recorder)
     engine.add_request({"prompt_token_ids": rng.integers(0, engine.vocab_size, 16).tolist()},
                        SamplingParams(temperature=0.0, max_tokens=engine.max_model_len - 16, ignore_eos=True))
     for _ in range(10):

@@ -13,6 +13,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.config import ParallelConfig, load_config
 from jaxserve.data_parallel import DataParallelEngine, RequestDistributor
 from jaxserve.engine import Engine
+from jaxserve.engine_client import EngineClient
 from tests.conftest import HF_FIXTURES
 
 FIXTURE = HF_FIXTURES / "llama3_gqa4_tied"
@@ -66,6 +67,12 @@ def test_replicas_give_single_device_tokens(data, model):
     assert all(e.kv_cache.usage == 0.0 for e in engine.engines)
     again = llm.generate([{"prompt_token_ids": REFERENCE["prompts"][2]}], GREEDY, use_tqdm=False)[0]
     assert again.outputs[0].token_ids == REFERENCE["generated"][2] and again.num_cached_tokens >= 32
+    # The engine client's stats: the replicas' counters summed.
+    assert isinstance(engine, EngineClient)
+    stats = engine.stats()
+    assert stats.prefix_cache_hits == sum(e.kv_cache.stats.hits for e in engine.engines) >= 32
+    assert stats.prefix_cache_queries == sum(e.kv_cache.stats.queries for e in engine.engines)
+    assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0.0)
 
 
 def test_abort_reaches_the_owning_replica():

@@ -281,7 +281,6 @@ def test_abort_frees_blocks(llm):
 
 @pytest.mark.parametrize("prompt,params,match", [
     ("1+" * 20, None, "maximum model length"),
-    ("12+34=", SamplingParams(max_tokens=40), "max_tokens"),
     ({"prompt_token_ids": [1, 4, 99]}, None, "out of vocabulary"),
     ({"prompt_token_ids": []}, None, "empty"),
     ("", None, None),
@@ -295,6 +294,52 @@ def test_bad_inputs_raise_and_engine_keeps_working(llm, prompt, params, match):
     # Nothing was queued, and the engine still serves.
     assert not llm.engine.has_unfinished_requests()
     assert texts(llm.generate(["7+8="], GREEDY, use_tqdm=False)) == ["15"]
+
+
+def test_max_tokens_past_the_context_stops_at_max_model_len(llm):
+    """vLLM's offline behaviour: generation ends at max_model_len with finish_reason "length"; the server's
+    strict preparation refuses it instead (a 400 there); a prompt that fills the context alone is refused."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    [out] = llm.generate(["12+34="], params, use_tqdm=False)
+    completion = out.outputs[0]
+    assert len(out.prompt_token_ids) + len(completion.token_ids) == llm.engine.max_model_len == 32
+    assert completion.finish_reason == "length"
+    with pytest.raises(ValueError, match="max_tokens=40 plus the prompt's"):
+        llm.engine.prepare_request("12+34=", params, strict=True)
+    with pytest.raises(ValueError, match="maximum model length"):
+        llm.generate([{"prompt_token_ids": [5] * 32}], params, use_tqdm=False)
+    assert_no_leaks(llm)
+
+
+def test_engine_is_an_engine_client(llm):
+    from jaxserve.engine_client import EngineClient
+
+    engine = llm.engine
+    assert isinstance(engine, EngineClient)
+    before = engine.stats()
+    llm.generate(["12+34=", "12+34="], GREEDY, use_tqdm=False)
+    stats = engine.stats()
+    assert stats.prefix_cache_queries > before.prefix_cache_queries
+    assert stats.prefix_cache_hits == engine.kv_cache.stats.hits > before.prefix_cache_hits
+    assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0.0)
+    assert engine.sampling_defaults == engine.model.generation.sampling
+
+
+def test_one_priority_applies_to_every_prompt(llm, monkeypatch):
+    seen = []
+    prepare = llm.engine.prepare_request
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["priority"])
+        return prepare(*args, **kwargs)
+
+    monkeypatch.setattr(llm.engine, "prepare_request", spy)
+    assert texts(llm.generate(["7+8=", "1+2="], GREEDY, use_tqdm=False, priority=3)) == ["15", "3"]
+    assert seen == [3, 3]
+    llm.generate(["7+8=", "1+2="], GREEDY, use_tqdm=False, priority=[1, 2])
+    assert seen[2:] == [1, 2]
+    with pytest.raises(ValueError, match="priority has 1 entries but there are 2 prompts"):
+        llm.generate(["7+8=", "1+2="], GREEDY, use_tqdm=False, priority=[1])
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -44,8 +44,14 @@ def _engine_config(process_id: int, port: int):
 
 def _run_process(process_id: int, port: int) -> None:
     from jaxserve import LLM, SamplingParams
+    from jaxserve.distributed import run_follower
 
-    llm = LLM(config=_engine_config(process_id, port), progress=False)  # process 1 follows, then exits in here
+    config = _engine_config(process_id, port)
+    if process_id != 0:
+        calls = run_follower(config)  # follows process 0's steps until it closes the channel
+        print(f"FOLLOWED {calls}", flush=True)
+        return
+    llm = LLM(config=config, progress=False)
     prompts = json.loads((FIXTURE / "reference.json").read_text())["prompts"]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -78,7 +84,15 @@ def test_two_processes_match_one():
     tokens = json.loads(next(line for line in logs[0].splitlines() if line.startswith("TOKENS "))[7:])
     assert tokens == json.loads((FIXTURE / "reference.json").read_text())["generated"]
     assert f"NUM_BLOCKS {min(CPU_NUM_BLOCKS)}" in logs[0].splitlines()
-    assert "TOKENS" not in logs[1], "the follower must not run the program past Engine()"
+    assert "TOKENS" not in logs[1] and "FOLLOWED" in logs[1], "the follower runs run_follower, not the program"
+
+
+def test_only_process_0_builds_an_engine():
+    """A library never takes over the process: the follower loop is run_follower's, not Engine's or LLM's."""
+    from jaxserve import LLM
+
+    with pytest.raises(ValueError, match="run_follower"):
+        LLM(config=_engine_config(1, _free_port()), progress=False)
 
 
 def scheduler_output(step: int):

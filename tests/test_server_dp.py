@@ -60,7 +60,7 @@ def stream(server: LiveServer, prompt: str) -> str:
 
 def assert_no_block_held(server: LiveServer) -> None:
     server.wait_idle()
-    for replica in server.bridge.replicas:
+    for replica in getattr(server.engine, "engines", [server.engine]):
         assert replica.kv_cache.num_free_blocks == replica.kv_cache.pool.num_blocks - 1
 
 

@@ -24,8 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from jaxserve.config import EngineConfig
-from jaxserve.data_parallel import DataParallelEngine
-from jaxserve.engine import Engine
+from jaxserve.engine_client import EngineClient
 from jaxserve.server import protocol as P
 from jaxserve.server.bridge import AdmissionError, EngineBridge
 from jaxserve.server.errors import ApiError, error_body
@@ -45,7 +44,7 @@ def _error(status: int, message: str, param: str | None = None, headers: dict[st
                     headers=headers)
 
 
-def build_app(engine: Engine | DataParallelEngine, config: EngineConfig) -> FastAPI:
+def build_app(engine: EngineClient, config: EngineConfig) -> FastAPI:
     server_config = config.server
     model_name = served_model_name(config)
     metrics = ServerMetrics(model_name)

@@ -14,8 +14,8 @@ cumulative, so a consumer that falls behind reads only the latest output of each
 lost. Admission: requests accepted but not yet producing tokens are "queued"; more than
 `max_queued_requests` answer 429, and after `start_drain()` every new request answers 503.
 An exception inside the engine fails every open request and marks the bridge dead (health 503).
-The engine is one Engine, or a DataParallelEngine (parallel.data > 1): the same calls, which it routes to
-its replicas (an abort to the replica that holds the request).
+The engine is any engine client (jaxserve/engine_client.py): an Engine, or a DataParallelEngine
+(parallel.data > 1), which routes the same calls to its replicas (an abort to the one holding the request).
 """
 
 from __future__ import annotations
@@ -28,8 +28,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 
-from jaxserve.data_parallel import DataParallelEngine
-from jaxserve.engine import Engine, PreparedRequest
+from jaxserve.engine_client import EngineClient, PreparedRequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.server.metrics import ServerMetrics
 
@@ -92,9 +91,8 @@ class RequestGroup:
 
 
 class EngineBridge:
-    def __init__(self, engine: Engine | DataParallelEngine, metrics: ServerMetrics, max_queued_requests: int):
+    def __init__(self, engine: EngineClient, metrics: ServerMetrics, max_queued_requests: int):
         self.engine = engine
-        self.replicas = engine.engines if isinstance(engine, DataParallelEngine) else [engine]  # what metrics read
         self.metrics = metrics
         self.max_queued_requests = max_queued_requests
         self.draining = False
@@ -216,7 +214,7 @@ class EngineBridge:
                 engine.abort_request(list(self._tracked))
             outputs = engine.step()
             self._dispatch(outputs)
-            self.metrics.record_step(self.replicas)
+            self.metrics.record_step(engine.stats())
             if stopping and not engine.has_unfinished_requests():
                 return
 

@@ -1,9 +1,13 @@
 """`jaxserve serve [--config configs/x.yaml] [--host H] [--port P] [--api-key K] [--max-num-seqs N] ...`
 
-    YAML config (default configs/tiny.yaml: the embedded model) --flags override any field of any
-    section (`--max-num-seqs 8`, `--policy fair`, `--model DIR` for model.path)--> EngineConfig
-    --> Engine, or DataParallelEngine when parallel.data > 1 (compiles its buckets) --> build_app
-    --> DrainingServer (uvicorn, h11) --> 0 on a clean exit
+    YAML config (default: jaxserve/configs/tiny.yaml, package data: the embedded model) --flags override
+    any field of any section (`--max-num-seqs 8`, `--policy fair`, `--model DIR` for model.path)
+    --> EngineConfig --> Engine, or DataParallelEngine when parallel.data > 1 (compiles its buckets)
+    --> build_app (which knows only the engine client interface) --> DrainingServer (uvicorn, h11)
+    --> 0 on a clean exit
+    parallel.process_id > 0 (multi-host): distributed.run_follower instead: no HTTP, follow process 0
+
+JAX loads only when the engine is built, after the arguments were parsed and checked.
 
 SIGTERM drains: new requests answer 503, in-flight ones finish (at most server.drain_timeout_s, then they
 are aborted: streams end with finish_reason "abort"), then the process exits 0. A second SIGTERM, or
@@ -23,12 +27,11 @@ from pathlib import Path
 import uvicorn
 import yaml
 
-from jaxserve.config import SECTIONS, EngineConfig, load_config
+from jaxserve.config import DEFAULT_CONFIG, SECTIONS, EngineConfig, load_config
 from jaxserve.server.app import build_app, served_model_name
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent.parent / "configs" / "tiny.yaml"
 _HEAD_SLACK = 8 << 10  # h11's hard limit on a request head: the request line on top of max_header_bytes
 # Past the drain: how long aborted requests get to deliver their last output, and open connections to
 # close (uvicorn's timeout_graceful_shutdown; then their tasks are cancelled).
@@ -130,7 +133,13 @@ def main(argv: list[str]) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    from jaxserve.data_parallel import DataParallelEngine  # JAX loads only once the arguments are known to be good
+    if config.parallel.num_processes > 1 and config.parallel.process_id != 0:
+        from jaxserve.distributed import run_follower  # JAX loads only once the arguments are known to be good
+
+        logger.info("process %d follows process 0's steps", config.parallel.process_id)
+        run_follower(config)
+        return 0
+    from jaxserve.data_parallel import DataParallelEngine
     from jaxserve.engine import Engine
 
     # parallel.data > 1: one engine per replica behind the same calls (jaxserve/data_parallel.py).

@@ -1,9 +1,9 @@
 """Prometheus metrics with vLLM's names under the `jaxserve:` prefix, one registry per app.
 
-    engine thread, after each step:  record_step   -> gauges (running, waiting, KV usage) and the
-                                                      prefix-cache / preemption counters (engine totals;
-                                                      with data parallelism, over the replicas: counts
-                                                      summed, KV usage the mean)
+    engine thread, after each step:  record_step(engine.stats()) -> gauges (running, waiting, KV usage)
+                                                      and the prefix-cache / preemption counters (from the
+                                                      engine's totals; with data parallelism, over the
+                                                      replicas: counts summed, KV usage the mean)
     engine thread, per output:       record_arrival / record_tokens / record_finished
                                                    -> token counters, TTFT / ITL / E2E histograms
     GET /metrics:                    render() -> text exposition format
@@ -14,16 +14,11 @@ Times are `time.monotonic()` seconds taken by the engine (RequestOutput.metrics)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
                                disable_created_metrics, generate_latest)
 
+from jaxserve.engine_client import EngineStats
 from jaxserve.outputs import RequestOutput
-
-if TYPE_CHECKING:  # the engine (and JAX) loads only once the server's arguments are known to be good
-    from jaxserve.engine import Engine
 
 PREFIX = "jaxserve:"
 disable_created_metrics()  # no `*_created` series per counter and histogram (vLLM does the same)
@@ -67,14 +62,12 @@ class ServerMetrics:
         self._model_name = model_name
         self._seen_queries = self._seen_hits = self._seen_preemptions = 0
 
-    def record_step(self, replicas: Sequence[Engine]) -> None:
-        """Over the engine's replicas (data parallel; else the one engine): counts summed, KV usage the mean."""
-        stats = [replica.kv_cache.stats for replica in replicas]
-        queries, hits = sum(s.queries for s in stats), sum(s.hits for s in stats)
-        preemptions = sum(replica.scheduler.num_preemptions for replica in replicas)
-        self.running.set(sum(len(replica.scheduler.running) for replica in replicas))
-        self.waiting.set(sum(len(replica.scheduler.waiting) for replica in replicas))
-        self.kv_usage.set(sum(replica.kv_cache.usage for replica in replicas) / len(replicas))
+    def record_step(self, stats: EngineStats) -> None:
+        """The engine's state after a step (its counters are totals: the counters here advance by the change)."""
+        queries, hits, preemptions = stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
         self.prefix_queries.inc(queries - self._seen_queries)
         self.prefix_hits.inc(hits - self._seen_hits)
         self.preemptions.inc(preemptions - self._seen_preemptions)

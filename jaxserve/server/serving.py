@@ -28,8 +28,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from jaxserve.config import ServerConfig
-from jaxserve.data_parallel import DataParallelEngine
-from jaxserve.engine import Engine, PreparedRequest
+from jaxserve.engine_client import EngineClient, PreparedRequest
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.server import protocol as P
 from jaxserve.server.bridge import EngineBridge, RequestGroup
@@ -65,7 +64,7 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 class Serving:
-    def __init__(self, engine: Engine | DataParallelEngine, bridge: EngineBridge, config: ServerConfig,
+    def __init__(self, engine: EngineClient, bridge: EngineBridge, config: ServerConfig,
                  model_name: str):
         self.engine = engine
         self.bridge = bridge
@@ -73,7 +72,7 @@ class Serving:
         self.model_name = model_name
         self.created = int(time.time())
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="jaxserve-prepare")
-        self.defaults = {k: v for k, v in engine.model.generation.sampling.items() if k in _DEFAULT_SAMPLING_KEYS}
+        self.defaults = {k: v for k, v in engine.sampling_defaults.items() if k in _DEFAULT_SAMPLING_KEYS}
         # Template variables a request may not set: the renderer's own arguments and the special tokens.
         tokenizer = engine.tokenizer
         self._reserved_template_kwargs = (set() if tokenizer is None else
@@ -119,7 +118,8 @@ class Serving:
             try:
                 items = [render()] if render is not None else prompts
                 return [self.engine.prepare_request(prompt, params, request_id=f"{request_id}-{i}",
-                                                    priority=body.priority, cache_salt=body.cache_salt, tenant=tenant)
+                                                    priority=body.priority, cache_salt=body.cache_salt, tenant=tenant,
+                                                    strict=True)  # max_tokens past the context: 400
                         for i, prompt in enumerate(items)]
             except ChatTemplateError as err:
                 raise ApiError(400, f"the chat template failed: {err}", "messages") from None

@@ -1,0 +1,75 @@
+"""The engine as its users see it: what the server, LLM and the benchmarks call (host-only; no JAX).
+
+    prepare_request(prompt, params, ...) -> PreparedRequest    validate + tokenize; queues nothing
+    enqueue(prepared) / add_request(prompt, params, ...)       queue it (n > 1: n child sequences)
+    abort_request(ids)                                         finish them with "abort", free their blocks
+    step(final_only=False) -> [RequestOutput]                  one engine step; outputs of changed requests
+    has_unfinished_requests()
+    stats() -> EngineStats                                     the gauges and counters of /metrics
+    tokenizer, max_model_len, vocab_size, sampling_defaults    read-only facts about the served model
+
+`Engine` (jaxserve/engine.py) and `DataParallelEngine` (jaxserve/data_parallel.py) implement it; a
+prefill/decode-disaggregated engine would too. One thread drives an engine client: every call above
+except prepare_request (which only reads) comes from that thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol, runtime_checkable
+
+from jaxserve.input_processor import PreparedRequest, PromptType
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.tokenizer import Tokenizer
+
+__all__ = ["EngineClient", "EngineStats", "PreparedRequest", "PromptType"]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of an engine's load. Counters are totals since the engine started."""
+
+    num_running: int = 0  # requests being computed (prefill or decode)
+    num_waiting: int = 0  # requests waiting to be scheduled (preempted ones included)
+    kv_cache_usage: float = 0.0  # share of KV-cache blocks in use, 0..1 (data parallel: the replicas' mean)
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # prompt tokens found there
+    num_preemptions: int = 0  # requests preempted because KV blocks ran out
+
+    @staticmethod
+    def combine(stats: list[EngineStats]) -> EngineStats:
+        """Several replicas as one: counts summed, KV usage the mean."""
+        return EngineStats(sum(s.num_running for s in stats), sum(s.num_waiting for s in stats),
+                           sum(s.kv_cache_usage for s in stats) / max(len(stats), 1),
+                           sum(s.prefix_cache_queries for s in stats), sum(s.prefix_cache_hits for s in stats),
+                           sum(s.num_preemptions for s in stats))
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    tokenizer: Tokenizer | None  # None with model.skip_tokenizer_init
+    max_model_len: int
+    vocab_size: int
+    # The checkpoint's generation_config.json sampling defaults (temperature, top_p, top_k, min_p,
+    # repetition_penalty, ...), which vLLM applies to requests that do not set them.
+    sampling_defaults: dict[str, Any]
+
+    def prepare_request(self, prompt: PromptType, params: SamplingParams | None = None, *,
+                        request_id: str | None = None, priority: int = 0, cache_salt: str | None = None,
+                        tenant: str | None = None, strict: bool = False) -> PreparedRequest:
+        """Validate and tokenize (ValueError naming the parameter); queues nothing. `strict`: max_tokens
+        past the context is an error instead of generation stopping at max_model_len."""
+        ...
+
+    def enqueue(self, prepared: PreparedRequest) -> None: ...
+
+    def add_request(self, prompt: PromptType, params: SamplingParams | None = None, **kwargs: Any) -> str: ...
+
+    def abort_request(self, request_ids: str | list[str]) -> None: ...
+
+    def step(self, final_only: bool = False) -> list[RequestOutput]: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def stats(self) -> EngineStats: ...
