@@ -3,7 +3,8 @@ that produces it.
 
     scheduler RequestUpdate (new token ids, Logprobs, finished?) ──► OutputStream.append
         ├─ IncrementalDetokenizer.add_tokens ──► text delta
-        ├─ stop strings searched in the delta (+ lookback) ──► matched stop string: text truncated, returned
+        ├─ stop strings searched in each token's text (+ lookback) ──► matched stop string (the first
+        │  listed, when several complete at one token): text truncated, returned
         └─ Logprobs ──► dict[token_id, Logprob] (sampled token first, then the top-N), cumulative_logprob
     engine: finish(finish_reason, stop_reason) ──► completion_output() ──► RequestOutput
 
@@ -131,30 +132,32 @@ class OutputStream:
         num_unchecked = max(0, min(len(to_text), self.params.min_tokens - num_before))
         if num_unchecked:
             self.text += self._detokenizer.add_tokens(to_text[:num_unchecked])
-        check_from = len(self.text)
-        self.text += self._detokenizer.add_tokens(to_text[num_unchecked:])
-        return self._check_stop(check_from)
+        if not self.params.stop:
+            self.text += self._detokenizer.add_tokens(to_text[num_unchecked:])
+            return None
+        # Token by token, so appending k tokens at once stops where appending them one by one would have.
+        for token_id in to_text[num_unchecked:]:
+            check_from = len(self.text)
+            self.text += self._detokenizer.add_tokens([token_id])
+            if (stop := self._check_stop(check_from)) is not None:
+                return stop
+        return None
 
     def _check_stop(self, check_from: int) -> str | None:
-        """Find the first stop string completed in text[check_from:]; truncate the text there.
-
-        The match that ends first wins (then the one that starts first), so appending k tokens at once
-        stops where appending them one by one would have."""
+        """Find a stop string completed in text[check_from:] (the text of one token, or the final flush);
+        truncate the text there. When several complete there, the one listed first in `stop` wins, as
+        in vLLM (e.g. stop=["bc", "b"] and a token "bc" after "a" leave "a")."""
         params = self.params
         if not params.stop or check_from == len(self.text) or len(self.token_ids) <= params.min_tokens:
             return None
-        best: tuple[int, int, str] | None = None
         for stop in params.stop:
             # A match not wholly inside the already-checked text starts at most len(stop) - 1 chars before it.
             at = self.text.find(stop, max(0, check_from - len(stop) + 1))
-            if at != -1 and (best is None or (at + len(stop), at) < best[:2]):
-                best = (at + len(stop), at, stop)
-        if best is None:
-            return None
-        _, at, stop = best
-        self.text = self.text[:at + len(stop)] if params.include_stop_str_in_output else self.text[:at]
-        self._stop_matched = stop
-        return stop
+            if at != -1:
+                self.text = self.text[:at + len(stop)] if params.include_stop_str_in_output else self.text[:at]
+                self._stop_matched = stop
+                return stop
+        return None
 
     def _add_logprobs(self, new_token_ids: list[int], logprobs_per_token: Sequence[Logprobs | None] | None) -> None:
         num_top = self.params.logprobs

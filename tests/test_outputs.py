@@ -116,9 +116,26 @@ def test_first_completed_stop_string_wins(char):
     for chunk in (1, 4):
         stream, stop, _ = _run(char, SamplingParams(stop=["abcd", "bc"]), _ids(char, "abcd"), chunk=chunk)
         assert stop == "bc" and stream.completion_output().text == "a"
-    # Completed by the same character: the one that starts first.
-    stream, stop, _ = _run(char, SamplingParams(stop=["bc", "abc"]), _ids(char, "xabc"), chunk=4)
-    assert stop == "abc" and stream.completion_output().text == "x"
+    # Completed by the same token: the one listed first (vLLM), whatever the chunking.
+    for chunk in (1, 4):
+        stream, stop, _ = _run(char, SamplingParams(stop=["bc", "abc"]), _ids(char, "xabc"), chunk=chunk)
+        assert stop == "bc" and stream.completion_output().text == "xa"
+        stream, stop, _ = _run(char, SamplingParams(stop=["abc", "bc"]), _ids(char, "xabc"), chunk=chunk)
+        assert stop == "abc" and stream.completion_output().text == "x"
+
+
+def test_stop_strings_completed_by_one_token_the_first_listed_wins(bpe):
+    """One token " abc" completes both "bc" and "b" (which ends earlier inside it): the first listed wins."""
+    ids = _ids(bpe, "xyz abc")
+    assert bpe.decode(ids[-1:]) == " abc"  # the whole " abc" is one token of this tokenizer
+    stream, stop, _ = _run(bpe, SamplingParams(stop=["bc", "b"]), ids)
+    assert stop == "bc" and stream.completion_output().text == "xyz a"
+    stream, stop, _ = _run(bpe, SamplingParams(stop=["b", "bc"]), ids)
+    assert stop == "b" and stream.completion_output().text == "xyz a"
+    stream, stop, _ = _run(bpe, SamplingParams(stop=["bc", "b"], include_stop_str_in_output=True), ids)
+    assert stop == "bc" and stream.completion_output().text == "xyz abc"
+    stream, stop, _ = _run(bpe, SamplingParams(stop=["b", "bc"], include_stop_str_in_output=True), ids)
+    assert stop == "b" and stream.completion_output().text == "xyz ab"
 
 
 def test_include_stop_str_in_output(char, bpe):
@@ -274,11 +291,12 @@ STOP_ALPHABET = "abc x"
 
 
 def _reference(full: str, stops: list[str]) -> tuple[str, str | None]:
-    """Character-by-character: the first stop string completed (then the longest) ends the text."""
+    """Character-by-character: the first stop string completed (the first listed of those completed by the
+    same character) ends the text."""
     for end in range(1, len(full) + 1):
         done = [s for s in stops if full[:end].endswith(s)]
         if done:
-            stop = max(done, key=len)
+            stop = done[0]
             return full[:end - len(stop)], stop
     return full, None
 
