@@ -41,7 +41,7 @@ class Request:
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_ids", "max_tokens", "arrival_time",
                  "priority", "cache_salt", "lora_id", "seed", "tenant", "status", "all_token_ids",
                  "num_computed_tokens", "num_pending", "row", "token_limit", "stop_ids", "min_stop_len",
-                 "kv_fast_until", "num_cached_tokens", "num_preemptions", "stop_reason")
+                 "num_cached_tokens", "num_preemptions", "stop_reason")
 
     def __init__(
         self,
@@ -79,9 +79,6 @@ class Request:
         self.token_limit = 0  # prompt + max_tokens, capped at max_model_len
         self.stop_ids: frozenset[int] = frozenset()  # eos (unless ignore_eos) and stop_token_ids
         self.min_stop_len = 0  # no stop by token before this many tokens (prompt + min_tokens)
-        # The KV cache manager's shortcut: while num_computed_tokens + new tokens <= this, the request's
-        # blocks have room and no block fills, so allocate_slots has nothing to do.
-        self.kv_fast_until = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 until then
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None

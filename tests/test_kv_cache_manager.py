@@ -31,7 +31,6 @@ class FakeRequest:
     cache_salt: str | None = None
     lora_id: int | None = None
     num_computed_tokens: int = 0
-    kv_fast_until: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -248,6 +248,10 @@ class KVCacheManager:
         # processes (a pinned seed is for tests and reproducible runs).
         self._root_hash: bytes = os.urandom(32) if hash_seed is None else bytes(hash_seed)
         self._requests: dict[str, _RequestState] = {}
+        # The shortcut of allocate_slots (read by the scheduler's decode fast path too): request id -> the
+        # tokens its blocks hold. While num_computed_tokens + new tokens <= this, no block is needed and
+        # none fills, so allocate_slots has nothing to do.
+        self.fast_until: dict[str, int] = {}
         self._queries = 0
         self._hits = 0
 
@@ -307,10 +311,10 @@ class KVCacheManager:
         with request.num_computed_tokens already set to their token count. Returns the block ids
         appended to the request's block table, or None, with nothing changed, when blocks run out.
         """
-        state = self._requests.get(request.request_id)
-        if (state is not None and not new_computed_block_ids
-                and request.num_computed_tokens + num_new_tokens <= request.kv_fast_until):
+        if (not new_computed_block_ids
+                and request.num_computed_tokens + num_new_tokens <= self.fast_until.get(request.request_id, 0)):
             return []  # the last block has room and no block fills (most decode steps)
+        state = self._requests.get(request.request_id)
         # A new state is stored only on success, so a refusal leaves no trace.
         state = state or _RequestState()
         computed = [self.pool.blocks[i] for i in new_computed_block_ids] if new_computed_block_ids else []
@@ -350,7 +354,7 @@ class KVCacheManager:
                 state.num_cached_blocks = num_full_blocks
         # NOTE: the shortcut runs until the blocks are full, so a block that fills on a shortcut step is
         # registered by the next call here (the following step, for a decode row) or by free().
-        request.kv_fast_until = len(state.blocks) * self.block_size
+        self.fast_until[request.request_id] = len(state.blocks) * self.block_size
         return [block.block_id for block in (computed + new_blocks if computed else new_blocks)]
 
     def free(self, request: Request) -> None:
@@ -361,7 +365,7 @@ class KVCacheManager:
         computed) leave the prefix cache: their K/V is never written.
         """
         state = self._requests.pop(request.request_id, None)
-        request.kv_fast_until = 0
+        self.fast_until.pop(request.request_id, None)
         if state is None:
             return
         if self.enable_caching:  # blocks that filled on shortcut steps since the last allocation

@@ -200,6 +200,7 @@ class Scheduler:
         # Running requests first, in order (over a copy: preemption takes requests out of `running`).
         running = self.running
         append_decode, append_position = decode.append, decode_positions.append
+        fast_until = self.kv_cache.fast_until
         for request in list(running):
             if budget <= 0:
                 break
@@ -208,7 +209,7 @@ class Scheduler:
             computed = request.num_computed_tokens
             known = len(request.all_token_ids) + request.num_pending
             remaining = known - computed
-            if remaining == 1 and computed < request.kv_fast_until:  # the hot path: its blocks have room
+            if remaining == 1 and computed < fast_until.get(request.request_id, 0):  # hot path: its blocks have room
                 if request.num_pending and known >= request.token_limit:
                     continue  # its pending token ends it (length): nothing more to compute
                 append_decode(request)
