@@ -39,8 +39,9 @@ def test_server_reads_no_engine_internals():
         tree = ast.parse(path.read_text(), str(path))
         for node in ast.walk(tree):
             # engine.<internal> (or self.engine.<internal>)
-            if (isinstance(node, ast.Attribute) and node.attr in INTERNALS and isinstance(node.value, ast.Attribute | ast.Name)
-                    and getattr(node.value, "attr", getattr(node.value, "id", None)) == "engine"):
+            owner = node.value if isinstance(node, ast.Attribute) else None
+            if (owner is not None and node.attr in INTERNALS
+                    and getattr(owner, "attr", getattr(owner, "id", None)) == "engine"):
                 offenders.append(f"{path.name}:{node.lineno} engine.{node.attr}")
             if isinstance(node, ast.ImportFrom) and node.module in ("jaxserve.engine", "jaxserve.data_parallel") \
                     and path.name != "cli.py":  # (cli builds the engine, importing it when it does)

@@ -1,6 +1,7 @@
-"""What a ModelRunner sets up before its first step: the tensor-parallel all-reduce kernel and its
-workspace, the persistent compilation cache, the attention backend, and how many KV-cache blocks fit
-on the device (from XLA's allocator statistics, or from the driver when the allocator keeps none)."""
+"""What a ModelRunner sets up before its first step: the model (loaded and placed), the tensor-parallel
+all-reduce kernel and its workspace, the persistent compilation cache, the attention backend, and how
+many KV-cache blocks fit on the device (from XLA's allocator statistics, or from the driver when the
+allocator keeps none)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,29 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import EngineConfig
+from jaxserve.models import loader
 from jaxserve.models.family import ModelConfig
+from jaxserve.models.loader import LoadedModel
 from sharding import MODEL_AXIS, TensorParallel
 
 logger = logging.getLogger(__name__)
+
+
+def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> LoadedModel:
+    """The model of config.model, each tensor placed straight into its sharding on `tp`'s mesh (by its
+    family's param_placer), or on the default device without `tp`."""
+    model = config.model
+    return loader.load_model(model.path, dtype=model.dtype, load_format=model.load_format, tp=tp)
+
+
+def resolve_max_model_len(config: EngineConfig, model_config) -> int:
+    """model.max_model_len, or the model's max_position_embeddings; ValueError past the latter."""
+    limit = model_config.max_position_embeddings
+    max_model_len = config.model.max_model_len or limit
+    if max_model_len > limit:
+        raise ValueError(f"model.max_model_len={max_model_len} exceeds the model's max_position_embeddings "
+                         f"({limit}); lower max_model_len")
+    return max_model_len
 
 
 def setup_all_reduce(tp: TensorParallel | None, mode: str, dtype="bfloat16"):

@@ -38,11 +38,12 @@ from tqdm import tqdm
 from jaxserve.config import EngineConfig
 from jaxserve.core.buckets import BucketLadders
 from jaxserve.core.sched_types import Logprobs, NewRequestData, RunnerOutput, SchedulerOutput
-from jaxserve.models import loader, registry
+from jaxserve.models import registry
 from jaxserve.models.layers import ModelBatch
 from jaxserve.models.loader import LoadedModel
 from jaxserve.runner import sampler
-from jaxserve.runner.device_setup import (enable_compilation_cache, kv_cache_num_blocks, resolve_attention_backend,
+from jaxserve.runner.device_setup import (enable_compilation_cache, kv_cache_num_blocks, load_model,
+                                         resolve_attention_backend, resolve_max_model_len,
                                          setup_all_reduce)
 from sharding import TensorParallel
 from sharding.tensor_parallel import zeros
@@ -85,8 +86,9 @@ def _forward_step(params, cfg, batch: ModelBatch, kv_caches, logits_buffer, comm
     tokens without launching the sampler. `comm`: the state of tp.all_reduce (None: XLA's
     all-reduces). `twin`: the same step as a second executable (ModelRunner._run_forward alternates)."""
     del logits_buffer
-    logits, kv_caches = registry.family_of(cfg).forward(params, cfg, batch, kv_caches, attention_backend=attention_backend,
-                                                        tp=tp, decode_only=decode_only, comm=comm)
+    family = registry.family_of(cfg)
+    logits, kv_caches = family.forward(params, cfg, batch, kv_caches, attention_backend=attention_backend, tp=tp,
+                                       decode_only=decode_only, comm=comm)
     if twin:  # a no-op that only makes the program (and so the executable and its CUDA graph) another one
         logits = logits + jnp.zeros((), logits.dtype)
     tokens = None
@@ -137,23 +139,6 @@ class StepHandle:
     logprobs: tuple | None
     ready: jax.Array  # an output of the step that is never donated: ready when the device finished it
     output: RunnerOutput | None = None
-
-
-def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> LoadedModel:
-    """The model of config.model, each tensor placed straight into its sharding on `tp`'s mesh (by its
-    family's param_placer), or on the default device without `tp`."""
-    model = config.model
-    return loader.load_model(model.path, dtype=model.dtype, load_format=model.load_format, tp=tp)
-
-
-def resolve_max_model_len(config: EngineConfig, model_config) -> int:
-    """model.max_model_len, or the model's max_position_embeddings; ValueError past the latter."""
-    limit = model_config.max_position_embeddings
-    max_model_len = config.model.max_model_len or limit
-    if max_model_len > limit:
-        raise ValueError(f"model.max_model_len={max_model_len} exceeds the model's max_position_embeddings "
-                         f"({limit}); lower max_model_len")
-    return max_model_len
 
 
 class ModelRunner:
