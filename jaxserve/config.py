@@ -71,7 +71,7 @@ class SchedulerConfig:
     policy: str = "fcfs"  # fcfs | priority (lower value first, then arrival) | fair (per-tenant VTC, core/fairness.py)
     max_n: int = 64  # cap on SamplingParams.n
     max_logprobs: int = 20
-    # Overlap scheduling: step N+1 is dispatched before step N's tokens are read back (DESIGN §7).
+    # Overlap scheduling: step N+1 is dispatched before step N's tokens are read back (docs/ARCHITECTURE.md §4).
     async_scheduling: bool = True
 
     def __post_init__(self):

@@ -160,7 +160,7 @@ class Engine:
         running request's tokens and text).
 
         With async_scheduling (overlap), this dispatches step N+1 and then processes step N, whose
-        device work ran while the host scheduled and prepared N+1.
+        device work ran while the host scheduled and prepared N+1 (docs/ARCHITECTURE.md §4).
         """
         outputs, self._pending = self._pending, []
         t_start = time.perf_counter()

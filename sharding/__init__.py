@@ -1,4 +1,4 @@
-"""Mesh construction, logical-axis rules and shard_map helpers (DESIGN §6).
+"""Mesh construction, logical-axis rules and shard_map helpers (docs/ARCHITECTURE.md §7).
 
     mesh.py             parallel {data, model} -> Mesh [D, T]; one [1, T] mesh per data-parallel replica
     rules.py            logical axis names -> mesh axes (the one table), uneven-axis policies

@@ -2,7 +2,7 @@
 
 CPU tier: `interpret=True` on tiny shapes with small tiles, so every path runs (several KV tiles,
 the unmasked/masked split, block_q != block_k, T and H padding, lengths, NaN past the lengths),
-plus a cross-lowering gate for `cuda` (kernels.md §4.9). GPU tier (`-m gpu`): the compiled kernel
+plus a cross-lowering gate for `cuda` (lowered from this CPU host). GPU tier (`-m gpu`): the compiled kernel
 at serving-sized tiles.
 """
 
@@ -16,10 +16,10 @@ import pytest
 from pallas_kernels.flash_attention import FlashAttentionConfig, flash_attention, flash_attention_reference
 from pallas_kernels.flash_attention import mosaic_gpu, on_hopper
 
-# NOTE: JAX 0.11 warns on every Triton lowering that the backend is deprecated (kernels.md §0.1).
+# NOTE: JAX 0.11 warns on every Triton lowering that the backend is deprecated.
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
-TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 1e-2}  # relative L2 error, as in METHOD.md
+TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 1e-2}  # relative L2 error
 reference = jax.jit(flash_attention_reference, static_argnames=("causal", "sm_scale"))
 
 

@@ -1,4 +1,4 @@
-"""The host-side core (scheduler, KV cache manager, requests, outputs) loads without JAX (DESIGN §1)."""
+"""The host-side core (scheduler, KV cache manager, requests, outputs) loads without JAX (docs/ARCHITECTURE.md §1)."""
 
 from __future__ import annotations
 

@@ -412,7 +412,7 @@ def test_token_sampled_for_a_request_preempted_in_the_meantime_is_dropped():
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 def test_victim_is_the_lowest_priority_even_when_it_was_scheduled_first_and_no_unwritten_block_is_hit(policy):
     """`low` runs ahead of `high` in the running list. When `high` needs a block, `low` is the victim
-    (DESIGN §3), though its chunk was already allocated this step and its newly full blocks registered
+    (docs/ARCHITECTURE.md §3.5), though its chunk was already allocated this step and its newly full blocks registered
     in the prefix cache: those are never written once it is unscheduled, so a later hit on them (by
     `low` itself on resumption) would read garbage. The fake runner checks every position read."""
     scheduler = make_scheduler(num_blocks=1 + 6, block_size=4, long_prefill_token_threshold=6, policy=policy)

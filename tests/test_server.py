@@ -1,5 +1,5 @@
 """The OpenAI-compatible server on loopback, serving the embedded model: the `openai` client (completions,
-chat, streaming, usage, vLLM's extra fields), every bad input of reliability.md §C that applies (the right
+chat, streaming, usage, vLLM's extra fields), bad inputs refused before queueing (BAD_INPUTS: the right
 4xx, the parameter named, the server still serving), size limits, API-key bypass attempts, the CLI.
 
 One server per module (a uvicorn thread in this process); `LiveServer` is shared with test_server_load.py.
@@ -208,10 +208,13 @@ def test_engine_thread_sleeps_when_idle(live, client):
         del live.engine.step
 
 
-# ---- bad inputs (reliability.md §C) -----------------------------------------------------------------------------
+# ---- bad inputs: refused before anything is queued, with a 4xx that names the parameter --------------------------
 GOOD = {"prompt": "12+34=", "max_tokens": 4}
 CHAT = {"messages": [{"role": "user", "content": "12+34"}]}
-BAD_INPUTS = [  # (§C row, route, body, status, param, words in the message)
+# Case groups: 1 prompt past the context, 2 prompt + max_tokens past it, 3 max/min_tokens, 4 temperature, 5 other
+# sampling ranges, 6 n, 7 logprobs, 8 unknown model, 9 malformed body, 10 non-UTF-8 body, 11 empty prompt, 12 ids
+# outside the vocabulary, 13 stop lists, 15 hostile chat templates, 21 seed range, 22 non-text content, - unsupported.
+BAD_INPUTS = [  # (case group, route, body, status, param, words in the message)
     ("1", "completions", {"prompt": "1+" * 20 + "1="}, 400, "prompt", "maximum model length"),
     ("1", "chat", {"messages": [{"role": "user", "content": "1+" * 20}]}, 400, "messages", "maximum model length"),
     ("2", "completions", {"prompt": "12+34=", "max_tokens": 30}, 400, "max_tokens", "max_model_len"),

@@ -23,7 +23,7 @@ from pallas_kernels.paged_attention import reference as reference_attention
 
 
 class ModelBatch(NamedTuple):
-    """The flattened ragged token batch of one step (DESIGN §2). T and R are padded to buckets."""
+    """The flattened ragged token batch of one step (docs/ARCHITECTURE.md §2.1). T and R are padded to buckets."""
 
     token_ids: jax.Array  # [T] int32
     positions: jax.Array  # [T] int32, absolute position of each token in its sequence
