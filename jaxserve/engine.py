@@ -27,7 +27,7 @@ from typing import Any
 from jax.sharding import Mesh
 
 from jaxserve import distributed
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.sched_types import SchedulerOutput
 from jaxserve.core.scheduler import Scheduler
@@ -58,6 +58,18 @@ class PreparedRequest:
     tenant: str | None = None
 
 
+def _load_tokenizer(model: ModelConfig) -> Tokenizer:
+    try:
+        return Tokenizer.from_dir(model.tokenizer or model.path)
+    except FileNotFoundError as err:
+        if model.load_format != "dummy":
+            raise
+        raise FileNotFoundError(
+            f"{err}. A load_format: dummy model brings no tokenizer: make one of its vocabulary size with "
+            f"`python benchmarks/make_synthetic_tokenizer.py --model-config {model.path}/config.json --out DIR` and "
+            f"set model.tokenizer to DIR, or set model.skip_tokenizer_init: true (token-id prompts, no text)") from None
+
+
 @dataclasses.dataclass
 class _Parent:
     prepared: PreparedRequest
@@ -79,11 +91,11 @@ class Engine:
                              "jaxserve.data_parallel.DataParallelEngine, or give each Engine its mesh")
         self.config = config
         self.tp = distributed.engine_devices(config.parallel, mesh)
+        # The tokenizer first: a missing one fails before the weights are loaded.
+        self.tokenizer = None if config.model.skip_tokenizer_init else _load_tokenizer(config.model)
         self.model = loader.load_model(config.model.path, dtype=config.model.dtype,
                                        load_format=config.model.load_format,
                                        place=llama.param_placer(self.tp) if self.tp is not None else None)
-        self.tokenizer = (None if config.model.skip_tokenizer_init
-                          else Tokenizer.from_dir(config.model.tokenizer or config.model.path))
         limit = self.model.config.max_position_embeddings
         self.max_model_len = config.model.max_model_len or limit
         if self.max_model_len > limit:
