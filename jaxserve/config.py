@@ -25,7 +25,7 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny.yaml"
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     path: str = DEFAULT_MODEL  # local Hugging Face checkpoint directory
-    tokenizer: str | None = None  # defaults to `path`
+    tokenizer: str | None = None  # tokenizer directory; defaults to `path`
     dtype: str = "auto"  # auto | bfloat16 | float16 | float32
     max_model_len: int | None = None  # defaults to the checkpoint's max_position_embeddings
     seed: int = 0  # seeds requests that give no seed, so runs repeat (as vLLM does)
@@ -234,4 +234,9 @@ def load_config(path: str | os.PathLike | None = None, **overrides: Any) -> Engi
         model_path = config.model.path
         if not os.path.isabs(model_path) and not Path(model_path).exists() and (path.parent / model_path).exists():
             config = config.with_overrides(model=str(path.parent / model_path))
+        # model.tokenizer: relative to the config file unless it exists from the working directory; also when
+        # it exists nowhere yet, so that the error names the path the config means.
+        tokenizer = config.model.tokenizer
+        if tokenizer is not None and not os.path.isabs(tokenizer) and not Path(tokenizer).exists():
+            config = config.with_overrides(tokenizer=str(path.parent / tokenizer))
     return config.with_overrides(**overrides) if overrides else config

@@ -24,7 +24,7 @@ from typing import Any
 from jax.sharding import Mesh
 
 from jaxserve import distributed
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.sched_types import SchedulerOutput
 from jaxserve.core.scheduler import Scheduler
@@ -43,6 +43,18 @@ __all__ = ["Engine", "PreparedRequest"]
 logger = logging.getLogger(__name__)
 
 
+def _load_tokenizer(model: ModelConfig) -> Tokenizer:
+    try:
+        return Tokenizer.from_dir(model.tokenizer or model.path)
+    except FileNotFoundError as err:
+        if model.load_format != "dummy":
+            raise
+        raise FileNotFoundError(
+            f"{err}. A load_format: dummy model brings no tokenizer: make one of its vocabulary size with "
+            f"`python benchmarks/make_synthetic_tokenizer.py --model-config {model.path}/config.json --out DIR` and "
+            f"set model.tokenizer to DIR, or set model.skip_tokenizer_init: true (token-id prompts, no text)") from None
+
+
 class Engine:
     def __init__(self, config: EngineConfig, progress: bool = True, record_step_stats: bool = False,
                  mesh: Mesh | None = None):
@@ -56,14 +68,14 @@ class Engine:
         distributed.check_leader(config.parallel)
         self.config = config
         self.tp = distributed.engine_devices(config.parallel, mesh)
+        # The tokenizer first: a missing one fails before the weights are loaded.
+        self.tokenizer = None if config.model.skip_tokenizer_init else _load_tokenizer(config.model)
         start = time.monotonic()
         self.runner = ModelRunner(config, self.tp)  # loads the model
         model = self.runner.model
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = model.config.vocab_size
         self.sampling_defaults: dict[str, Any] = dict(model.generation.sampling)
-        self.tokenizer = (None if config.model.skip_tokenizer_init
-                          else Tokenizer.from_dir(config.model.tokenizer or config.model.path))
         tokenizer_eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         self.eos_token_ids = model.generation.eos_token_ids or ((tokenizer_eos,) if tokenizer_eos is not None else ())
         if config.parallel.num_processes > 1:

@@ -47,9 +47,9 @@ HBM_BYTES_PER_S = 4.3e12  # H200 device-to-device copy bandwidth, measured
 PERCENTILES = (50, 90, 99)
 
 # flag dest -> EngineConfig field (routed to its section by EngineConfig.with_overrides)
-ENGINE_FLAGS = ("model", "load_format", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                "block_size", "num_blocks", "enable_prefix_caching", "async_scheduling", "attention_backend",
-                "precompile", "skip_tokenizer_init", "all_reduce")
+ENGINE_FLAGS = ("model", "tokenizer", "load_format", "dtype", "max_model_len", "max_num_seqs",
+                "max_num_batched_tokens", "block_size", "num_blocks", "enable_prefix_caching", "async_scheduling",
+                "attention_backend", "precompile", "skip_tokenizer_init", "all_reduce")
 
 
 def parse_bool(text: str) -> bool:
@@ -67,6 +67,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help=f"engine config YAML (default: {DEFAULT_CONFIG.name}, the embedded model)")
     group.add_argument("--model", help="local HF checkpoint directory (with --load-format dummy only its "
                                        "config.json is read)")
+    group.add_argument("--tokenizer", help="tokenizer directory, used even where the config skips the tokenizer "
+                                           "(default: the model's; for --load-format dummy, e.g. one made by "
+                                           "benchmarks/make_synthetic_tokenizer.py)")
     group.add_argument("--load-format", choices=("auto", "dummy"), help="dummy: random weights, no safetensors")
     group.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"))
     group.add_argument("--max-model-len", type=int)
@@ -97,6 +100,8 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     overrides = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) is not None}
+    if "tokenizer" in overrides:  # a tokenizer given is used, also over a config's skip_tokenizer_init
+        overrides.setdefault("skip_tokenizer_init", False)
     return load_config(args.config, **overrides)
 
 

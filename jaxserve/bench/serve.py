@@ -1,6 +1,8 @@
 """`jaxserve bench serve`: an async client against a running OpenAI-compatible server (vLLM's `bench serve`).
 
-    prompts (--dataset-name random: token ids of --random-input-len, or file: JSON lines)
+    prompts (--dataset-name random: token ids of --random-input-len, or file: JSON lines; prompts.py,
+             shared with `bench throughput`: the same --seed, lengths and tokenizer give the same
+             requests, and both reports carry their prompts_fingerprint)
     --> arrival times: Poisson at --request-rate (gamma with --burstiness; inf = all at once),
         at most --max-concurrency open at a time
     --> one streaming request each (/v1/completions or /v1/chat/completions), timed per SSE chunk
@@ -11,6 +13,9 @@ Definitions (as vLLM): TTFT = send -> first chunk with content; E2EL = send -> l
 TPOT = (E2EL - TTFT) / (output tokens - 1); ITL = the gaps between successive content chunks (a chunk may
 carry several tokens when the client reads slower than the engine steps).
 Output and input token counts come from the server's usage (stream_options.include_usage).
+A stream that ends without text fails its request, saying why (no_text_error): a server without a
+tokenizer streams token counts but no text, so it cannot be timed; serve a dummy-weights model with a
+synthetic tokenizer instead (configs/llama3-8b-dummy-serve.yaml).
 No JAX here: the tokenizer (for random prompts' vocabulary and chat text) is jaxserve.tokenizer.
 
     jaxserve bench serve --base-url http://127.0.0.1:8000 --num-prompts 200 --request-rate 20 --goodput ttft:200
@@ -32,6 +37,7 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
+from jaxserve.bench import prompts
 from jaxserve.config import DEFAULT_MODEL
 from jaxserve.tokenizer import Tokenizer
 
@@ -54,6 +60,7 @@ class Result:
     ttft: float | None = None  # seconds
     e2el: float = 0.0
     itl: list[float] = dataclasses.field(default_factory=list)
+    text: str = ""  # the streamed text
 
     @property
     def tpot(self) -> float | None:
@@ -75,7 +82,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--tokenizer", default=DEFAULT_MODEL, help="tokenizer dir (default: the embedded model)")
     parser.add_argument("--dataset-name", choices=("random", "file"), default="random")
     parser.add_argument("--dataset-path", type=Path,
-                        help="JSON lines: {'prompt': str} or {'prompt_token_ids': [...]}, optional 'max_tokens'")
+                        help="JSON lines: {'prompt': str} or {'prompt_token_ids': [...]}, optional 'output_len' "
+                             "(or 'max_tokens'); repeated in order up to --num-prompts")
     parser.add_argument("--num-prompts", type=int, default=100)
     parser.add_argument("--random-input-len", type=int, default=8, help="prompt tokens (the embedded model has 32 "
                                                                           "positions in all)")
@@ -126,37 +134,24 @@ def check_args(args: argparse.Namespace) -> tuple[dict[str, float], list[str], l
     return slos, metrics, percentiles
 
 
-def make_prompts(args: argparse.Namespace, tokenizer: Tokenizer) -> list[Prompt]:
-    rng = np.random.default_rng(args.seed)
-    chat = args.backend == "openai-chat"
+def make_prompts(args: argparse.Namespace, tokenizer: Tokenizer) -> tuple[list[Prompt], str]:
+    """The requests (prompts.py: as `bench throughput` makes them) and their fingerprint. A file shorter
+    than --num-prompts is repeated in order."""
     if args.dataset_name == "file":
-        prompts = []
-        for number, line in enumerate(args.dataset_path.read_text(encoding="utf-8").splitlines(), 1):
-            if not line.strip():
-                continue
-            item = json.loads(line)
-            if not isinstance(item, dict) or not ({"prompt", "prompt_token_ids"} & set(item)):
-                raise ValueError(f"{args.dataset_path}:{number}: expected an object with 'prompt' or "
-                                 "'prompt_token_ids'")
-            prompt = item.get("prompt", item.get("prompt_token_ids"))
-            if chat and not isinstance(prompt, str):
-                prompt = tokenizer.decode(prompt, skip_special_tokens=True)
-            prompts.append(Prompt(_body(prompt, chat), int(item.get("max_tokens", args.random_output_len))))
-        if not prompts:
-            raise ValueError(f"{args.dataset_path} holds no prompts")
-        return [prompts[i % len(prompts)] for i in range(args.num_prompts)]
-
-    def lengths(mean: int) -> np.ndarray:
-        low, high = max(1, int(mean * (1 - args.random_range_ratio))), int(mean * (1 + args.random_range_ratio))
-        return rng.integers(low, max(low, high) + 1, args.num_prompts)
-
-    special = set(tokenizer.all_special_ids)
-    vocabulary = np.array([i for i in range(tokenizer.vocab_size) if i not in special])
-    prompts = []
-    for input_len, output_len in zip(lengths(args.random_input_len), lengths(args.random_output_len)):
-        ids = rng.choice(vocabulary, input_len).tolist()
-        prompts.append(Prompt(_body(tokenizer.decode(ids) if chat else ids, chat), int(output_len)))
-    return prompts
+        requests = prompts.read_requests(args.dataset_path, args.random_output_len)
+        requests = [requests[i % len(requests)] for i in range(args.num_prompts)]
+    else:
+        requests = prompts.random_requests(args.seed, args.num_prompts, args.random_input_len,
+                                           args.random_output_len, args.random_range_ratio, tokenizer.vocab_size,
+                                           tokenizer.all_special_ids)
+    chat = args.backend == "openai-chat"
+    bodies = []
+    for request in requests:
+        prompt = request.prompt
+        if chat and not isinstance(prompt, str):
+            prompt = tokenizer.decode(prompt, skip_special_tokens=True)
+        bodies.append(Prompt(_body(prompt, chat), request.output_len))
+    return bodies, prompts.fingerprint(requests)
 
 
 def _body(prompt: str | list[int], chat: bool) -> dict[str, Any]:
@@ -170,6 +165,7 @@ async def send(client: httpx.AsyncClient, endpoint: str, prompt: Prompt, args: a
     if args.model:
         body["model"] = args.model
     result = Result()
+    finish_reason = None
     start = last = time.perf_counter()
     try:
         async with client.stream("POST", endpoint, json=body) as response:
@@ -186,19 +182,36 @@ async def send(client: httpx.AsyncClient, endpoint: str, prompt: Prompt, args: a
                 if chunk.get("usage"):
                     result.prompt_tokens = chunk["usage"]["prompt_tokens"]
                     result.output_tokens = chunk["usage"]["completion_tokens"]
-                if any(c.get("text") or (c.get("delta") or {}).get("content") for c in chunk["choices"]):
+                finish_reason = next((c["finish_reason"] for c in chunk["choices"] if c.get("finish_reason")),
+                                     finish_reason)
+                text = "".join(c.get("text") or (c.get("delta") or {}).get("content") or "" for c in chunk["choices"])
+                if text:
                     now = time.perf_counter()
                     if result.ttft is None:
                         result.ttft = now - start
                     else:
                         result.itl.append(now - last)
                     last = now
+                    result.text += text
         result.e2el = time.perf_counter() - start
         result.success = result.ttft is not None
-        result.error = "" if result.success else "the stream carried no text"
+        result.error = "" if result.success else no_text_error(result.output_tokens, finish_reason)
     except (httpx.HTTPError, json.JSONDecodeError) as err:
         result.error = f"{type(err).__name__}: {err}"
     return result
+
+
+def no_text_error(output_tokens: int, finish_reason: str | None) -> str:
+    """Why a stream that ended without any text cannot be timed (TTFT and ITL are taken on text chunks)."""
+    if output_tokens == 0:
+        return f"the stream carried no text and no token count (finish_reason {finish_reason!r})"
+    if finish_reason == "stop":
+        return (f"the request stopped after {output_tokens} token(s) that decode to no text (an eos or stop "
+                "token); --ignore-eos generates max_tokens")
+    return (f"the server streamed {output_tokens} token(s) but no text: it runs without a tokenizer "
+            "(model.skip_tokenizer_init), and TTFT and ITL are timed on text chunks; serve the model with a "
+            "tokenizer (for dummy weights: configs/llama3-8b-dummy-serve.yaml and "
+            "benchmarks/make_synthetic_tokenizer.py)")
 
 
 async def run(args: argparse.Namespace, prompts: list[Prompt], base_url: str) -> tuple[list[Result], float]:
@@ -275,6 +288,7 @@ def print_summary(summary: dict[str, Any], metrics: list[str], percentiles: list
     line("Benchmark duration (s):", summary["duration_s"])
     line("Total input tokens:", summary["total_input_tokens"])
     line("Total generated tokens:", summary["total_output_tokens"])
+    line("Prompts fingerprint:", summary["prompts_fingerprint"])
     line("Request throughput (req/s):", summary["request_throughput"])
     if summary["request_goodput"] is not None:
         line("Request goodput (req/s):", summary["request_goodput"])
@@ -300,19 +314,20 @@ def main(argv: list[str]) -> int:
         if bad := [h for h in args.header if "=" not in h]:
             raise ValueError(f"--header takes NAME=VALUE, got {bad}")
         tokenizer = Tokenizer.from_dir(args.tokenizer)
-        prompts = make_prompts(args, tokenizer)
+        requests, fingerprint = make_prompts(args, tokenizer)
         base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
-        results, duration = asyncio.run(run(args, prompts, base_url))
+        results, duration = asyncio.run(run(args, requests, base_url))
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    summary = report(args, results, duration, slos, metrics, percentiles)
+    summary = {"prompts_fingerprint": fingerprint, **report(args, results, duration, slos, metrics, percentiles)}
     print_summary(summary, metrics, percentiles, [r.error for r in results if not r.success])
     if args.output_json is not None:
         per_request = {"input_lens": [r.prompt_tokens for r in results],
                        "output_lens": [r.output_tokens for r in results],
                        "ttfts": [r.ttft for r in results], "itls": [r.itl for r in results],
-                       "e2els": [r.e2el for r in results], "errors": [r.error for r in results]}
+                       "e2els": [r.e2el for r in results], "errors": [r.error for r in results],
+                       "generated_texts": [r.text for r in results]}
         args.output_json.parent.mkdir(parents=True, exist_ok=True)
         args.output_json.write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v
                                                          for k, v in vars(args).items() if k != "api_key"},

@@ -1,7 +1,9 @@
 """`jaxserve bench throughput`: offline throughput of N prompts queued at once (vLLM's `bench throughput`).
 
     prompts: --dataset-path JSON lines ({"prompt_token_ids": [...], "output_len": N} or {"prompt": "..."};
-             output_len defaults to --output-len), else --num-prompts random token ids of --input-len
+             output_len defaults to --output-len; the first --num-prompts), else --num-prompts random
+             token ids of --input-len (prompts.py: the same requests as `bench serve --random-input-len`
+             with the same --seed, lengths and tokenizer; the report's prompts_fingerprint shows it)
     -> one Engine (per-step records on) -> all queued, stepped to the end (ignore_eos, max_tokens =
        output_len, greedy unless --temperature)
     -> requests/s, total and output tokens/s, TTFT / TPOT / ITL percentiles, per-step breakdown, device
@@ -17,57 +19,39 @@ context prompt + output / 2; output tokens/s also pays for the prefill, so the s
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from jaxserve.bench import common
+from jaxserve.bench import common, prompts
 
 
-def read_dataset(path: Path, num_prompts: int, default_output_len: int) -> tuple[list[dict], list[int]]:
-    """The first `num_prompts` requests of a JSON-lines file: (prompts, output lengths)."""
-    prompts, output_lens = [], []
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        raise FileNotFoundError(f"--dataset-path {path} not found") from None
-    for number, line in enumerate(lines, 1):
-        if len(prompts) == num_prompts:
-            break
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{number}: not valid JSON: {err}") from None
-        if not isinstance(item, dict) or not ({"prompt", "prompt_token_ids"} & set(item)):
-            raise ValueError(f"{path}:{number}: expected an object with 'prompt' or 'prompt_token_ids'")
-        output_len = item.get("output_len", default_output_len)
-        if not isinstance(output_len, int) or isinstance(output_len, bool) or output_len < 1:
-            raise ValueError(f"{path}:{number}: output_len must be a positive integer, got {output_len!r}")
-        prompts.append({k: item[k] for k in ("prompt", "prompt_token_ids") if k in item})
-        output_lens.append(output_len)
-    if not prompts:
-        raise ValueError(f"--dataset-path {path} holds no requests")
-    return prompts, output_lens
+def bench_requests(args: argparse.Namespace, engine) -> list[prompts.BenchRequest]:
+    """--dataset-path's first --num-prompts requests, else random token ids drawn as `bench serve` draws
+    them: from the engine tokenizer's vocabulary less its special ids (the model's without a tokenizer)."""
+    if args.dataset_path is not None:
+        return prompts.read_requests(args.dataset_path, args.output_len)[:args.num_prompts]
+    tokenizer = engine.tokenizer
+    vocab_size = engine.vocab_size if tokenizer is None else min(len(tokenizer), engine.vocab_size)
+    special = () if tokenizer is None else tokenizer.all_special_ids
+    return prompts.random_requests(args.seed, args.num_prompts, args.input_len, args.output_len,
+                                   args.random_range_ratio, vocab_size, special)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     for name in ("input_len", "output_len", "num_prompts"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0.0 <= args.random_range_ratio < 1.0:
+        raise ValueError(f"--random-range-ratio must be in [0, 1), got {args.random_range_ratio}")
     config = common.engine_config(args)
     engine, init_s = common.make_engine(config, progress=not args.disable_tqdm)
-    if args.dataset_path is not None:
-        prompts, output_lens = read_dataset(args.dataset_path, args.num_prompts, args.output_len)
-    else:
-        rng = np.random.default_rng(args.seed)
-        prompts = common.random_prompts(rng, args.num_prompts, args.input_len, engine.vocab_size)
-        output_lens = [args.output_len] * args.num_prompts
-    params = [common.sampling_params(args, output_len) for output_len in output_lens]
-    result = common.run_batch(engine, prompts, params, progress=not args.disable_tqdm)
+    requests = bench_requests(args, engine)
+    engine_prompts = [{"prompt": r.prompt} if isinstance(r.prompt, str) else {"prompt_token_ids": r.prompt}
+                      for r in requests]
+    params = [common.sampling_params(args, r.output_len) for r in requests]
+    result = common.run_batch(engine, engine_prompts, params, progress=not args.disable_tqdm)
 
     outputs, elapsed = result.outputs, result.elapsed_s
     prompt_tokens = sum(len(out.prompt_token_ids) for out in outputs)
@@ -79,6 +63,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "mode": "throughput",
         "args": common.args_dict(args),
+        "prompts_fingerprint": prompts.fingerprint(requests),
         "num_requests": len(outputs),
         "elapsed_s": elapsed,
         "requests_per_s": len(outputs) / elapsed,
@@ -98,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxserve bench throughput", description=__doc__.split("\n")[0])
     parser.add_argument("--input-len", type=int, default=1024, help="prompt tokens of each random prompt")
     parser.add_argument("--output-len", type=int, default=128, help="tokens generated per request")
+    parser.add_argument("--random-range-ratio", type=float, default=0.0,
+                        help="random lengths drawn uniformly in [len * (1 - r), len * (1 + r)]")
     parser.add_argument("--num-prompts", type=int, default=1000)
     parser.add_argument("--dataset-path", type=Path, help="JSON lines of requests instead of random prompts")
     common.add_sampling_args(parser)
@@ -111,7 +98,8 @@ def main(argv: list[str]) -> int:
         print(f"Throughput: {report['requests_per_s']:.2f} requests/s, {report['total_tokens_per_s']:.2f} total "
               f"tokens/s, {report['output_tokens_per_s']:.2f} output tokens/s")
         print(f"Total num prompt tokens: {report['total_prompt_tokens']}  Total num output tokens: "
-              f"{report['total_output_tokens']}  ({report['num_requests']} requests in {report['elapsed_s']:.2f} s)")
+              f"{report['total_output_tokens']}  ({report['num_requests']} requests in {report['elapsed_s']:.2f} s; "
+              f"prompts {report['prompts_fingerprint']})")
         common.print_report(report)
         common.write_json(args.output_json, report)
 
