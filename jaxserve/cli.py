@@ -1,4 +1,4 @@
-"""`jaxserve` command line: generate | serve | bench | train-tiny.
+"""`jaxserve` command line: generate | serve | bench.
 
     jaxserve generate [--config configs/tiny.yaml] [--model DIR] (--prompt TEXT ... | --prompts-file F.jsonl)
                       [--output F.jsonl] [sampling flags]
@@ -91,13 +91,12 @@ def main(argv: list[str] | None = None) -> int:
         gen.add_argument(flag, type=kind)
     sub.add_parser("serve", help="OpenAI-compatible server (jaxserve serve --help)", add_help=False)
     sub.add_parser("bench", help="benchmarks: throughput | latency | serve", add_help=False)
-    sub.add_parser("train-tiny", help="train the embedded default model", add_help=False)
+    sub.add_parser("train-tiny", help="(a source-checkout tool: python tools/train_tiny.py)", add_help=False)
     args, rest = parser.parse_known_args(argv)
     if args.command == "train-tiny":
-        from jaxserve import train_tiny
-
-        train_tiny.main(rest)
-        return 0
+        print("error: training the embedded model is a tool of the source checkout, not of the engine: "
+              "pip install -e '.[train]', then python tools/train_tiny.py --help", file=sys.stderr)
+        return 2
     if args.command == "serve":
         from jaxserve.server import cli as server_cli
 

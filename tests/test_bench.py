@@ -16,8 +16,9 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.bench import common
 from jaxserve.cli import main as cli_main
 from jaxserve.config import load_config
-from jaxserve.models import loader, reference_generate
+from jaxserve.models import loader
 from jaxserve.step_stats import StepStats
+from tests import reference_generate
 from tests.conftest import HF_FIXTURES, ROOT
 
 TINY_CONFIG = ROOT / "configs" / "tiny.yaml"

@@ -9,8 +9,8 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import load_config
-from jaxserve.train_tiny import held_out_problems
 from tests.conftest import ROOT
+from tools.train_tiny import held_out_problems
 
 TINY_CONFIG = ROOT / "configs" / "tiny.yaml"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
