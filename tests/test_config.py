@@ -69,6 +69,65 @@ def test_compilation_cache_dir_is_private(tmp_path):
         jax.config.update("jax_compilation_cache_dir", previous)
 
 
+def test_compilation_cache_dir_creates_missing_directories_private(tmp_path):
+    from jaxserve.runner.device_setup import private_directory
+
+    path = private_directory(str(tmp_path / "a" / "b"))
+    assert path == tmp_path / "a" / "b"
+    for created in (tmp_path / "a", path):
+        assert stat.S_IMODE(created.stat().st_mode) == 0o700
+    (path / "entry").write_text("x")
+    assert private_directory(str(path)) == path  # an existing private directory is used as it is
+    path.chmod(0o755)  # readable by others, writable only by the owner: accepted, mode untouched
+    assert private_directory(str(path)) == path and stat.S_IMODE(path.stat().st_mode) == 0o755
+
+
+def test_compilation_cache_dir_refuses_a_symlink_anywhere_on_the_path(tmp_path):
+    from jaxserve.runner.device_setup import private_directory
+
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(real)
+    for directory in (tmp_path / "link", tmp_path / "link" / "xla"):
+        with pytest.raises(ValueError, match=r"runner.compilation_cache_dir .*link.* is reached through a symbolic "
+                                             r"link.*use the real path"):
+            private_directory(str(directory))
+    assert not (real / "xla").exists()  # refused before creating anything
+
+
+def test_compilation_cache_dir_refuses_a_directory_others_can_write(tmp_path):
+    from jaxserve.runner.device_setup import private_directory
+
+    for mode in (0o770, 0o707, 0o1777):
+        shared = tmp_path / f"shared{mode:o}"
+        shared.mkdir()
+        shared.chmod(mode)
+        with pytest.raises(ValueError, match=rf"{shared}' is writable by group or others.*chmod 700"):
+            private_directory(str(shared))
+
+
+def test_compilation_cache_dir_refuses_another_users_directory(tmp_path, monkeypatch):
+    from jaxserve.runner import device_setup
+
+    owned = tmp_path / "theirs"
+    owned.mkdir(mode=0o700)
+    owner = owned.stat().st_uid
+    monkeypatch.setattr(device_setup.os, "getuid", lambda: owner + 1)  # this process is someone else
+    with pytest.raises(ValueError, match=rf"theirs' is owned by uid {owner}, not by this user \(uid {owner + 1}\); "
+                                         r"set runner.compilation_cache_dir to a directory of your own"):
+        device_setup.private_directory(str(owned))
+
+
+def test_compilation_cache_dir_refuses_a_file(tmp_path):
+    from jaxserve.runner.device_setup import private_directory
+
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="exists and is not a directory"):
+        private_directory(str(tmp_path / "file"))
+    with pytest.raises(ValueError, match="cannot create"):
+        private_directory(str(tmp_path / "file" / "xla"))
+
+
 def test_bucket_ladders_and_plan():
     ladders = BucketLadders.build(256, 64, token_buckets=None, request_buckets=None)
     assert ladders.token_buckets == (16, 32, 64, 128, 256)
