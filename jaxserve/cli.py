@@ -3,14 +3,18 @@
     jaxserve generate [--config configs/tiny.yaml] [--model DIR] (--prompt TEXT ... | --prompts-file F.jsonl)
                       [--output F.jsonl] [sampling flags]
 
-A prompts file holds one JSON object per line: {"prompt": "..."} or {"prompt_token_ids": [...]}.
-Results are printed, or written as JSON lines (one per prompt, in input order) with --output.
+A prompts file holds one JSON object per line: {"prompt": "..."} or {"prompt_token_ids": [...]}, optionally
+with "cache_salt" (only requests with the same salt share prefix-cache blocks).
+Results are printed, or written as JSON lines (one per prompt, in input order) with --output; with
+--logprobs N each output also carries its cumulative_logprob and, per generated token, the top-N
+{token id: {logprob, rank, decoded_token}} (vLLM's CompletionOutput.logprobs).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -21,6 +25,7 @@ SAMPLING_FLAGS = {  # flag -> (type, SamplingParams field)
     "--min-tokens": int, "--seed": int, "--n": int, "--repetition-penalty": float, "--presence-penalty": float,
     "--frequency-penalty": float, "--logprobs": int,
 }
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
 
 
 def _read_prompts(args: argparse.Namespace) -> list:
@@ -39,11 +44,42 @@ def _read_prompts(args: argparse.Namespace) -> list:
                 item = {"prompt": item}
             if not isinstance(item, dict) or not ({"prompt", "prompt_token_ids"} & set(item)):
                 raise ValueError(f"{args.prompts_file}:{number}: expected an object with 'prompt' or 'prompt_token_ids'")
-            prompts.append({k: item[k] for k in ("prompt", "prompt_token_ids") if k in item})
+            unknown = set(item) - set(PROMPT_KEYS)
+            if unknown:
+                raise ValueError(f"{args.prompts_file}:{number}: unknown key(s) {sorted(unknown)}; "
+                                 f"known: {list(PROMPT_KEYS)}")
+            prompts.append(item)
     return prompts
 
 
+def _check_output_path(output: Path) -> None:
+    """Refuse an --output that cannot be written before any work (the engine takes a while to build)."""
+    if output.is_dir():
+        raise ValueError(f"--output {output} is a directory; give a file path, e.g. {output / 'results.jsonl'}")
+    if not output.parent.is_dir():
+        raise ValueError(f"--output {output}: directory {output.parent} does not exist; create it first")
+    if not os.access(output.parent, os.W_OK) or (output.exists() and not os.access(output, os.W_OK)):
+        raise ValueError(f"--output {output} is not writable; choose another path")
+
+
+def _result(out) -> dict:
+    """One --output line: vLLM's RequestOutput fields, logprobs only when they were requested."""
+    outputs = []
+    for c in out.outputs:
+        item = {"index": c.index, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason}
+        if c.logprobs is not None:
+            item["cumulative_logprob"] = c.cumulative_logprob
+            item["logprobs"] = [{str(token): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                                 for token, lp in position.items()} for position in c.logprobs]
+        outputs.append(item)
+    return {"prompt": out.prompt, "prompt_token_ids": out.prompt_token_ids,
+            "num_cached_tokens": out.num_cached_tokens, "outputs": outputs}
+
+
 def _generate(args: argparse.Namespace) -> int:
+    if args.output:
+        _check_output_path(args.output)
     from jaxserve import LLM, SamplingParams, load_config
 
     overrides = {"model": str(args.model)} if args.model else {}
@@ -61,11 +97,7 @@ def _generate(args: argparse.Namespace) -> int:
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:
             for out in outputs:
-                f.write(json.dumps({
-                    "prompt": out.prompt, "prompt_token_ids": out.prompt_token_ids,
-                    "outputs": [{"index": c.index, "text": c.text, "token_ids": c.token_ids,
-                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs],
-                }) + "\n")
+                f.write(json.dumps(_result(out)) + "\n")
     else:
         for out in outputs:
             shown = out.prompt if out.prompt is not None else out.prompt_token_ids
