@@ -1,7 +1,9 @@
 """`jaxserve` command line: generate | serve | bench.
 
     jaxserve generate [--config configs/tiny.yaml] [--model DIR] (--prompt TEXT ... | --prompts-file F.jsonl)
-                      [--output F.jsonl] [sampling flags]
+                      [--output F.jsonl] [sampling flags] [engine flags: --max-num-seqs 8,
+                      --tensor-parallel-size 2, ... as `jaxserve serve`'s; `--seed` is the sampling seed,
+                      `--model-seed` the engine's]
 
 A prompts file holds one JSON object per line: {"prompt": "..."} or {"prompt_token_ids": [...]}, optionally
 with "cache_salt" (only requests with the same salt share prefix-cache blocks).
@@ -17,6 +19,8 @@ import json
 import os
 import sys
 from pathlib import Path
+
+from jaxserve import config_flags
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
 
@@ -77,12 +81,12 @@ def _result(out) -> dict:
             "num_cached_tokens": out.num_cached_tokens, "outputs": outputs}
 
 
-def _generate(args: argparse.Namespace) -> int:
+def _generate(args: argparse.Namespace, engine_flags: list[config_flags.ConfigFlag]) -> int:
     if args.output:
         _check_output_path(args.output)
     from jaxserve import LLM, SamplingParams, load_config
 
-    overrides = {"model": str(args.model)} if args.model else {}
+    overrides = config_flags.overrides(vars(args), engine_flags)
     config = load_config(args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None), **overrides)
     params = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
               for flag in SAMPLING_FLAGS if getattr(args, flag[2:].replace("-", "_")) is not None}
@@ -111,7 +115,6 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="offline batch generation")
     gen.add_argument("--config", type=Path, help=f"engine config YAML (default: {DEFAULT_CONFIG.name})")
-    gen.add_argument("--model", type=Path, help="local HF checkpoint directory (overrides the config)")
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     source.add_argument("--prompts-file", type=Path, help="JSON lines with 'prompt' or 'prompt_token_ids'")
@@ -121,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--quiet", action="store_true", help="no progress bars")
     for flag, kind in SAMPLING_FLAGS.items():
         gen.add_argument(flag, type=kind)
+    own = {"--config", "--prompt", "--prompts-file", "--output", "--stop", "--ignore-eos", "--quiet", *SAMPLING_FLAGS}
+    engine_flags = config_flags.add_config_flags(gen, reserved=own, skip_sections={"server"})
     sub.add_parser("serve", help="OpenAI-compatible server (jaxserve serve --help)", add_help=False)
     sub.add_parser("bench", help="benchmarks: throughput | latency | serve", add_help=False)
     sub.add_parser("train-tiny", help="(a source-checkout tool: python tools/train_tiny.py)", add_help=False)
@@ -140,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
-        return _generate(args)
+        return _generate(args, engine_flags)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

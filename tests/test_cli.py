@@ -67,7 +67,7 @@ def test_prompts_file_cache_salt_is_honoured(config, tmp_path, capsys):
     prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
     out = tmp_path / "results.jsonl"
     assert main(["generate", "--config", config, "--prompts-file", str(prompts), "--temperature", "0",
-                 "--output", str(out), "--quiet"]) == 0
+                 "--output", str(out), "--quiet", "--num-gpu-blocks-override", "64"]) == 0
     results = read_lines(out)
     # "<s>123+456=" is 9 tokens: the same salt shares its 2 full blocks of 4; another salt, or none, shares nothing
     assert [r["num_cached_tokens"] for r in results] == [0, 8, 0, 0]
@@ -80,3 +80,24 @@ def test_prompts_file_cache_salt_is_honoured(config, tmp_path, capsys):
 def test_train_tiny_points_at_the_tool(capsys):
     assert main(["train-tiny"]) == 2
     assert "python tools/train_tiny.py" in capsys.readouterr().err
+
+
+def test_generate_takes_engine_flags_and_vllm_names(config, monkeypatch, capsys):
+    class Built(Exception):
+        pass
+
+    def record(self, config, **kwargs):
+        raise Built(config)
+
+    monkeypatch.setattr(LLM, "__init__", record)
+    with pytest.raises(Built) as built:
+        main(["generate", "--config", config, "--prompt", "1+1=", "--tensor-parallel-size", "2", "--max-num-seqs", "3",
+              "--gpu-memory-utilization", "0.5", "--model-seed", "5", "--seed", "9"])
+    (engine_config,) = built.value.args
+    assert (engine_config.parallel.model, engine_config.scheduler.max_num_seqs) == (2, 3)
+    assert (engine_config.cache.memory_fraction, engine_config.model.seed) == (0.5, 5)  # --seed: the sampling seed
+    for flag, message in ((["--trust-remote-code"], "trust_remote_code=True is refused"),
+                          (["--quantization", "awq"], "quantization='awq' is not supported yet"),
+                          (["--max-num-seqs", "8.5"], "max_num_seqs must be an integer, got 8.5")):
+        assert main(["generate", "--config", config, "--prompt", "1+1=", *flag]) == 2  # before the engine is built
+        assert message in capsys.readouterr().err
