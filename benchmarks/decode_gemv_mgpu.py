@@ -5,7 +5,7 @@ Llama-3-8B decode step: are the first blocks of a persistent decode-layer kernel
     python3 benchmarks/decode_gemv_mgpu.py --swiglu [--tp 1 2]          (gate_up_swiglu against XLA)
     python3 benchmarks/decode_gemv_mgpu.py --check                      (CPU: GPU interpret mode)
 
-The kernels are `pallas_kernels/decode_gemm/mosaic_gpu.py`'s: `gemv` (x [M, K] @ w [N, K].T, float32
+The kernels are `benchmarks/experimental/decode_gemm/mosaic_gpu.py`'s: `gemv` (x [M, K] @ w [N, K].T, float32
 partial sums per K split, not summed) and `gate_up_swiglu` (silu(x @ w_gate) * (x @ w_up) on [K, N]
 weights, SwiGLU in the epilogue; the unfused ops are its reference).
 
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.decode_gemm.mosaic_gpu import TILE_N, GemvConfig, gate_up_swiglu, gemv, swiglu_reference
+from benchmarks.experimental.decode_gemm.mosaic_gpu import TILE_N, GemvConfig, gate_up_swiglu, gemv, swiglu_reference
 
 
 def check() -> None:

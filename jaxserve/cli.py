@@ -1,19 +1,26 @@
-"""`jaxserve` command line: generate | serve | bench | train-tiny.
+"""`jaxserve` command line: generate | serve | bench.
 
     jaxserve generate [--config configs/tiny.yaml] [--model DIR] (--prompt TEXT ... | --prompts-file F.jsonl)
-                      [--output F.jsonl] [sampling flags]
+                      [--output F.jsonl] [sampling flags] [engine flags: --max-num-seqs 8,
+                      --tensor-parallel-size 2, ... as `jaxserve serve`'s; `--seed` is the sampling seed,
+                      `--model-seed` the engine's]
 
-A prompts file holds one JSON object per line: {"prompt": "..."} or {"prompt_token_ids": [...]}.
-Results are printed, or written as JSON lines (one per prompt, in input order) with --output.
+A prompts file holds one JSON object per line: {"prompt": "..."} or {"prompt_token_ids": [...]}, optionally
+with "cache_salt" (only requests with the same salt share prefix-cache blocks).
+Results are printed, or written as JSON lines (one per prompt, in input order) with --output; with
+--logprobs N each output also carries its cumulative_logprob and, per generated token, the top-N
+{token id: {logprob, rank, decoded_token}} (vLLM's CompletionOutput.logprobs).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
+from jaxserve import config_flags
 from jaxserve.config import DEFAULT_CONFIG
 
 SAMPLING_FLAGS = {  # flag -> (type, SamplingParams field)
@@ -21,6 +28,7 @@ SAMPLING_FLAGS = {  # flag -> (type, SamplingParams field)
     "--min-tokens": int, "--seed": int, "--n": int, "--repetition-penalty": float, "--presence-penalty": float,
     "--frequency-penalty": float, "--logprobs": int,
 }
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
 
 
 def _read_prompts(args: argparse.Namespace) -> list:
@@ -39,14 +47,45 @@ def _read_prompts(args: argparse.Namespace) -> list:
                 item = {"prompt": item}
             if not isinstance(item, dict) or not ({"prompt", "prompt_token_ids"} & set(item)):
                 raise ValueError(f"{args.prompts_file}:{number}: expected an object with 'prompt' or 'prompt_token_ids'")
-            prompts.append({k: item[k] for k in ("prompt", "prompt_token_ids") if k in item})
+            unknown = set(item) - set(PROMPT_KEYS)
+            if unknown:
+                raise ValueError(f"{args.prompts_file}:{number}: unknown key(s) {sorted(unknown)}; "
+                                 f"known: {list(PROMPT_KEYS)}")
+            prompts.append(item)
     return prompts
 
 
-def _generate(args: argparse.Namespace) -> int:
+def _check_output_path(output: Path) -> None:
+    """Refuse an --output that cannot be written before any work (the engine takes a while to build)."""
+    if output.is_dir():
+        raise ValueError(f"--output {output} is a directory; give a file path, e.g. {output / 'results.jsonl'}")
+    if not output.parent.is_dir():
+        raise ValueError(f"--output {output}: directory {output.parent} does not exist; create it first")
+    if not os.access(output.parent, os.W_OK) or (output.exists() and not os.access(output, os.W_OK)):
+        raise ValueError(f"--output {output} is not writable; choose another path")
+
+
+def _result(out) -> dict:
+    """One --output line: vLLM's RequestOutput fields, logprobs only when they were requested."""
+    outputs = []
+    for c in out.outputs:
+        item = {"index": c.index, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason}
+        if c.logprobs is not None:
+            item["cumulative_logprob"] = c.cumulative_logprob
+            item["logprobs"] = [{str(token): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                                 for token, lp in position.items()} for position in c.logprobs]
+        outputs.append(item)
+    return {"prompt": out.prompt, "prompt_token_ids": out.prompt_token_ids,
+            "num_cached_tokens": out.num_cached_tokens, "outputs": outputs}
+
+
+def _generate(args: argparse.Namespace, engine_flags: list[config_flags.ConfigFlag]) -> int:
+    if args.output:
+        _check_output_path(args.output)
     from jaxserve import LLM, SamplingParams, load_config
 
-    overrides = {"model": str(args.model)} if args.model else {}
+    overrides = config_flags.overrides(vars(args), engine_flags)
     config = load_config(args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None), **overrides)
     if config.parallel.num_processes > 1 and config.parallel.process_id != 0:
         from jaxserve.distributed import run_follower
@@ -66,11 +105,7 @@ def _generate(args: argparse.Namespace) -> int:
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:
             for out in outputs:
-                f.write(json.dumps({
-                    "prompt": out.prompt, "prompt_token_ids": out.prompt_token_ids,
-                    "outputs": [{"index": c.index, "text": c.text, "token_ids": c.token_ids,
-                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs],
-                }) + "\n")
+                f.write(json.dumps(_result(out)) + "\n")
     else:
         for out in outputs:
             shown = out.prompt if out.prompt is not None else out.prompt_token_ids
@@ -84,7 +119,6 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="offline batch generation")
     gen.add_argument("--config", type=Path, help=f"engine config YAML (default: {DEFAULT_CONFIG.name})")
-    gen.add_argument("--model", type=Path, help="local HF checkpoint directory (overrides the config)")
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     source.add_argument("--prompts-file", type=Path, help="JSON lines with 'prompt' or 'prompt_token_ids'")
@@ -94,15 +128,16 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--quiet", action="store_true", help="no progress bars")
     for flag, kind in SAMPLING_FLAGS.items():
         gen.add_argument(flag, type=kind)
+    own = {"--config", "--prompt", "--prompts-file", "--output", "--stop", "--ignore-eos", "--quiet", *SAMPLING_FLAGS}
+    engine_flags = config_flags.add_config_flags(gen, reserved=own, skip_sections={"server"})
     sub.add_parser("serve", help="OpenAI-compatible server (jaxserve serve --help)", add_help=False)
     sub.add_parser("bench", help="benchmarks: throughput | latency | serve", add_help=False)
-    sub.add_parser("train-tiny", help="train the embedded default model", add_help=False)
+    sub.add_parser("train-tiny", help="(a source-checkout tool: python tools/train_tiny.py)", add_help=False)
     args, rest = parser.parse_known_args(argv)
     if args.command == "train-tiny":
-        from jaxserve import train_tiny
-
-        train_tiny.main(rest)
-        return 0
+        print("error: training the embedded model is a tool of the source checkout, not of the engine: "
+              "pip install -e '.[train]', then python tools/train_tiny.py --help", file=sys.stderr)
+        return 2
     if args.command == "serve":
         from jaxserve.server import cli as server_cli
 
@@ -114,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
-        return _generate(args)
+        return _generate(args, engine_flags)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

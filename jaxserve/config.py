@@ -2,16 +2,21 @@
 
     configs/x.yaml --load_config--> EngineConfig(model=ModelConfig, cache=CacheConfig,
                                                  scheduler=SchedulerConfig, runner=RunnerConfig)
-    LLM(model=..., **overrides) --EngineConfig.from_overrides--> the same, flat names routed to sections
+    LLM(model=..., **overrides) --EngineConfig.with_overrides--> the same, flat names routed to sections
+                                  (a field's name, `section.field`, or vLLM's engine-argument name: VLLM_NAMES)
 
-Unknown keys are errors naming the key and the section (a typo must never be silently ignored).
-No environment variable changes behaviour.
+Unknown keys are errors naming the key and the section (a typo must never be silently ignored). Every value
+is checked against its field's annotation (YAML and overrides alike): an int where a float is expected is
+accepted, a bool is never an int. No environment variable changes behaviour.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+import types
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +25,60 @@ import yaml
 DEFAULT_MODEL = str(Path(__file__).resolve().parent / "assets" / "tiny-adder")
 # The default config of the command line (package data, so an installed wheel has it too).
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny.yaml"
+
+_TYPE_NAMES = {int: "an integer", float: "a number", bool: "a boolean (true or false)", str: "a string",
+               dict: "a mapping", type(None): "null"}
+
+
+def matches_type(value: Any, hint: Any) -> bool:
+    """Whether `value` has the annotated type: unions, `tuple[X, ...]` (a list or tuple of X), and scalars,
+    with an int accepted for a float and a bool accepted only for a bool."""
+    origin = typing.get_origin(hint)
+    if origin in (types.UnionType, typing.Union):
+        return any(matches_type(value, arg) for arg in typing.get_args(hint))
+    if origin is tuple:
+        return isinstance(value, (list, tuple)) and all(matches_type(v, typing.get_args(hint)[0]) for v in value)
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, typing.get_origin(hint) or hint)
+
+
+def describe_type(hint: Any) -> str:
+    """`int | None` -> 'an integer or null'; `tuple[int, ...]` -> 'a list of integers'."""
+    origin = typing.get_origin(hint)
+    if origin in (types.UnionType, typing.Union):
+        return " or ".join(describe_type(arg) for arg in typing.get_args(hint))
+    if origin is tuple:
+        return "a list of " + {int: "integers", str: "strings"}.get(typing.get_args(hint)[0], "values")
+    return _TYPE_NAMES.get(origin or hint, getattr(hint, "__name__", str(hint)))
+
+
+def check_type(name: str, value: Any, hint: Any) -> None:
+    if not matches_type(value, hint):
+        raise ValueError(f"{name} must be {describe_type(hint)}, got {value!r} ({type(value).__name__})")
+
+
+@functools.cache
+def field_types(cls: type) -> dict[str, Any]:
+    """A config dataclass's field annotations, resolved (this module uses postponed annotations)."""
+    hints = typing.get_type_hints(cls)
+    return {field.name: hints[field.name] for field in dataclasses.fields(cls)}
+
+
+def _check_fields(config: Any, section: str) -> None:
+    """Type-check every field of a section (its __post_init__ starts here); ints given for floats become
+    floats and lists given for tuples become tuples, so equal configs compare and hash equal."""
+    for name, hint in field_types(type(config)).items():
+        value = getattr(config, name)
+        check_type(f"{section}.{name}", value, hint)
+        if isinstance(value, int) and not isinstance(value, bool) and matches_type(0.5, hint):
+            object.__setattr__(config, name, float(value))
+        elif isinstance(value, list):
+            object.__setattr__(config, name, tuple(value))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +92,7 @@ class ModelConfig:
     load_format: str = "auto"  # auto: safetensors | dummy: random weights from config.json alone (benchmarks)
 
     def __post_init__(self):
+        _check_fields(self, "model")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(f"model.dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
         if self.load_format not in ("auto", "dummy"):
@@ -52,6 +112,7 @@ class CacheConfig:
     prefix_hash: str = "sha256"  # sha256 | builtin (fast, keyed per process; single-tenant use)
 
     def __post_init__(self):
+        _check_fields(self, "cache")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"cache.block_size must be a power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 2:
@@ -75,6 +136,7 @@ class SchedulerConfig:
     async_scheduling: bool = True
 
     def __post_init__(self):
+        _check_fields(self, "scheduler")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("scheduler.max_num_batched_tokens and scheduler.max_num_seqs must be >= 1")
         if self.policy not in ("fcfs", "priority", "fair"):
@@ -90,12 +152,12 @@ class RunnerConfig:
     compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"  # null disables the persistent cache
 
     def __post_init__(self):
+        _check_fields(self, "runner")
         if self.attention_backend not in ("auto", "reference", "pallas"):
             raise ValueError(f"runner.attention_backend must be auto, reference or pallas, got {self.attention_backend!r}")
         for name in ("token_buckets", "request_buckets"):
             value = getattr(self, name)
             if value is not None:
-                object.__setattr__(self, name, tuple(int(v) for v in value))
                 if not value or any(v < 1 for v in value):
                     raise ValueError(f"runner.{name} must be a non-empty list of positive integers")
 
@@ -118,6 +180,7 @@ class ParallelConfig:
     all_reduce: str = "auto"
 
     def __post_init__(self):
+        _check_fields(self, "parallel")
         if self.all_reduce not in ALL_REDUCE_MODES:
             raise ValueError(f"parallel.all_reduce must be one of {ALL_REDUCE_MODES}, got {self.all_reduce!r}")
         for name in ("data", "model", "num_processes"):
@@ -154,8 +217,7 @@ class ServerConfig:
     access_log: bool = True
 
     def __post_init__(self):
-        if isinstance(self.api_key, (list, tuple)):
-            object.__setattr__(self, "api_key", tuple(self.api_key))
+        _check_fields(self, "server")
         keys = self.api_key if isinstance(self.api_key, tuple) else (self.api_key,) if self.api_key is not None else ()
         if not all(isinstance(key, str) and key for key in keys):
             raise ValueError("server.api_key must be a non-empty string, a list of them, or null")
@@ -172,6 +234,60 @@ class ServerConfig:
 
 SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "runner": RunnerConfig,
             "parallel": ParallelConfig, "server": ServerConfig}
+
+# vLLM's engine-argument names (`LLM(...)` keywords, `vllm serve` flags) for fields jaxserve names otherwise.
+# vLLM names equal to a field's name (max_num_seqs, max_num_batched_tokens, max_model_len, seed, block_size,
+# enable_prefix_caching, enable_chunked_prefill, dtype, tokenizer, served_model_name, load_format, ...) need none.
+VLLM_NAMES = {
+    "tensor_parallel_size": ("parallel", "model"),
+    "data_parallel_size": ("parallel", "data"),
+    "gpu_memory_utilization": ("cache", "memory_fraction"),
+    "num_gpu_blocks_override": ("cache", "num_blocks"),
+    "scheduling_policy": ("scheduler", "policy"),
+}
+
+# vLLM's names for what jaxserve does not do (yet): the default is accepted, so vLLM code runs unchanged;
+# anything else is refused. name -> (accepted values, annotation, the reason given)
+NOT_SUPPORTED = {
+    "kv_cache_dtype": (("auto", None), str | None, "is not supported yet: the KV cache has the model's dtype"),
+    "quantization": ((None,), str | None, "is not supported yet: weights load in model.dtype"),
+    "speculative_config": ((None,), dict | None, "is not supported yet: there is no speculative decoding"),
+    "enable_expert_parallel": ((False,), bool, "is not supported yet"),
+    "pipeline_parallel_size": ((1,), int, "is not supported yet: use tensor_parallel_size to spread a model"),
+    "trust_remote_code": ((False,), bool, "is refused: jaxserve never runs code from a checkpoint (auto_map); "
+                                          "it runs the architectures it implements (README: Checkpoints)"),
+}
+
+
+def resolve_option(key: str, value: Any) -> tuple[str, str, Any] | None:
+    """An override key -> (section, field, value), its value type-checked under the name the caller used;
+    None for a vLLM name of NOT_SUPPORTED left at its default. `model` (or `model_path`) is model.path."""
+    if key in ("model", "model_path"):
+        check_type(key, value, str | os.PathLike)
+        return "model", "path", str(value)
+    if key in NOT_SUPPORTED:
+        accepted, hint, reason = NOT_SUPPORTED[key]
+        check_type(key, value, hint)
+        if not any(value is a or (type(value) is type(a) and value == a) for a in accepted):
+            raise ValueError(f"{key}={value!r} {reason}; leave {key} at {accepted[0]!r}")
+        return None
+    if key in VLLM_NAMES:
+        section, name = VLLM_NAMES[key]
+        label = f"{key} (jaxserve's {section}.{name})"
+    elif "." in key and key.split(".", 1)[0] in SECTIONS:
+        section, name = key.split(".", 1)
+        label = key
+    else:
+        owners = [s for s, cls in SECTIONS.items() if key in field_types(cls)]
+        if not owners:
+            raise ValueError(f"unknown engine option {key!r}; see jaxserve/config.py for the options "
+                             f"(vLLM's names: {sorted(VLLM_NAMES)})")
+        section, name, label = owners[0], key, key
+    hints = field_types(SECTIONS[section])
+    if name not in hints:
+        raise ValueError(f"unknown engine option {key!r}: section {section!r} has {sorted(hints)}")
+    check_type(label, value, hints[name])
+    return section, name, value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,16 +321,14 @@ class EngineConfig:
         return dataclasses.asdict(self)
 
     def with_overrides(self, **overrides: Any) -> EngineConfig:
-        """Flat overrides (`max_num_seqs=8`, `block_size=4`, `model="dir"`) routed to their sections."""
+        """Flat overrides routed to their sections: a field's name (`max_num_seqs=8`), `section.field`, `model`
+        for model.path, or vLLM's name (`tensor_parallel_size=2`; see resolve_option)."""
         data = self.to_dict()
         for key, value in overrides.items():
-            if key == "model" or key == "model_path":
-                data["model"]["path"] = str(value)
-                continue
-            owners = [name for name, cls in SECTIONS.items() if key in {f.name for f in dataclasses.fields(cls)}]
-            if not owners:
-                raise ValueError(f"unknown engine option {key!r}; see jaxserve/config.py for the options")
-            data[owners[0]][key] = value
+            resolved = resolve_option(key, value)
+            if resolved is not None:
+                section, name, value = resolved
+                data[section][name] = value
         return EngineConfig.from_dict(data)
 
 

@@ -16,8 +16,9 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.bench import common
 from jaxserve.cli import main as cli_main
 from jaxserve.config import load_config
-from jaxserve.models import loader, reference_generate
+from jaxserve.models import loader
 from jaxserve.step_stats import StepStats
+from tests import reference_generate
 from tests.conftest import HF_FIXTURES, ROOT
 
 TINY_CONFIG = ROOT / "configs" / "tiny.yaml"
@@ -43,6 +44,7 @@ def test_dummy_params_match_the_real_loader(name, dtype):
     layer = dummy.params["layers"][0]
     assert np.all(np.asarray(layer["attn_norm"], np.float32) == 1.0)
     assert 0.015 < float(np.std(np.asarray(layer["w_up"], np.float32))) < 0.025
+    assert ("bq" in layer) == name.startswith("qwen2")  # Qwen2 has q/k/v biases: zeros, as the loader's rule
     if "bq" in layer:
         assert not np.any(np.asarray(layer["bq"], np.float32))
 
@@ -110,18 +112,47 @@ def bench(tmp_path, *argv) -> dict:
 SHARED_FIELDS = {"ttft_ms", "tpot_ms", "steps", "engine", "roofline", "roofline_share"}
 
 
-def test_bench_throughput_on_the_embedded_model(tmp_path):
+def check_summary(stats: dict, count: int) -> None:
+    """A percentile summary: `count` samples, non-negative, percentiles in order, the mean within range."""
+    assert stats["count"] == count
+    assert 0 <= stats["p50"] <= stats["p90"] <= stats["p99"] <= stats["max"]
+    assert 0 <= stats["mean"] <= stats["max"]
+
+
+def check_roofline(roofline: dict, model, batch: float, mean_context: float) -> None:
+    """The roofline's bytes are the tiny model's weights plus the batch's KV (float32, 4 layers, 2 KV heads)."""
+    cfg = model.config
+    assert roofline["weight_bytes"] == sum(leaf.nbytes for leaf in jax.tree.leaves(model.params))
+    assert roofline["kv_bytes_per_token"] == cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
+    assert (roofline["batch"], roofline["mean_context"]) == (batch, mean_context)
+    step_bytes = roofline["weight_bytes"] + batch * mean_context * roofline["kv_bytes_per_token"]
+    assert roofline["bytes_per_step"] == step_bytes
+    assert roofline["tokens_per_s"] == pytest.approx(batch * roofline["bandwidth_bytes_per_s"] / step_bytes)
+
+
+def test_bench_throughput_on_the_embedded_model(tmp_path, tiny_model):
     report = bench(tmp_path, "throughput", "--config", str(TINY_CONFIG), "--num-prompts", "6", "--input-len", "5",
                    "--output-len", "4")
     assert SHARED_FIELDS | {"requests_per_s", "total_tokens_per_s", "output_tokens_per_s"} <= set(report)
     assert report["num_requests"] == 6 and report["total_output_tokens"] == 24 and report["total_prompt_tokens"] == 30
-    assert report["ttft_ms"]["count"] == 6 and report["tpot_ms"]["p99"] > 0
+    elapsed = report["elapsed_s"]
+    assert report["requests_per_s"] == pytest.approx(6 / elapsed)
+    assert report["output_tokens_per_s"] == pytest.approx(24 / elapsed)
+    assert report["total_tokens_per_s"] == pytest.approx((30 + 24) / elapsed)
+    check_summary(report["ttft_ms"], 6)
+    check_summary(report["tpot_ms"], 6)  # every request has 4 >= 2 output tokens
+    assert report["ttft_ms"]["max"] <= elapsed * 1e3
     assert report["engine"]["num_compiled"] == 0 and report["engine"]["startup_compile_s"] >= 0
     steps = report["steps"]
-    assert steps["num_steps"] >= 4 and steps["itl_ms"]["count"] == 6 * 3  # 3 decode tokens per request
+    # every prompt token and every output token but the last is fed to the model once
+    assert steps["num_steps"] * steps["mean_tokens_per_step"] == 30 + 6 * 3
+    assert steps["num_prefill_steps"] >= 1 and steps["mean_decode_rows_per_step"] == 6  # the 6 decode together
+    check_summary(steps["itl_ms"], 6 * 3)  # 3 decode tokens per request
     assert set(steps["breakdown_ms"]) == {"schedule", "prepare", "device", "readback", "update"}
+    assert all(value >= 0 for value in steps["breakdown_ms"].values())
     assert 0.0 <= steps["device_idle_share"] <= 1.0
-    assert report["roofline"]["tokens_per_s"] > 0
+    check_roofline(report["roofline"], tiny_model, batch=6, mean_context=5 + 4 / 2)
+    assert report["roofline_share"] == pytest.approx(report["output_tokens_per_s"] / report["roofline"]["tokens_per_s"])
 
 
 def test_bench_throughput_dummy_weights_from_a_dataset(tmp_path, config_only_dir):
@@ -134,12 +165,24 @@ def test_bench_throughput_dummy_weights_from_a_dataset(tmp_path, config_only_dir
     assert report["engine"]["config"]["model"]["load_format"] == "dummy"
 
 
-def test_bench_latency_on_the_embedded_model(tmp_path):
+def test_bench_latency_on_the_embedded_model(tmp_path, tiny_model):
     report = bench(tmp_path, "latency", "--config", str(TINY_CONFIG), "--batch-size", "2", "--input-len", "4",
                    "--output-len", "3", "--num-iters-warmup", "1", "--num-iters", "2")
     assert SHARED_FIELDS | {"latency_ms", "latencies_s", "decode_tokens_per_s"} <= set(report)
-    assert len(report["latencies_s"]) == 2 and report["latency_ms"]["p50"] > 0
-    assert report["decode_tokens_per_s"] > 0 and report["roofline"]["batch"] == 2
+    latencies = report["latencies_s"]
+    assert len(latencies) == 2 and all(t > 0 for t in latencies)  # the timed iterations only
+    check_summary(report["latency_ms"], 2)
+    assert report["latency_ms"]["mean"] == pytest.approx(np.mean(latencies) * 1e3)
+    assert report["latency_ms"]["max"] == pytest.approx(max(latencies) * 1e3)
+    check_summary(report["ttft_ms"], 2 * 2)  # batch x iterations
+    check_summary(report["tpot_ms"], 2 * 2)
+    steps = report["steps"]
+    # per timed iteration: the 2 prompts (4 tokens each), then 2 decode tokens each
+    assert steps["num_steps"] * steps["mean_tokens_per_step"] == 2 * (2 * 4 + 2 * 2)
+    assert steps["num_prefill_steps"] == 2  # one per iteration: both prompts fit one step
+    check_summary(steps["itl_ms"], 2 * 2 * 2)
+    assert report["decode_tokens_per_s"] > 0
+    check_roofline(report["roofline"], tiny_model, batch=2, mean_context=4 + 3 / 2)
 
 
 def test_bench_rejects_bad_flags(tmp_path, capsys):
@@ -156,5 +199,8 @@ def test_tight_loop_decode_smoke(tmp_path, monkeypatch):
     assert module.main(["--config-json", str(FIXTURE / "config.json"), "--batch-sizes", "2", "--context", "4",
                         "--steps", "2", "--output-json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["batch"], r["context"]) for r in rows] == [(2, 4)]
-    assert all(r["tokens_per_s"] > 0 and 0 < r["roofline_share"] for r in rows)
+    assert [(r["batch"], r["context"], r["steps"]) for r in rows] == [(2, 4, 2)]
+    for r in rows:
+        assert r["tokens_per_s"] == pytest.approx(r["batch"] / (r["ms_per_step"] / 1e3))
+        assert r["roofline_share"] == pytest.approx(r["tokens_per_s"] / r["roofline_tokens_per_s"])
+        assert r["ms_per_step"] > 0 and r["bytes_per_step"] > 0

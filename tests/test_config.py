@@ -69,6 +69,65 @@ def test_compilation_cache_dir_is_private(tmp_path):
         jax.config.update("jax_compilation_cache_dir", previous)
 
 
+def test_compilation_cache_dir_creates_missing_directories_private(tmp_path):
+    from jaxserve.runner.device_setup import private_directory
+
+    path = private_directory(str(tmp_path / "a" / "b"))
+    assert path == tmp_path / "a" / "b"
+    for created in (tmp_path / "a", path):
+        assert stat.S_IMODE(created.stat().st_mode) == 0o700
+    (path / "entry").write_text("x")
+    assert private_directory(str(path)) == path  # an existing private directory is used as it is
+    path.chmod(0o755)  # readable by others, writable only by the owner: accepted, mode untouched
+    assert private_directory(str(path)) == path and stat.S_IMODE(path.stat().st_mode) == 0o755
+
+
+def test_compilation_cache_dir_refuses_a_symlink_anywhere_on_the_path(tmp_path):
+    from jaxserve.runner.device_setup import private_directory
+
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(real)
+    for directory in (tmp_path / "link", tmp_path / "link" / "xla"):
+        with pytest.raises(ValueError, match=r"runner.compilation_cache_dir .*link.* is reached through a symbolic "
+                                             r"link.*use the real path"):
+            private_directory(str(directory))
+    assert not (real / "xla").exists()  # refused before creating anything
+
+
+def test_compilation_cache_dir_refuses_a_directory_others_can_write(tmp_path):
+    from jaxserve.runner.device_setup import private_directory
+
+    for mode in (0o770, 0o707, 0o1777):
+        shared = tmp_path / f"shared{mode:o}"
+        shared.mkdir()
+        shared.chmod(mode)
+        with pytest.raises(ValueError, match=rf"{shared}' is writable by group or others.*chmod 700"):
+            private_directory(str(shared))
+
+
+def test_compilation_cache_dir_refuses_another_users_directory(tmp_path, monkeypatch):
+    from jaxserve.runner import device_setup
+
+    owned = tmp_path / "theirs"
+    owned.mkdir(mode=0o700)
+    owner = owned.stat().st_uid
+    monkeypatch.setattr(device_setup.os, "getuid", lambda: owner + 1)  # this process is someone else
+    with pytest.raises(ValueError, match=rf"theirs' is owned by uid {owner}, not by this user \(uid {owner + 1}\); "
+                                         r"set runner.compilation_cache_dir to a directory of your own"):
+        device_setup.private_directory(str(owned))
+
+
+def test_compilation_cache_dir_refuses_a_file(tmp_path):
+    from jaxserve.runner.device_setup import private_directory
+
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="exists and is not a directory"):
+        private_directory(str(tmp_path / "file"))
+    with pytest.raises(ValueError, match="cannot create"):
+        private_directory(str(tmp_path / "file" / "xla"))
+
+
 def test_bucket_ladders_and_plan():
     ladders = BucketLadders.build(256, 64, token_buckets=None, request_buckets=None)
     assert ladders.token_buckets == (16, 32, 64, 128, 256)
@@ -83,3 +142,124 @@ def test_bucket_ladders_and_plan():
         ladders.pad_tokens(257)
     with pytest.raises(ValueError, match="below max_num_batched_tokens"):
         BucketLadders.build(256, 64, token_buckets=[16, 128])
+
+
+# ---- vLLM's engine-argument names and type checks -----------------------------------------------------------
+def test_vllm_names_map_onto_the_config():
+    config = EngineConfig().with_overrides(
+        tensor_parallel_size=2, data_parallel_size=3, gpu_memory_utilization=0.5, num_gpu_blocks_override=64,
+        max_num_batched_tokens=512, max_model_len=1024, seed=7, max_num_seqs=8, enable_prefix_caching=False,
+        block_size=32, dtype="bfloat16", tokenizer="/tok", served_model_name="m", scheduling_policy="priority")
+    assert (config.parallel.model, config.parallel.data) == (2, 3)
+    assert (config.cache.memory_fraction, config.cache.num_blocks, config.cache.block_size) == (0.5, 64, 32)
+    assert not config.cache.enable_prefix_caching
+    assert (config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs, config.scheduler.policy) == \
+        (512, 8, "priority")
+    assert (config.model.max_model_len, config.model.seed, config.model.dtype, config.model.tokenizer) == \
+        (1024, 7, "bfloat16", "/tok")
+    assert config.server.served_model_name == "m"
+    assert EngineConfig().with_overrides(**{"parallel.model": 2, "model": "/m"}).parallel.model == 2
+
+
+def test_unsupported_vllm_names_accept_their_defaults_only():
+    defaults = EngineConfig().with_overrides(kv_cache_dtype="auto", quantization=None, speculative_config=None,
+                                             enable_expert_parallel=False, pipeline_parallel_size=1,
+                                             trust_remote_code=False)
+    assert defaults == EngineConfig().with_overrides(kv_cache_dtype=None)
+    assert defaults == EngineConfig()
+    for overrides in ({"kv_cache_dtype": "fp8"}, {"quantization": "awq"}, {"enable_expert_parallel": True},
+                      {"speculative_config": {"method": "ngram", "num_speculative_tokens": 4}},
+                      {"pipeline_parallel_size": 2}):
+        (name, value), = overrides.items()
+        with pytest.raises(ValueError, match=rf"^{name}=.* is not supported yet.*leave {name} at "):
+            EngineConfig().with_overrides(**overrides)
+    with pytest.raises(ValueError, match="trust_remote_code=True is refused: jaxserve never runs code from a checkpoint"):
+        EngineConfig().with_overrides(trust_remote_code=True)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"max_num_seqs": "8"}, r"max_num_seqs must be an integer, got '8' \(str\)"),
+    ({"max_num_seqs": True}, r"max_num_seqs must be an integer, got True \(bool\)"),  # a bool is not an int
+    ({"block_size": 16.0}, r"block_size must be an integer, got 16.0 \(float\)"),
+    ({"enable_prefix_caching": "yes"}, r"enable_prefix_caching must be a boolean \(true or false\), got 'yes'"),
+    ({"precompile": 1}, "precompile must be a boolean"),
+    ({"gpu_memory_utilization": "0.9"}, r"gpu_memory_utilization \(jaxserve's cache.memory_fraction\) must be a number"),
+    ({"tensor_parallel_size": 2.0}, r"tensor_parallel_size \(jaxserve's parallel.model\) must be an integer"),
+    ({"max_model_len": "1024"}, "max_model_len must be an integer or null"),
+    ({"token_buckets": [16, "64"]}, "token_buckets must be a list of integers or null"),
+    ({"api_key": 5}, "api_key must be a string or a list of strings or null"),
+    ({"trust_remote_code": "no"}, "trust_remote_code must be a boolean"),
+    ({"model": 5}, "model must be a string or"),
+    ({"cache.num_blocks": "x"}, "cache.num_blocks must be an integer or null"),
+])
+def test_wrong_types_name_the_option_and_the_type(overrides, message):
+    with pytest.raises(ValueError, match=f"^{message}"):
+        EngineConfig().with_overrides(**overrides)
+
+
+def test_ints_are_accepted_as_floats_and_lists_as_tuples():
+    config = EngineConfig().with_overrides(gpu_memory_utilization=1, drain_timeout_s=5, token_buckets=[16, 64])
+    assert config.cache.memory_fraction == 1.0 and isinstance(config.cache.memory_fraction, float)
+    assert isinstance(config.server.drain_timeout_s, float) and config.runner.token_buckets == (16, 64)
+    assert hash(config) == hash(EngineConfig().with_overrides(gpu_memory_utilization=1.0, drain_timeout_s=5.0,
+                                                              token_buckets=(16, 64)))
+
+
+def _field_cases():
+    from jaxserve.config import SECTIONS, field_types
+
+    return [(section, name) for section, cls in SECTIONS.items() for name in field_types(cls)]
+
+
+@pytest.mark.parametrize("section,name", _field_cases())
+def test_every_field_is_type_checked(section, name, tmp_path):
+    from jaxserve.config import SECTIONS
+
+    with pytest.raises(ValueError, match=rf"^{section}\.{name} must be "):
+        SECTIONS[section](**{name: object()})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(f"{section}:\n  {name}: {{a: 1}}\n")  # a mapping: no field takes one
+    with pytest.raises(ValueError, match=rf"^{section}\.{name} must be .*got \{{'a': 1\}} \(dict\)"):
+        load_config(bad)
+
+
+def test_yaml_values_are_type_checked(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("scheduler:\n  max_num_seqs: '8'\n")
+    with pytest.raises(ValueError, match="scheduler.max_num_seqs must be an integer, got '8'"):
+        load_config(path)
+    path.write_text("cache:\n  enable_prefix_caching: 1\n  memory_fraction: 1\n")
+    with pytest.raises(ValueError, match="cache.enable_prefix_caching must be a boolean"):
+        load_config(path)
+    path.write_text("cache:\n  memory_fraction: 1\n")
+    assert load_config(path).cache.memory_fraction == 1.0
+
+
+def test_command_line_flags_take_vllm_names():
+    import argparse
+
+    from jaxserve import config_flags
+
+    parser = argparse.ArgumentParser()
+    flags = config_flags.add_config_flags(parser, reserved={"--config"}, repeatable={"server.api_key"})
+    names = {flag.flag for flag in flags}
+    assert {"--tensor-parallel-size", "--gpu-memory-utilization", "--num-gpu-blocks-override", "--kv-cache-dtype",
+            "--trust-remote-code", "--max-num-seqs", "--model", "--parallel-model", "--served-model-name"} <= names
+
+    def parse(*argv):
+        args = vars(parser.parse_args(argv))
+        return EngineConfig().with_overrides(**config_flags.overrides(args, flags))
+
+    config = parse("--tensor-parallel-size", "2", "--enable-prefix-caching", "--gpu-memory-utilization", "0.5",
+                   "--num-gpu-blocks-override", "64", "--tokenizer", "null", "--served-model-name", "true",
+                   "--api-key", "a", "--api-key", "b", "--trust-remote-code", "false", "--kv-cache-dtype", "auto")
+    assert (config.parallel.model, config.cache.enable_prefix_caching, config.cache.memory_fraction) == (2, True, 0.5)
+    assert config.cache.num_blocks == 64 and config.model.tokenizer is None
+    assert config.server.served_model_name == "true" and config.server.api_key == ("a", "b")  # strings stay text
+    assert parse("--enable-prefix-caching", "false").cache.enable_prefix_caching is False
+    with pytest.raises(ValueError, match="trust_remote_code=True is refused"):
+        parse("--trust-remote-code")  # bare, as in vLLM: true
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' is not supported yet"):
+        parse("--kv-cache-dtype", "fp8")
+    with pytest.raises(ValueError, match=r"tensor_parallel_size \(jaxserve's parallel.model\) must be an integer"):
+        parse("--tensor-parallel-size", "two")

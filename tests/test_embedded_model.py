@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxserve import train_tiny
-from jaxserve.models import reference_generate
 from jaxserve.tokenizer import Tokenizer
+from tests import reference_generate
 from tests.conftest import TINY_MODEL
+from tools import train_tiny
 
 
 def test_embedded_model_greedy_accuracy(tiny_model):

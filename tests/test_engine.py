@@ -9,8 +9,8 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import load_config
-from jaxserve.train_tiny import held_out_problems
 from tests.conftest import ROOT
+from tools.train_tiny import held_out_problems
 
 TINY_CONFIG = ROOT / "configs" / "tiny.yaml"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
@@ -200,7 +200,7 @@ def test_stop_strings_stop_ids_min_tokens_ignore_eos(llm):
 
 def test_logprobs(llm):
     out = llm.generate("12+34=", SamplingParams(temperature=0, logprobs=3), use_tqdm=False)[0].outputs[0]
-    assert len(out.logprobs) == len(out.token_ids)
+    assert len(out.logprobs) == len(out.token_ids) == 3  # "46" and the end of sequence
     total = 0.0
     for token, entry in zip(out.token_ids, out.logprobs):
         assert token in entry and entry[token].rank == 1  # greedy picks the most likely token

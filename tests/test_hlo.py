@@ -10,6 +10,9 @@ import numpy as np
 from jaxserve.models import llama
 from jaxserve.models.layers import ModelBatch
 
+# `%name = f32[8,2,16]{2,1,0} opcode(...` (scalars have no layout): the shape's dims and the opcode
+INSTRUCTION = re.compile(r"= [a-z0-9]+\[([0-9,]*)\](?:\{[^}]*\})? ([a-z][a-z0-9-]*)\(")
+
 
 def test_step_donates_caches_and_copies_no_weights(hf_fixture):
     cfg, params = hf_fixture.model.config, hf_fixture.model.params
@@ -26,8 +29,14 @@ def test_step_donates_caches_and_copies_no_weights(hf_fixture):
     assert aliased == set(range(first_cache, first_cache + cfg.num_layers)), header[:300]
 
     big_shapes = {tuple(x.shape) for x in jax.tree.leaves(params) + caches if np.prod(x.shape) >= 64}
+    instructions = []  # (shape, opcode, line) of every array-valued instruction
     for line in hlo.splitlines():
-        match = re.search(r"= [a-z0-9]+\[([0-9,]*)\]\{[^}]*\} copy\(", line)
+        match = INSTRUCTION.search(line)
         if match:
-            shape = tuple(int(d) for d in match.group(1).split(",") if d)
+            instructions.append((tuple(int(d) for d in match.group(1).split(",") if d), match.group(2), line))
+    # The parser reads this HLO: every weight and cache is a parameter of its shape, and no copy escapes it.
+    assert big_shapes <= {shape for shape, opcode, _ in instructions if opcode == "parameter"}
+    assert sum(" copy(" in line for line in hlo.splitlines()) == sum(op == "copy" for _, op, _ in instructions)
+    for shape, opcode, line in instructions:
+        if opcode == "copy":
             assert shape not in big_shapes, f"a weight- or cache-shaped copy in the step: {line.strip()[:200]}"

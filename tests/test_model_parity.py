@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.models import llama, reference_generate
+from jaxserve.models import llama
+from tests import reference_generate
 
 ATOL = 1e-4  # float32; measured differences are ~1e-5
 NEW_TOKENS = 40

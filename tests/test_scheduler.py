@@ -284,15 +284,13 @@ def test_long_prefill_token_threshold_caps_a_chunk():
     assert chunks == [3, 3, 3, 1, 1]  # then decodes
 
 
-def test_non_chunked_config_with_budget_below_max_model_len_is_rejected_or_serves_every_prompt():
-    """A prompt that fits max_model_len but not max_num_batched_tokens must not wait forever."""
-    try:
-        scheduler = make_scheduler(max_num_batched_tokens=8, enable_chunked_prefill=False, max_model_len=64)
-    except ValueError:
-        return  # rejected up front, as vLLM does (max_num_batched_tokens >= max_model_len)
-    driver = Driver(scheduler)
-    driver.add(make_request("a", 12, max_tokens=2))
-    driver.run(max_steps=50)
+def test_non_chunked_config_with_budget_below_max_model_len_is_rejected():
+    """A prompt that fits max_model_len but not max_num_batched_tokens would wait forever: such a config is
+    refused up front, as vLLM does (max_num_batched_tokens >= max_model_len), naming both fixes."""
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(8\) is smaller than max_model_len \(64\).*"
+                                         r"enable chunked prefill or raise max_num_batched_tokens"):
+        make_scheduler(max_num_batched_tokens=8, enable_chunked_prefill=False, max_model_len=64)
+    make_scheduler(max_num_batched_tokens=64, enable_chunked_prefill=False, max_model_len=64)  # equal is fine
 
 
 # ---------------------------------------------------------------- preemption

@@ -1,4 +1,4 @@
-"""scripts/trace_summary.py on a small synthetic perfetto trace: per-step busy time by kernel kind and
+"""tools/trace_summary.py on a small synthetic perfetto trace: per-step busy time by kernel kind and
 one step's kernels by name."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def test_trace_summary_by_kernel(tmp_path):
     path = tmp_path / "perfetto_trace.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": meta + kernels}, f)
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "trace_summary.py"), str(path), "--steps", "3",
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "trace_summary.py"), str(path), "--steps", "3",
                           "--by-kernel"], capture_output=True, text=True, check=True).stdout
     assert "busy 0.016 ms/step (3 kernels)" in out and "gemm=0.010" in out and "all_reduce=0.006" in out
     assert "one step on GPU 0 (3 kernels, busy 16 us)" in out
@@ -46,7 +46,7 @@ def test_trace_summary_gaps(tmp_path):
     path = tmp_path / "perfetto_trace.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": meta + kernels}, f)
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "trace_summary.py"), str(path), "--steps", "2",
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "trace_summary.py"), str(path), "--steps", "2",
                           "--gaps"], capture_output=True, text=True, check=True).stdout
     # span 35 us (or 34.5 on GPU 1) over 2 steps; one 5 us gap (the 1 us ones are under the threshold)
     assert "/device:GPU:0: span 0.018 ms/step, gaps >= 2 us: 0.5 per step, 2.5 us per step" in out

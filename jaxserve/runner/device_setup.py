@@ -74,13 +74,44 @@ def setup_all_reduce(tp: TensorParallel | None, mode: str, dtype="bfloat16"):
     return tp, workspace.table(tp.mesh, MODEL_AXIS), workspace
 
 
+def private_directory(directory: str, option: str = "runner.compilation_cache_dir") -> Path:
+    """`directory` (~ expanded), made sure to be this user's alone; missing directories are created 0700.
+
+    Whoever can write the compilation cache chooses the code this process runs, so, like ssh's StrictModes,
+    refuse a directory reached through a symbolic link (any component: a link can be re-pointed), one owned
+    by another user, or one that group or others can write. An existing directory's mode is left as it is."""
+    path = Path(os.path.expanduser(directory)).absolute()
+    fix = f"set {option} to a directory of your own (or null to disable the persistent cache)"
+    current = Path(path.anchor)
+    for part in path.parts[1:]:
+        current = current / part
+        if current.is_symlink():
+            raise ValueError(f"{option} {str(path)!r} is reached through a symbolic link, {str(current)!r} -> "
+                             f"{os.readlink(current)!r}; use the real path ({os.path.realpath(path)!r}) or {fix}")
+        if not current.exists():
+            try:
+                current.mkdir(mode=0o700)
+                os.chmod(current, 0o700)  # exactly 0700, whatever the umask
+            except OSError as err:
+                raise ValueError(f"{option} {str(path)!r}: cannot create {str(current)!r} ({err}); {fix}") from None
+    info = path.stat()
+    if not path.is_dir():
+        raise ValueError(f"{option} {str(path)!r} exists and is not a directory; {fix}")
+    if info.st_uid != os.getuid():
+        raise ValueError(f"{option} {str(path)!r} is owned by uid {info.st_uid}, not by this user (uid "
+                         f"{os.getuid()}); {fix}")
+    if info.st_mode & 0o022:
+        raise ValueError(f"{option} {str(path)!r} is writable by group or others (mode "
+                         f"{oct(info.st_mode & 0o777)}); run chmod 700 {str(path)!r} or {fix}")
+    return path
+
+
 def enable_compilation_cache(directory: str | None) -> None:
-    """JAX's persistent compilation cache in a private (0700) directory. Its entries are trusted code."""
+    """JAX's persistent compilation cache in a private directory (`private_directory`). Its entries are
+    trusted code."""
     if not directory:
         return
-    path = Path(os.path.expanduser(directory))
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(path, 0o700)
+    path = private_directory(directory)
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)

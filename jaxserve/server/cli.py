@@ -1,8 +1,9 @@
 """`jaxserve serve [--config configs/x.yaml] [--host H] [--port P] [--api-key K] [--max-num-seqs N] ...`
 
     YAML config (default: jaxserve/configs/tiny.yaml, package data: the embedded model) --flags override
-    any field of any section (`--max-num-seqs 8`, `--policy fair`, `--model DIR` for model.path)
-    --> EngineConfig --> Engine, or DataParallelEngine when parallel.data > 1 (compiles its buckets)
+    any field of any section (`--max-num-seqs 8`, `--policy fair`, `--model DIR` for model.path), also by
+    vLLM's names (`--tensor-parallel-size 2`; jaxserve/config_flags.py) --> EngineConfig
+    --> Engine, or DataParallelEngine when parallel.data > 1 (compiles its buckets)
     --> build_app (which knows only the engine client interface) --> DrainingServer (uvicorn, h11)
     --> 0 on a clean exit
     parallel.process_id > 0 (multi-host): distributed.run_follower instead: no HTTP, follow process 0
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import logging
 import signal
 import sys
@@ -27,7 +27,8 @@ from pathlib import Path
 import uvicorn
 import yaml
 
-from jaxserve.config import DEFAULT_CONFIG, SECTIONS, EngineConfig, load_config
+from jaxserve import config_flags
+from jaxserve.config import DEFAULT_CONFIG, EngineConfig, load_config
 from jaxserve.server.app import build_app, served_model_name
 
 logger = logging.getLogger(__name__)
@@ -82,48 +83,17 @@ def build_server(config: EngineConfig, engine, log_level: str = "info") -> Drain
     return DrainingServer(uv_config, app.state.bridge, server.drain_timeout_s)
 
 
-def _flag_specs() -> dict[str, tuple[str, str, str]]:
-    """flag -> (section, field, type annotation) for every config field."""
-    specs: dict[str, tuple[str, str, str]] = {}
-    for section, cls in SECTIONS.items():
-        for field in dataclasses.fields(cls):
-            name = "model" if (section, field.name) == ("model", "path") else field.name
-            flag = "--" + name.replace("_", "-")
-            if flag in specs or flag in ("--config", "--log-level"):
-                flag = f"--{section}-{name.replace('_', '-')}"
-            specs[flag] = (section, field.name, str(field.type))
-    return specs
-
-
-def _parse_value(text: str, annotation: str):
-    if annotation in ("str", "str | None"):
-        return None if annotation == "str | None" and text in ("null", "none", "None") else text
-    return yaml.safe_load(text)
-
-
 def _config_from_args(argv: list[str]) -> tuple[EngineConfig, str]:
-    specs = _flag_specs()
     parser = argparse.ArgumentParser(prog="jaxserve serve", description="OpenAI-compatible server (README: Serving)")
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG,
                         help=f"YAML config (default {DEFAULT_CONFIG.name})")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    groups = {section: parser.add_argument_group(f"config section '{section}' (overrides the YAML)")
-              for section in SECTIONS}
-    for flag, (section, name, annotation) in specs.items():
-        if (section, name) == ("server", "api_key"):
-            groups[section].add_argument(flag, dest=flag, action="append", metavar="KEY",
-                                         help="server.api_key (repeatable: several keys)")
-        else:
-            groups[section].add_argument(flag, dest=flag, metavar="VALUE", help=f"{section}.{name} ({annotation})")
+    flags = config_flags.add_config_flags(parser, reserved={"--config", "--log-level"},
+                                          repeatable={"server.api_key"})
     args = vars(parser.parse_args(argv))
     config = load_config(args.pop("config"))
-    data = config.to_dict()
     log_level = args.pop("log_level")
-    for flag, value in args.items():
-        if value is not None:
-            section, name, annotation = specs[flag]
-            data[section][name] = value if isinstance(value, list) else _parse_value(value, annotation)
-    return EngineConfig.from_dict(data, source="command line"), log_level
+    return config.with_overrides(**config_flags.overrides(args, flags)), log_level
 
 
 def main(argv: list[str]) -> int:

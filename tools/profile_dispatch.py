@@ -1,6 +1,6 @@
 """Where the host time of ModelRunner.dispatch goes, on the device machine (8B dummy, batch 1).
 
-    PYTHONPATH=. python3 scripts/profile_dispatch.py [--config configs/llama3-8b-dummy.yaml]
+    PYTHONPATH=. python3 tools/profile_dispatch.py [--config configs/llama3-8b-dummy.yaml]
 
 Times each piece of dispatch with perf_counter after a warm-up: prepare (host numpy), the forward
 (staging the inputs into the step's reused buffers, then the step; returns once enqueued), the

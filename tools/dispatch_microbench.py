@@ -1,6 +1,6 @@
 """What a jitted call costs on the host per argument buffer, and what stacked-layer weights cost on device.
 
-    PYTHONPATH=. python3 scripts/dispatch_microbench.py [--part dispatch|stacked|all]
+    PYTHONPATH=. python3 tools/dispatch_microbench.py [--part dispatch|stacked|all]
 
 dispatch: host time of f(*args) (returns once enqueued) for N small arguments, made by device_put or
   by a jitted computation, on one device and sharded over every device, jit vs AOT-compiled.

@@ -1,6 +1,6 @@
-"""pallas_kernels/decode_gemm/mosaic_gpu.py: the Mosaic GPU decode GEMM and the fused gate/up + SwiGLU kernel (blocks
-of a persistent decode layer) in GPU interpret mode on the CPU, against a float32 product and the unfused
-ops, and their lowering for CUDA."""
+"""benchmarks/experimental/decode_gemm/mosaic_gpu.py: the Mosaic GPU decode GEMM and the fused gate/up +
+SwiGLU kernel (blocks of a persistent decode layer) in GPU interpret mode on the CPU, against a float32
+product and the unfused ops, and their lowering for CUDA."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.decode_gemm.mosaic_gpu import GemvConfig, gate_up_swiglu, gemv, swiglu_reference
+from benchmarks.experimental.decode_gemm.mosaic_gpu import GemvConfig, gate_up_swiglu, gemv, swiglu_reference
 
 
 @pytest.mark.parametrize("rows,k,n,config", [(16, 512, 128, GemvConfig(128, 1, 2)),

@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # Where the host time of a decode step goes on the device machine (8B dummy, batch 1), T=1 and T=2.
-#   bash scripts/devrun_dispatch.sh trace   # profile + jax.profiler trace, command buffers on/off
-#   bash scripts/devrun_dispatch.sh flags   # host time of the step under XLA command-buffer options
-#   bash scripts/devrun_dispatch.sh kernel  # T=2 with the one-shot all-reduce kernel: traces, update log
-#   bash scripts/devrun_dispatch.sh state   # T=1 / T=2 latency, then traces: device ms per step by kernel kind
-#   bash scripts/devrun_dispatch.sh ar      # the all-reduce kernels: GPU tests, latency; T=2 latency + trace
-#   bash scripts/devrun_dispatch.sh ratio   # GPU tests; T=1 and T=2 latency, default flags and SKIP_TEMP
-#   bash scripts/devrun_dispatch.sh buckets # T=1 / T=2 latency with the configs' token buckets, then with 1 and 4 added
-#   bash scripts/devrun_dispatch.sh cublas  # decode GEMMs with XLA's Triton GEMMs on/off; T=1 / T=2 latency off
-#   bash scripts/devrun_dispatch.sh t2 | hostcost  # T=2 with and without SKIP_TEMP; XLA's graph-update log
-#   bash scripts/devrun_dispatch.sh loop    # engine step period vs forwards queued back to back, T=1 and T=2
-#   bash scripts/devrun_dispatch.sh steady  # traces of 10 overlapped steps, T=1 and T=2: idle gaps, all-reduce skew
-#   bash scripts/devrun_dispatch.sh ab      # this tree against the files under .alt/ (same paths): GPU tests
+#   bash tools/devrun_dispatch.sh trace   # profile + jax.profiler trace, command buffers on/off
+#   bash tools/devrun_dispatch.sh flags   # host time of the step under XLA command-buffer options
+#   bash tools/devrun_dispatch.sh kernel  # T=2 with the one-shot all-reduce kernel: traces, update log
+#   bash tools/devrun_dispatch.sh state   # T=1 / T=2 latency, then traces: device ms per step by kernel kind
+#   bash tools/devrun_dispatch.sh ar      # the all-reduce kernels: GPU tests, latency; T=2 latency + trace
+#   bash tools/devrun_dispatch.sh ratio   # GPU tests; T=1 and T=2 latency, default flags and SKIP_TEMP
+#   bash tools/devrun_dispatch.sh buckets # T=1 / T=2 latency with the configs' token buckets, then with 1 and 4 added
+#   bash tools/devrun_dispatch.sh cublas  # decode GEMMs with XLA's Triton GEMMs on/off; T=1 / T=2 latency off
+#   bash tools/devrun_dispatch.sh t2 | hostcost  # T=2 with and without SKIP_TEMP; XLA's graph-update log
+#   bash tools/devrun_dispatch.sh loop    # engine step period vs forwards queued back to back, T=1 and T=2
+#   bash tools/devrun_dispatch.sh steady  # traces of 10 overlapped steps, T=1 and T=2: idle gaps, all-reduce skew
+#   bash tools/devrun_dispatch.sh ab      # this tree against the files under .alt/ (same paths): GPU tests
 #                                             (AB_TESTS=... to choose them), latency
 # Logs and traces under $OUT; a table last.
 set -u
@@ -27,14 +27,14 @@ run() {  # name config xla_flags [trace [steady]]: steady traces 10 overlapped s
   local extra="${EXTRA:-}" steps=5
   [ -n "$steady" ] && extra="$extra --overlap --trace-steps 10" && steps=10
   echo "=== $name ($config, XLA_FLAGS='$flags')"
-  XLA_FLAGS="$flags" timeout 240 python3 scripts/profile_dispatch.py --config "$config" --steps 20 $extra \
+  XLA_FLAGS="$flags" timeout 240 python3 tools/profile_dispatch.py --config "$config" --steps 20 $extra \
     ${trace:+--trace /tmp/trace_$name} > "$OUT/$name.log" 2>&1
   local rc=$?
   tail -10 "$OUT/$name.log"
   SUMMARY+=("$name rc=$rc $(grep -E '^  (forward|sample|prepare) ' "$OUT/$name.log" | awk '{printf "%s=%s ", $1, $2}')")
   grep -q "^loop of" "$OUT/$name.log" && SUMMARY+=("  $(grep "^loop of" "$OUT/$name.log")")
   if [ -n "$trace" ]; then
-    python3 scripts/trace_summary.py "/tmp/trace_$name" --top 16 --steps $steps --by-kernel --gaps \
+    python3 tools/trace_summary.py "/tmp/trace_$name" --top 16 --steps $steps --by-kernel --gaps \
       > "$OUT/${name}_trace.txt" 2>&1
     [ -n "$steady" ] || cp "$(find /tmp/trace_$name -name '*.json.gz' | head -1)" "$OUT/$name.json.gz" 2>/dev/null
     SUMMARY+=("$name trace: $(grep -E 'span .* ms/step|all-reduce kernels' "$OUT/${name}_trace.txt" | tr '\n' ' ')")
@@ -164,7 +164,7 @@ case ${1:-flags} in
     run t2 $T2 "" trace
     run t2_skip $T2 "--xla_gpu_command_buffer_update_mode=SKIP_TEMP"
     TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_buffer_cmd=1,command_executor=1 \
-      timeout 200 python3 scripts/profile_dispatch.py --config $T2 --steps 3 > "$OUT/t2_vlog.log" 2>&1
+      timeout 200 python3 tools/profile_dispatch.py --config $T2 --steps 3 > "$OUT/t2_vlog.log" 2>&1
     grep -E "updated_allocs|Updated [0-9]+ commands" "$OUT/t2_vlog.log" | tail -8
     ;;
   flags)
@@ -179,7 +179,7 @@ case ${1:-flags} in
     done
     # which allocations change between steps (XLA's own log)
     TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_buffer_cmd=1,command_executor=1 \
-      timeout 200 python3 scripts/profile_dispatch.py --config $T1 --steps 3 > "$OUT/t1_vlog.log" 2>&1
+      timeout 200 python3 tools/profile_dispatch.py --config $T1 --steps 3 > "$OUT/t1_vlog.log" 2>&1
     grep -E "updated_allocs|Updated [0-9]+ commands" "$OUT/t1_vlog.log" | tail -6
     ;;
 esac

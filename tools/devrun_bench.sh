@@ -1,6 +1,6 @@
 # End-to-end figures of issue 5 on the device machine (Llama-3-8B shape, random bf16 weights), in one
 # call; logs and JSON reports under $OUT.
-#   bash scripts/devrun_bench.sh [decode|throughput]
+#   bash tools/devrun_bench.sh [decode|throughput]
 #   decode (default): the tight-loop peer, then `jaxserve bench latency` at batch 1 and at batch 64 /
 #     context 2048, overlap on and off. The first bench process starts cold (empty compilation cache);
 #     later ones start warm from the persistent cache.
@@ -89,7 +89,7 @@ tp2)
   done
   # does the T=2 decode step's CUDA graph still get updated each step? (XLA's own log)
   TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=1 timeout 200 \
-    python3 scripts/profile_dispatch.py --config configs/llama3-8b-dummy-tp2.yaml --steps 20 > $OUT/vlog.log 2>&1
+    python3 tools/profile_dispatch.py --config configs/llama3-8b-dummy-tp2.yaml --steps 20 > $OUT/vlog.log 2>&1
   grep -v "^[IW]1" $OUT/vlog.log | tail -9
   echo "graph updates in the last 40 log lines:"; grep -E "command_buffer_thunk|command_executor" $OUT/vlog.log | tail -40 \
     | grep -oE "num_commands=[0-9]+; updated_allocs=[0-9]+|Updated [0-9]+ commands" | sort | uniq -c
@@ -111,6 +111,6 @@ final)
   $BENCH latency --config configs/llama3-8b-dummy-tp2.yaml --disable-tqdm --precompile false --batch-size 1 \
     --input-len 128 --output-len 256 --num-iters-warmup 1 --num-iters 3 --output-json $OUT/tp2_b1.json \
     > $OUT/tp2_b1.log 2>&1; tail -11 $OUT/tp2_b1.log
-  python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_flash_attention.py 2>&1 | tail -4
+  python3 -m pytest -q -m gpu -p no:cacheprovider benchmarks/experimental/tests/test_flash_attention.py 2>&1 | tail -4
   ;;
 esac

@@ -1,6 +1,6 @@
 """Summarize a jax.profiler perfetto trace (perfetto_trace.json.gz): time per event name per thread.
 
-    python scripts/trace_summary.py TRACE_DIR_OR_FILE [--top 25] [--steps N [--by-kernel] [--gaps]]
+    python tools/trace_summary.py TRACE_DIR_OR_FILE [--top 25] [--steps N [--by-kernel] [--gaps]]
 
 --steps N: device busy time per step by kernel kind (the trace holds N steps); with --by-kernel, also
 one step's kernels on GPU 0's busiest stream, by name: total, count and mean us (a middle step); with

@@ -8,7 +8,9 @@ training: the accuracy test draws its problems from there. The result is written
 Face layout (config.json, model.safetensors, tokenizer.json, tokenizer_config.json,
 generation_config.json) and loads through the same loader as any HF checkpoint.
 
-Usage: `jaxserve train-tiny --out jaxserve/assets/tiny-adder [--steps 30000]`.
+Usage: `python tools/train_tiny.py --out jaxserve/assets/tiny-adder [--steps 30000]`, after
+`pip install -e '.[train]'` (optax). The data helpers (`held_out_problems`, `sample_batch`) need no optax:
+the embedded-model tests import them.
 Measured: see `jaxserve/assets/tiny-adder/TRAINING.md`, written by the run that made the weights.
 """
 
@@ -23,7 +25,11 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
+
+try:
+    import optax
+except ImportError:  # only training needs it (the `train` extra); main() says so
+    optax = None
 
 from jaxserve.models import loader, registry
 
@@ -168,7 +174,7 @@ def save(params, out: Path, notes: str) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="jaxserve train-tiny", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="tools/train_tiny.py", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("jaxserve/assets/tiny-adder"))
     parser.add_argument("--steps", type=int, default=30000)
     parser.add_argument("--batch-size", type=int, default=512)
@@ -176,6 +182,8 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--chunk", type=int, default=500, help="optimizer steps per device call")
     args = parser.parse_args(argv)
+    if optax is None:
+        raise SystemExit("training needs optax: pip install -e '.[train]'")
 
     rng = np.random.default_rng(args.seed)
     params = FAMILY.init_params(MODEL_CONFIG, jax.random.key(args.seed), std=0.02)
@@ -200,7 +208,7 @@ def main(argv=None) -> None:
             log.append(line)
     final = accuracy(params, held_out)
     notes = (
-        f"# tiny-adder training record\n\nCommand: `jaxserve train-tiny --steps {args.steps} --batch-size "
+        f"# tiny-adder training record\n\nCommand: `python tools/train_tiny.py --steps {args.steps} --batch-size "
         f"{args.batch_size} --lr {args.lr} --seed {args.seed}`\n\nDevice: {jax.devices()[0].device_kind}; wall time "
         f"{time.time() - start:.0f} s (data drawn on the host).\n\nHeld-out accuracy (all {len(held_out)} held-out "
         f"problems, greedy): {final:.4f}\n\n```\n" + "\n".join(log) + "\n```\n"
