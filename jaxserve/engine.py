@@ -32,7 +32,7 @@ from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.sched_types import SchedulerOutput
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.models import llama, loader
-from jaxserve.outputs import OutputStream, RequestMetrics, RequestOutput
+from jaxserve.outputs import OutputStream, PromptLogprobsStream, RequestMetrics, RequestOutput
 from jaxserve.request import Request, RequestStatus
 from jaxserve.runner.model_runner import MAX_BANNED, ModelRunner, StepHandle
 from jaxserve.sampling_params import SamplingParams
@@ -66,6 +66,7 @@ class _Parent:
     streams: list[OutputStream]
     metrics: RequestMetrics
     finished: set[str] = dataclasses.field(default_factory=set)
+    prompt_logprobs: PromptLogprobsStream | None = None  # with SamplingParams.prompt_logprobs
 
 
 class Engine:
@@ -197,8 +198,13 @@ class Engine:
                 prepared.params, detokenize=False)
             streams.append(OutputStream(self.tokenizer, params, prepared.prompt_token_ids, index))
             self._child_to_parent[child_id] = (prepared.request_id, index)
+        prompt_logprobs = None
+        if prepared.params.prompt_logprobs is not None:
+            prompt_logprobs = PromptLogprobsStream(self.tokenizer if prepared.params.detokenize else None,
+                                                   prepared.prompt_token_ids)
         self._parents[prepared.request_id] = _Parent(prepared, child_ids, requests, streams,
-                                                     RequestMetrics(prepared.arrival_time))
+                                                     RequestMetrics(prepared.arrival_time),
+                                                     prompt_logprobs=prompt_logprobs)
 
     def add_request(self, prompt, params: SamplingParams | None = None, **kwargs) -> str:
         prepared = self.prepare_request(prompt, params, **kwargs)
@@ -256,6 +262,10 @@ class Engine:
         t_collected = time.perf_counter()
         changed: dict[str, _Parent] = {}
         now = time.monotonic()
+        for chunk in runner_output.prompt_logprobs or ():  # before the outputs that carry them
+            parent = self._parents.get(self._child_to_parent.get(chunk.request_id, ("", 0))[0])
+            if parent is not None and parent.prompt_logprobs is not None:
+                parent.prompt_logprobs.add(chunk)
         updates = self.scheduler.update_from_output(out, runner_output)
         finished, logprobs = updates.finished, updates.logprobs
         for i, (request, token) in enumerate(zip(updates.requests, updates.tokens)):
@@ -312,4 +322,6 @@ class Engine:
                 self._child_to_parent.pop(child_id, None)
         return RequestOutput(prepared.request_id, prepared.prompt, prepared.prompt_token_ids,
                              [stream.completion_output() for stream in parent.streams], finished,
-                             max(parent.requests[0].num_cached_tokens, 0), metrics=parent.metrics)
+                             max(parent.requests[0].num_cached_tokens, 0),
+                             parent.prompt_logprobs.result() if parent.prompt_logprobs is not None else None,
+                             metrics=parent.metrics)
