@@ -279,10 +279,9 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """The longest cached run of the request's full blocks from its start; takes no references.
 
-        Covers at most num_tokens - 1 tokens: the last token is always computed, for its logits. A request
-        asking for prompt logprobs takes no hit (as vLLM): every prompt position must be computed for them.
+        Covers at most num_tokens - 1 tokens: the last token is always computed, for its logits.
         """
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        if not self.enable_caching:
             return [], 0
         # NOTE: the hashes are kept for a waiting request too (it may be refused and retried);
         # free() forgets them, so every request must end in free(), aborted ones included.
