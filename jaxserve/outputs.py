@@ -6,7 +6,8 @@ that produces it.
         ├─ stop strings searched in the delta (+ lookback) ──► matched stop string: text truncated, returned
         └─ Logprobs ──► dict[token_id, Logprob] (sampled token first, then the top-N), cumulative_logprob
     engine: finish(finish_reason, stop_reason) ──► completion_output() ──► RequestOutput
-    runner PromptLogprobs chunks ──► PromptLogprobsStream.add (by prompt position) ──► RequestOutput.prompt_logprobs
+    runner PromptLogprobs chunks ──► PromptLogprobsStream.add (by prompt position)
+        ──► RequestOutput.prompt_logprobs
 
 Text semantics follow vLLM V1: the text never contains the stop string that ended the request (unless
 include_stop_str_in_output); a token that ended the request (eos or a stop_token_id) is left out of the text

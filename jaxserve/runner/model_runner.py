@@ -217,8 +217,8 @@ class ModelRunner:
         self._prompt_requests = {t: max(r for t2, r in self.buckets.precompile_plan() if t2 == t)
                                  for t in self.buckets.token_buckets}
         self._last: StepHandle | None = None  # the last dispatched step
-        # Ahead-of-time executables by ("forward", T, R, decode_only, twin) / ("stage", T, R) /
-        # ("sample", R, variant...), from precompile().
+        # Ahead-of-time executables by ("forward", T, R, decode_only, twin) / ("forward_prompt", T, R) /
+        # ("stage", T, R) / ("sample", R, variant...), from precompile().
         self._compiled: dict[tuple, jax.stages.Compiled] = {}
         # Device buffers reused by donation (_run_forward): staged inputs by (T, R), logits by R.
         self._staged: dict[tuple[int, int], ModelBatch] = {}
@@ -495,7 +495,8 @@ class ModelRunner:
 
     # ---- start-up ----
     def precompile(self, progress: bool = True) -> int:
-        """Compile every (T, R) forward bucket and every sampler variant; returns the number compiled.
+        """Compile every (T, R) forward bucket, the prompt-logprob variant of each T, and every sampler
+        variant; returns the number compiled.
 
         Each one is lowered and compiled ahead of time in a thread pool (XLA compiles without holding
         the GIL, so the shapes compile side by side; warm starts read the persistent cache side by
