@@ -131,7 +131,7 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0  # > 0: cap one request's prefill chunk per step
     policy: str = "fcfs"  # fcfs | priority (lower value first, then arrival) | fair (per-tenant VTC, core/fairness.py)
     max_n: int = 64  # cap on SamplingParams.n
-    max_logprobs: int = 20
+    max_logprobs: int = 20  # cap on SamplingParams.logprobs and prompt_logprobs; -1: the whole vocabulary
     # Overlap scheduling: step N+1 is dispatched before step N's tokens are read back (docs/ARCHITECTURE.md §4).
     async_scheduling: bool = True
 
@@ -139,6 +139,9 @@ class SchedulerConfig:
         _check_fields(self, "scheduler")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("scheduler.max_num_batched_tokens and scheduler.max_num_seqs must be >= 1")
+        if self.max_logprobs < -1:
+            raise ValueError(f"scheduler.max_logprobs must be >= 0, or -1 for the whole vocabulary, "
+                             f"got {self.max_logprobs}")
         if self.policy not in ("fcfs", "priority", "fair"):
             raise ValueError(f"scheduler.policy must be fcfs, priority or fair, got {self.policy!r}")
 

@@ -196,6 +196,8 @@ class Engine:
         t_collect = time.perf_counter()
         runner_output = self.runner.collect(handle)
         t_collected = time.perf_counter()
+        if runner_output.prompt_logprobs:  # before the outputs that carry them
+            self.output_processor.add_prompt_logprobs(runner_output.prompt_logprobs)
         updates = self.scheduler.update_from_output(out, runner_output)
         outputs, stopped = self.output_processor.process(updates, final_only)
         if stopped:  # by a stop string: the scheduler frees them now

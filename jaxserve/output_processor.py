@@ -16,9 +16,10 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from jaxserve.core.sched_types import PromptLogprobs
 from jaxserve.core.scheduler import StepUpdates
 from jaxserve.input_processor import PreparedRequest
-from jaxserve.outputs import OutputStream, RequestMetrics, RequestOutput
+from jaxserve.outputs import OutputStream, PromptLogprobsStream, RequestMetrics, RequestOutput
 from jaxserve.request import Request, RequestStatus
 from jaxserve.tokenizer import Tokenizer
 
@@ -31,6 +32,7 @@ class _Parent:
     streams: list[OutputStream]
     metrics: RequestMetrics
     finished: set[str] = dataclasses.field(default_factory=set)
+    prompt_logprobs: PromptLogprobsStream | None = None  # with SamplingParams.prompt_logprobs
 
 
 class OutputProcessor:
@@ -62,8 +64,20 @@ class OutputProcessor:
         child_ids = [request.request_id for request in requests]
         for index, child_id in enumerate(child_ids):
             self._child_to_parent[child_id] = (prepared.request_id, index)
+        prompt_logprobs = None
+        if prepared.params.prompt_logprobs is not None:
+            prompt_logprobs = PromptLogprobsStream(self.tokenizer if params.detokenize else None,
+                                                   prepared.prompt_token_ids)
         self._parents[prepared.request_id] = _Parent(prepared, child_ids, requests, streams,
-                                                     RequestMetrics(prepared.arrival_time))
+                                                     RequestMetrics(prepared.arrival_time), prompt_logprobs=prompt_logprobs)
+
+    def add_prompt_logprobs(self, chunks: list[PromptLogprobs]) -> None:
+        """A step's prompt log-probs (runs of prompt positions per child), before that step's tokens."""
+        for chunk in chunks:
+            parent_id, _ = self._child_to_parent.get(chunk.request_id, (None, 0))
+            parent = self._parents.get(parent_id)
+            if parent is not None and parent.prompt_logprobs is not None:
+                parent.prompt_logprobs.add(chunk)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Finish every unfinished child of `request_id` with "abort"; its final output (None if unknown)."""
@@ -115,4 +129,6 @@ class OutputProcessor:
                 self._child_to_parent.pop(child_id, None)
         return RequestOutput(prepared.request_id, prepared.prompt, prepared.prompt_token_ids,
                              [stream.completion_output() for stream in parent.streams], finished,
-                             max(parent.requests[0].num_cached_tokens, 0), metrics=parent.metrics)
+                             max(parent.requests[0].num_cached_tokens, 0),
+                             parent.prompt_logprobs.result() if parent.prompt_logprobs is not None else None,
+                             metrics=parent.metrics)

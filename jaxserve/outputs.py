@@ -7,6 +7,8 @@ that produces it.
         │  listed, when several complete at one token): text truncated, returned
         └─ Logprobs ──► dict[token_id, Logprob] (sampled token first, then the top-N), cumulative_logprob
     engine: finish(finish_reason, stop_reason) ──► completion_output() ──► RequestOutput
+    runner PromptLogprobs chunks ──► PromptLogprobsStream.add (by prompt position)
+        ──► RequestOutput.prompt_logprobs
 
 Text semantics follow vLLM V1: the text never contains the stop string that ended the request (unless
 include_stop_str_in_output); a token that ended the request (eos or a stop_token_id) is left out of the text
@@ -25,9 +27,9 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 if TYPE_CHECKING:
-    from jaxserve.core.sched_types import Logprobs
+    from jaxserve.core.sched_types import Logprobs, PromptLogprobs
 
-__all__ = ["CompletionOutput", "Logprob", "OutputStream", "RequestMetrics", "RequestOutput"]
+__all__ = ["CompletionOutput", "Logprob", "OutputStream", "PromptLogprobsStream", "RequestMetrics", "RequestOutput"]
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -76,7 +78,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    prompt_logprobs: None = None  # for vLLM compatibility; prompt logprobs are not supported yet
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, the first None (nothing scores it),
+    # entry i = {prompt token i: its Logprob, then the top-N by rank}; None until every entry is known.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     metrics: RequestMetrics | None = None
 
 
@@ -160,28 +164,16 @@ class OutputStream:
         return None
 
     def _add_logprobs(self, new_token_ids: list[int], logprobs_per_token: Sequence[Logprobs | None] | None) -> None:
-        num_top = self.params.logprobs
+        num_top = self.params.logprobs if self.params.logprobs != -1 else None  # -1: all (the runner sliced them)
         if (logprobs_per_token is None or len(logprobs_per_token) != len(new_token_ids)
                 or any(entry is None for entry in logprobs_per_token)):
             raise ValueError(f"logprobs={num_top} was requested, so each of the {len(new_token_ids)} new tokens "
                              f"needs a Logprobs, got {logprobs_per_token!r}")
+        decode = self.tokenizer if self._detokenizer is not None else None
         for token_id, entry in zip(new_token_ids, logprobs_per_token):
-            # Sampled token first, then the top-N by rank (vLLM's order); a sampled token that is also in the
-            # top-N keeps its first position, with the same values.
-            entries = {token_id: Logprob(entry.sampled_logprob, entry.sampled_rank, self._decode_one(token_id))}
-            for rank, (top_id, top_logprob) in enumerate(zip(entry.top_token_ids[:num_top],
-                                                             entry.top_logprobs[:num_top]), start=1):
-                if top_id not in entries:
-                    entries[top_id] = Logprob(top_logprob, rank, self._decode_one(top_id))
-            self.logprobs.append(entries)
+            self.logprobs.append(logprob_entry(token_id, entry.sampled_logprob, entry.sampled_rank,
+                                               entry.top_token_ids[:num_top], entry.top_logprobs[:num_top], decode))
             self.cumulative_logprob += entry.sampled_logprob
-
-    def _decode_one(self, token_id: int) -> str | None:
-        # NOTE: vLLM decodes each id alone without skipping special tokens (eos shows as "</s>"); a byte that is
-        # part of a character decodes to U+FFFD. None when detokenize=False, as vLLM.
-        if self._detokenizer is None:
-            return None
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def finish(self, finish_reason: str, stop_reason: int | str | None = None) -> str | None:
         """Mark the sequence finished and flush held-back text. If the flushed text completes a stop string
@@ -214,3 +206,49 @@ class OutputStream:
             cumulative_logprob=self.cumulative_logprob,
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
             finish_reason=self.finish_reason, stop_reason=self.stop_reason)
+
+
+def logprob_entry(token_id: int, logprob: float, rank: int, top_ids: Sequence[int], top_logprobs: Sequence[float],
+                  tokenizer: Tokenizer | None) -> dict[int, Logprob]:
+    """One position's logprobs dict in vLLM's order: the chosen (sampled or prompt) token first, then the
+    top-N by rank; a chosen token that is also in the top-N keeps its first position, with the same values.
+    Each token is decoded alone without skipping special tokens (as vLLM: eos shows as "</s>", a byte that
+    is part of a character as U+FFFD); decoded_token is None without a tokenizer (detokenize=False)."""
+
+    def decode(token: int) -> str | None:
+        return tokenizer.decode([token], skip_special_tokens=False) if tokenizer is not None else None
+
+    entries = {token_id: Logprob(logprob, rank, decode(token_id))}
+    for top_rank, (top_id, top_logprob) in enumerate(zip(top_ids, top_logprobs), start=1):
+        if top_id not in entries:
+            entries[top_id] = Logprob(top_logprob, top_rank, decode(top_id))
+    return entries
+
+
+class PromptLogprobsStream:
+    """The prompt logprobs of one request, filled by prompt position from the runner's chunks.
+
+    A position already filled ignores a later chunk (a preempted request recomputes its prompt; the n
+    sequences of a request each compute them), so entries are neither lost nor repeated. A chunk whose
+    scored tokens are not this prompt's (a stale chunk of an earlier request with the same id) is dropped.
+    """
+
+    def __init__(self, tokenizer: Tokenizer | None, prompt_token_ids: Sequence[int]):
+        self.tokenizer = tokenizer
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.entries: list[dict[int, Logprob] | None] = [None] * len(self.prompt_token_ids)
+        self.num_missing = len(self.prompt_token_ids) - 1
+
+    def add(self, chunk: PromptLogprobs) -> None:
+        stop = chunk.start + len(chunk.token_ids)
+        if chunk.start < 1 or self.prompt_token_ids[chunk.start: stop] != list(chunk.token_ids):
+            return
+        for i, position in enumerate(range(chunk.start, stop)):
+            if self.entries[position] is None:
+                self.entries[position] = logprob_entry(chunk.token_ids[i], chunk.logprobs[i], chunk.ranks[i],
+                                                       chunk.top_token_ids[i], chunk.top_logprobs[i], self.tokenizer)
+                self.num_missing -= 1
+
+    def result(self) -> list[dict[int, Logprob] | None] | None:
+        """Every entry (the first None) once all are known, else None."""
+        return list(self.entries) if self.num_missing == 0 else None

@@ -66,8 +66,9 @@ class SamplingParams:
     ignore_eos: bool = False
     max_tokens: int | None = 16  # None = as many as fit in max_model_len (resolved by the engine)
     min_tokens: int = 0  # eos / stop_token_ids / stop strings are not honoured before this many tokens
-    logprobs: int | None = None  # top-N logprobs per generated token (plus the sampled one); None = off
-    prompt_logprobs: int | None = None  # not supported yet: must be None
+    logprobs: int | None = None  # top-N logprobs per generated token (plus the sampled one); -1 = all; None = off
+    # per prompt token (the first has none): its logprob and rank, plus the top-N; -1 = all; None = off
+    prompt_logprobs: int | None = None
     detokenize: bool = True
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -152,10 +153,10 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
                              f"got {self.min_tokens}")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be non-negative (or None for none), got {self.logprobs}")
-        if self.prompt_logprobs is not None:
-            raise ValueError(f"prompt_logprobs is not supported yet, got {self.prompt_logprobs}; leave it None")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (value := getattr(self, name)) is not None and value < -1:
+                raise ValueError(f"{name} must be non-negative, or -1 for the whole vocabulary (or None for none), "
+                                 f"got {value}")
         if any(not s for s in self.stop):
             raise ValueError(f"stop strings must be non-empty, got stop={self.stop!r}")
         if self.stop and not self.detokenize:
@@ -169,9 +170,14 @@ class SamplingParams:
         if self.n > max_n:
             raise ValueError(f"n must be at most {max_n}, got {self.n}; raise scheduler.max_n in the engine "
                              "config to allow more")
-        if self.logprobs is not None and self.logprobs > max_logprobs:
-            raise ValueError(f"logprobs must be at most {max_logprobs}, got {self.logprobs}; raise "
-                             "scheduler.max_logprobs in the engine config to allow more")
+        # As vLLM: -1 asks for the whole vocabulary, and scheduler.max_logprobs = -1 allows it.
+        limit = vocab_size if max_logprobs == -1 else max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (vocab_size if value == -1 else value) > limit:
+                raise ValueError(f"{name} must be at most {limit}, got {value}"
+                                 f"{f' (the whole vocabulary, {vocab_size})' if value == -1 else ''}; raise "
+                                 "scheduler.max_logprobs in the engine config (-1: no limit) to allow more")
         for token_id in self.stop_token_ids:
             if token_id >= vocab_size:
                 raise ValueError(f"stop_token_ids: token id {token_id} is out of vocabulary "

@@ -102,6 +102,23 @@ def test_steady_state_never_compiles(llm):
     assert_no_leaks(llm)
 
 
+def test_prompt_logprobs_steps_never_compile(llm):
+    """Steps with prompt logprobs run their precompiled variant at every token bucket, mixed with plain
+    requests, and plain requests give the same tokens beside them."""
+    cases = problems(64, seed=9)
+    plain = SamplingParams(temperature=0.0, max_tokens=3)
+    scored = SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=2)
+    with jax.no_tracing():
+        for size in (1, 5, 64):
+            batch = [f"{a}+{b}=" for a, b in cases[:size]]
+            mixed = llm.generate(batch, [scored if i % 2 == 0 else plain for i in range(size)], use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in mixed] == \
+                [o.outputs[0].token_ids for o in llm.generate(batch, plain, use_tqdm=False)]
+            assert all((o.prompt_logprobs is not None) == (i % 2 == 0) for i, o in enumerate(mixed))
+            assert all(len(o.prompt_logprobs) == len(o.prompt_token_ids) for o in mixed[::2])
+    assert_no_leaks(llm)
+
+
 def test_decode_steps_take_the_decode_only_path(llm, monkeypatch):
     """The step function gets decode_only=True exactly when every request has one token (token r
     being request r's), so the kernels may skip their prefill path; mixed and prefill steps do not."""

@@ -103,10 +103,10 @@ BAD = [  # (kwargs, substrings the message must contain: the parameter, and the 
     (dict(min_tokens=-1), ["min_tokens must be greater than or equal to 0", "-1"]),
     (dict(min_tokens=17), ["min_tokens must be less than or equal to max_tokens=16", "got 17"]),
     (dict(min_tokens=5, max_tokens=4), ["min_tokens", "max_tokens=4", "got 5"]),
-    (dict(logprobs=-1), ["logprobs must be non-negative", "-1"]),
+    (dict(logprobs=-2), ["logprobs must be non-negative, or -1 for the whole vocabulary", "got -2"]),
     (dict(logprobs=2.5), ["logprobs must be an integer", "2.5"]),
-    (dict(prompt_logprobs=0), ["prompt_logprobs is not supported yet", "got 0"]),
-    (dict(prompt_logprobs=5), ["prompt_logprobs is not supported yet", "got 5"]),
+    (dict(prompt_logprobs=-2), ["prompt_logprobs must be non-negative, or -1", "got -2"]),
+    (dict(prompt_logprobs=1.0), ["prompt_logprobs must be an integer", "1.0"]),
     (dict(stop=[""]), ["stop strings must be non-empty", "['']"]),
     (dict(stop=""), ["stop strings must be non-empty"]),
     (dict(stop=["ok", ""]), ["stop strings must be non-empty", "['ok', '']"]),
@@ -136,7 +136,7 @@ def test_bad_values_raise_value_error_naming_parameter_and_value(kwargs, expecte
     dict(top_k=-1), dict(top_k=0), dict(top_k=1), dict(top_p=1.0), dict(top_p=1e-6), dict(min_p=0.0),
     dict(min_p=1.0), dict(presence_penalty=-2.0), dict(frequency_penalty=2.0), dict(repetition_penalty=1e-3),
     dict(temperature=0.0), dict(temperature=5.0), dict(seed=2**63 - 1), dict(seed=-(2**63)), dict(logprobs=0),
-    dict(max_tokens=1), dict(min_tokens=16), dict(stop_token_ids=[0]), dict(detokenize=False),
+    dict(logprobs=-1), dict(prompt_logprobs=0), dict(prompt_logprobs=-1), dict(max_tokens=1), dict(min_tokens=16), dict(stop_token_ids=[0]), dict(detokenize=False),
     dict(stop=["a"], include_stop_str_in_output=True),
 ])
 def test_boundary_values_are_accepted(kwargs):
@@ -147,8 +147,13 @@ def test_verify_against_engine():
     limits = dict(max_n=8, max_logprobs=20, vocab_size=100)
     SamplingParams(n=8, logprobs=20, stop_token_ids=[0, 99]).verify_against_engine(**limits)
     SamplingParams().verify_against_engine(**limits)
+    # As vLLM: -1 is the whole vocabulary, allowed where max_logprobs covers it (or is -1 itself).
+    SamplingParams(logprobs=-1, prompt_logprobs=-1).verify_against_engine(**{**limits, "max_logprobs": -1})
+    SamplingParams(prompt_logprobs=-1).verify_against_engine(**{**limits, "max_logprobs": 100})
     cases = [(dict(n=9), ["n must be at most 8", "got 9"]),
              (dict(logprobs=21), ["logprobs must be at most 20", "got 21"]),
+             (dict(prompt_logprobs=21), ["prompt_logprobs must be at most 20", "got 21"]),
+             (dict(prompt_logprobs=-1), ["prompt_logprobs must be at most 20", "got -1 (the whole vocabulary, 100)"]),
              (dict(stop_token_ids=[3, 100]), ["stop_token_ids", "token id 100 is out of vocabulary", "100"])]
     for kwargs, expected in cases:
         with pytest.raises(ValueError) as info:

@@ -174,6 +174,41 @@ def test_echo_and_logprobs(client):
     assert all(len(entry.top_logprobs) == 2 and entry.top_logprobs[0].token == entry.token for entry in content)
 
 
+def test_echo_with_logprobs_scores_the_prompt(client, http):
+    """lm-evaluation-harness's loglikelihood call (echo, logprobs=1, max_tokens 0 or 1) in vLLM's legacy
+    format: the prompt's tokens first (the first one unscored), then the generated one; text offsets run on
+    through both; the same values as vLLM's prompt_logprobs field."""
+    prompt_tokens = ["<s>", "1", "2", "+", "3", "4", "="]
+    scored = client.completions.create(model=MODEL, prompt="12+34=", temperature=0, echo=True, logprobs=1,
+                                       max_tokens=0, extra_body={"prompt_logprobs": 2})
+    choice = scored.choices[0]
+    assert choice.text == "12+34=" and choice.logprobs.tokens == prompt_tokens
+    assert choice.logprobs.text_offset == [0, 3, 4, 5, 6, 7, 8]  # each token's decoded length: "<s>" is 3
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+    assert all(lp <= 0 for lp in choice.logprobs.token_logprobs[1:])
+    for token, top in zip(prompt_tokens[1:], choice.logprobs.top_logprobs[1:]):
+        assert token in top and 1 <= len(top) <= 2  # the prompt token and the top-1
+    prompt_logprobs = choice.model_extra["prompt_logprobs"]
+    assert len(prompt_logprobs) == 7 and prompt_logprobs[0] is None
+    for token_logprob, entry in zip(choice.logprobs.token_logprobs[1:], prompt_logprobs[1:]):
+        first = next(iter(entry.values()))  # the prompt token first, keyed by its id
+        assert first["logprob"] == pytest.approx(token_logprob) and first["rank"] >= 1
+        assert {lp["rank"] for lp in entry.values()} >= {1, 2} and set(first) == {"logprob", "rank", "decoded_token"}
+    assert list(prompt_logprobs[6])[0] == "15" and len(prompt_logprobs[6]) in (2, 3)  # "=" (id 15), then the top-2
+
+    with_one = client.completions.create(model=MODEL, prompt="12+34=", temperature=0, echo=True, logprobs=1,
+                                         max_tokens=1).choices[0]
+    assert with_one.text == "12+34=4" and with_one.logprobs.tokens == prompt_tokens + ["4"]
+    assert with_one.logprobs.token_logprobs[:-1] == pytest.approx(choice.logprobs.token_logprobs)
+    assert with_one.logprobs.text_offset[-1] == 9 and with_one.logprobs.token_logprobs[-1] <= 0
+    assert with_one.model_extra["prompt_logprobs"] is not None  # echo with logprobs asks for them (as vLLM)
+
+    chat = http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 1, "prompt_logprobs": 0}).json()
+    assert chat["prompt_logprobs"][0] is None and all(len(entry) == 1 for entry in chat["prompt_logprobs"][1:])
+    plain = http.post("/v1/completions", json={"prompt": "1+1=", "max_tokens": 1}).json()
+    assert plain["choices"][0]["prompt_logprobs"] is None
+
+
 def test_models_health_metrics(live, http):
     models = http.get("/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL] and models["data"][0]["max_model_len"] == 32
@@ -219,6 +254,8 @@ BAD_INPUTS = [  # (case group, route, body, status, param, words in the message)
     ("1", "chat", {"messages": [{"role": "user", "content": "1+" * 20}]}, 400, "messages", "maximum model length"),
     ("2", "completions", {"prompt": "12+34=", "max_tokens": 30}, 400, "max_tokens", "max_model_len"),
     ("3", "completions", {**GOOD, "max_tokens": 0}, 400, "max_tokens", "greater than or equal to 1"),
+    ("3", "chat", {**CHAT, "max_tokens": 0}, 400, "max_tokens", "greater than or equal to 1"),
+    ("3", "completions", {**GOOD, "max_tokens": 0, "echo": True, "stream": True}, 400, "echo", "stream=true"),
     ("3", "completions", {**GOOD, "min_tokens": 5}, 400, "min_tokens", "less than or equal to max_tokens"),
     ("4", "completions", {**GOOD, "temperature": -1}, 400, "temperature", "non-negative"),
     ("4", "completions", b'{"prompt": "1+1=", "temperature": NaN}', 400, "temperature", "finite"),
@@ -233,7 +270,11 @@ BAD_INPUTS = [  # (case group, route, body, status, param, words in the message)
     ("6", "completions", {**GOOD, "n": 100, "temperature": 1}, 400, "n", "at most 64"),
     ("7", "completions", {**GOOD, "logprobs": 10**6}, 400, "logprobs", "less than or equal"),
     ("7", "completions", {**GOOD, "logprobs": 21}, 400, "logprobs", "at most 20"),
-    ("7", "completions", {**GOOD, "logprobs": -1}, 400, "logprobs", "greater than or equal to 0"),
+    ("7", "completions", {**GOOD, "logprobs": -2}, 400, "logprobs", "greater than or equal to -1"),
+    ("7", "completions", {**GOOD, "prompt_logprobs": 21}, 400, "prompt_logprobs", "at most 20"),
+    ("7", "completions", {**GOOD, "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs", "stream=true"),
+    ("7", "chat", {**CHAT, "prompt_logprobs": -2}, 400, "prompt_logprobs", "greater than or equal to -1"),
+    ("7", "completions", {**GOOD, "echo": True, "logprobs": 1, "stream": True}, 400, "echo", "stream=true"),
     ("7", "chat", {**CHAT, "top_logprobs": 2}, 400, "top_logprobs", "logprobs=true"),
     ("8", "completions", {**GOOD, "model": "gpt-4"}, 404, "model", "The model `gpt-4` does not exist."),
     ("9", "completions", b'{"prompt": "1+1=",', 400, None, "not valid UTF-8 JSON"),

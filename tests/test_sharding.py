@@ -243,22 +243,32 @@ def tiny_tp2():
 
 def test_embedded_model_tensor_parallel_equals_single_device(tiny_tp2):
     prompts = [f"{a}+{b}=" for a in range(3, 1000, 97) for b in (0, 58, 941)]
-    params = SamplingParams(temperature=0.0, max_tokens=8)
+    # Some with prompt logprobs: their lm head runs outside the step's shard_map, partitioned by XLA.
+    params = [SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=2 if i % 3 == 0 else None)
+              for i in range(len(prompts))]
     single = LLM(config=load_config(ROOT / "configs" / "tiny.yaml", token_buckets=[32], request_buckets=[8],
                                     max_num_batched_tokens=32, max_num_seqs=8, precompile=False,
                                     compilation_cache_dir=None), progress=False)
-    expected = [o.outputs[0].text for o in single.generate(prompts, params, use_tqdm=False)]
-    assert [o.outputs[0].text for o in tiny_tp2.generate(prompts, params, use_tqdm=False)] == expected
+
+    def results(llm):
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        scored = [(t, lp.rank, lp.logprob) for o in outputs[::3] for e in o.prompt_logprobs[1:] for t, lp in e.items()]
+        return [o.outputs[0].text for o in outputs], [s[:2] for s in scored], [s[2] for s in scored]
+
+    texts, ranked, logprobs = results(single)
     four = LLM(config=dataclasses.replace(tiny_tp2.config, parallel=ParallelConfig(model=4),
                                           runner=dataclasses.replace(tiny_tp2.config.runner, precompile=False)),
                progress=False)
-    assert [o.outputs[0].text for o in four.generate(prompts, params, use_tqdm=False)] == expected
+    for llm in (tiny_tp2, four):
+        got_texts, got_ranked, got_logprobs = results(llm)
+        assert got_texts == texts and got_ranked == ranked
+        np.testing.assert_allclose(got_logprobs, logprobs, atol=1e-4)
 
 
 def test_tensor_parallel_steady_state_never_compiles(tiny_tp2):
     tiny_tp2.generate(["1+1="], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     mixed = [SamplingParams(temperature=0.0, max_tokens=6), SamplingParams(temperature=0.8, top_p=0.9, seed=3),
-             SamplingParams(temperature=1.0, top_k=3, logprobs=2, repetition_penalty=1.2)]
+             SamplingParams(temperature=1.0, top_k=3, logprobs=2, repetition_penalty=1.2, prompt_logprobs=1)]
     with jax.no_tracing():
         for size in (1, 5, 12):
             prompts = [f"{a}+{a * 7 % 1000}=" for a in range(size)]

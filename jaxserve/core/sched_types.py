@@ -91,8 +91,23 @@ class Logprobs:
     top_logprobs: list[float]
 
 
+@dataclasses.dataclass(slots=True)
+class PromptLogprobs:
+    """Prompt log-probabilities of one request's prefill chunk: entries `start` .. `start + n - 1` of its
+    prompt_logprobs, entry i scoring prompt token i (`token_ids`) given the tokens before it."""
+
+    request_id: str
+    start: int  # >= 1: prompt token 0 has no entry
+    token_ids: list[int]  # the prompt tokens scored
+    logprobs: list[float]
+    ranks: list[int]  # 1 = the most likely token
+    top_token_ids: list[list[int]]  # per entry, the request's top-N
+    top_logprobs: list[list[float]]
+
+
 @dataclasses.dataclass
 class RunnerOutput:
     request_ids: list[str]  # requests that sampled this step, in batch order
     sampled_token_ids: list[int]
     logprobs: list[Logprobs | None] | None = None  # per sampled request when any asked for logprobs
+    prompt_logprobs: list[PromptLogprobs] | None = None  # the step's chunks of requests asking prompt_logprobs

@@ -251,7 +251,10 @@ class Scheduler:
         # Then waiting requests, unless this step had to preempt.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
-            computed_ids, num_hit = self.kv_cache.get_computed_blocks(request)
+            # As vLLM, a request asking for prompt logprobs takes no prefix-cache hit: they need every
+            # prompt position computed (its blocks are still cached for others).
+            computed_ids, num_hit = (self.kv_cache.get_computed_blocks(request)
+                                     if request.sampling_params.prompt_logprobs is None else ([], 0))
             if not self.config.enable_chunked_prefill and request.num_tokens - num_hit > budget:
                 break
             request.num_computed_tokens = num_hit

@@ -13,8 +13,10 @@ the fields of `ModelConfig`; everything else about the model stays inside the fa
     hf_tensor_table(config) -> {HF tensor name: HFTensor}       where each checkpoint tensor goes in the params
     param_placer(tp) -> place(path, array) -> jax.Array         each tensor straight into its tensor-parallel
                                                                 sharding (loader and checkpoint restore)
-    forward(params, config, batch, kv_caches, attention_backend, tp, decode_only, comm)
-        -> (float32 logits [num_logits, V], kv_caches)          one engine step over a ragged ModelBatch
+    forward(params, config, batch, kv_caches, attention_backend, tp, decode_only, comm, return_hidden=False)
+        -> (float32 logits [num_logits, V], kv_caches)          one engine step over a ragged ModelBatch;
+           (+ final-normed hidden states [T, D] with return_hidden, for prompt log-probs)
+    head_logits(params, config, hidden [..., D]) -> float32 logits [..., V]   the lm head alone
     init_kv_caches(config, num_blocks, block_size, attention_backend, dtype=None, tp=None) -> list of arrays
     forward_dense(params, config, token_ids [B, T]) -> logits [B, T, V]   optional: cache-free, for training
     init_params(config, key, std) -> params                     optional: random params, as param_init says
@@ -74,6 +76,7 @@ class ModelFamily:
     hf_tensor_table: Callable[[Any], dict[str, HFTensor]]
     param_placer: Callable[[Any], Callable]
     forward: Callable[..., Any]
+    head_logits: Callable[..., Any]
     init_kv_caches: Callable[..., list]
     forward_dense: Callable[..., Any] | None = None
     init_params: Callable[..., Any] | None = None

@@ -232,9 +232,15 @@ def _layer(lp: Params, h: jax.Array, x: jax.Array, next_norm: jax.Array, kv_cach
     return h, x, kv_cache
 
 
+def head_logits(params: Params, cfg: LlamaConfig, h: jax.Array) -> jax.Array:
+    """Final-normed hidden states [..., D] -> float32 logits [..., V], outside any shard_map (under
+    tensor parallelism XLA partitions the matmul over the vocabulary-sharded weights itself)."""
+    return _head(params, cfg, h)[..., : cfg.vocab_size]
+
+
 def _step(params: Params, batch: ModelBatch, kv_caches: list[jax.Array], comm: jax.Array | None = None, *,
           cfg: LlamaConfig, attention_backend: str, tp: TensorParallel | None,
-          decode_only: bool = False) -> tuple[jax.Array, list[jax.Array]]:
+          decode_only: bool = False, return_hidden: bool = False) -> tuple:
     """The step on one device's params and caches: all of them, or (with `tp`) its shards."""
     x = sharded_lookup(params["embed"], batch.token_ids, tp, "vocab", comm)  # [T, D]
     h = layers.rms_norm(x, params["layers"][0]["attn_norm"], cfg.rms_norm_eps)
@@ -243,7 +249,8 @@ def _step(params: Params, batch: ModelBatch, kv_caches: list[jax.Array], comm: j
         h, x, kv_cache = _layer(lp, h, x, next_norm, kv_cache, batch, comm, cfg=cfg,
                                 attention_backend=attention_backend, tp=tp, decode_only=decode_only)
         new_caches.append(kv_cache)
-    return _head(params, cfg, h[batch.logits_indices], tp, comm), new_caches
+    logits = _head(params, cfg, h[batch.logits_indices], tp, comm)
+    return (logits, new_caches, h) if return_hidden else (logits, new_caches)
 
 
 def forward(
@@ -255,8 +262,10 @@ def forward(
     tp: TensorParallel | None = None,
     decode_only: bool = False,
     comm: jax.Array | None = None,
-) -> tuple[jax.Array, list[jax.Array]]:
-    """One engine step over the ragged batch. Returns float32 logits for `batch.logits_indices`.
+    return_hidden: bool = False,
+) -> tuple:
+    """One engine step over the ragged batch. Returns float32 logits for `batch.logits_indices` and the
+    caches; with `return_hidden`, also every token's final-normed hidden state [T, D] (for `head_logits`).
 
     `tp` with more than one shard runs the step tensor-parallel over its mesh (module docstring);
     without it, or with one shard, the step is the plain single-device one. `decode_only`: see
@@ -264,16 +273,17 @@ def forward(
     `tp.all_reduce` (one row per device, sharded over "model"); None runs XLA's all-reduces."""
     if tp is None or tp.size == 1:
         return _step(params, batch, kv_caches, cfg=cfg, attention_backend=attention_backend, tp=None,
-                     decode_only=decode_only)
+                     decode_only=decode_only, return_hidden=return_hidden)
     cache_axes = [layers.kv_cache_axes(attention_backend)] * len(kv_caches)
     comm_axes = COMM_AXES if comm is not None else ()
     sharded_step = tp.shard_map(functools.partial(_step, cfg=cfg, attention_backend=attention_backend, tp=tp,
-                                                  decode_only=decode_only),
-                                in_axes=(param_axes(params), (), cache_axes, comm_axes), out_axes=((), cache_axes))
-    logits, kv_caches = sharded_step(params, batch, kv_caches, comm)
+                                                  decode_only=decode_only, return_hidden=return_hidden),
+                                in_axes=(param_axes(params), (), cache_axes, comm_axes),
+                                out_axes=((), cache_axes, ()) if return_hidden else ((), cache_axes))
+    logits, kv_caches, *hidden = sharded_step(params, batch, kv_caches, comm)
     if logits.shape[-1] != cfg.vocab_size:  # the vocabulary was padded to a multiple of tp
         logits = logits[:, : cfg.vocab_size]
-    return logits, kv_caches
+    return (logits, kv_caches, *hidden)
 
 
 def forward_dense(params: Params, cfg: LlamaConfig, token_ids: jax.Array) -> jax.Array:

@@ -160,6 +160,7 @@ FAMILY = ModelFamily(
     hf_tensor_table=hf_tensor_table,
     param_placer=llama.param_placer,
     forward=llama.forward,
+    head_logits=llama.head_logits,
     init_kv_caches=llama.init_kv_caches,
     forward_dense=llama.forward_dense,
     init_params=llama.init_params,

@@ -9,6 +9,9 @@
     collect(handle): wait for the tokens, append them to their rows -> RunnerOutput
     execute(out) = collect(dispatch(out))
 
+A step with prefill chunks of requests asking prompt logprobs runs the forward's prompt-logprob
+variant instead (runner/prompt_logprobs.py); its results come back with the step's RunnerOutput.
+
 Per-request state lives in fixed rows of preallocated numpy arrays (the scheduler assigns the
 rows), so a step gathers rows with one fancy index instead of rebuilding them. With overlap, step
 N+1 is dispatched before step N is collected: tokens not yet on the host are read on device from
@@ -41,7 +44,7 @@ from jaxserve.core.sched_types import Logprobs, NewRequestData, RunnerOutput, Sc
 from jaxserve.models import registry
 from jaxserve.models.layers import ModelBatch
 from jaxserve.models.loader import LoadedModel
-from jaxserve.runner import sampler
+from jaxserve.runner import prompt_logprobs, sampler
 from jaxserve.runner.device_setup import (enable_compilation_cache, kv_cache_num_blocks, load_model,
                                          resolve_attention_backend, resolve_max_model_len,
                                          setup_all_reduce)
@@ -77,8 +80,10 @@ stage_fn = jax.jit(_stage_step, donate_argnames=("staged",), keep_unused=True)
 
 
 def _forward_step(params, cfg, batch: ModelBatch, kv_caches, logits_buffer, comm, attention_backend, tp=None,
-                  decode_only=False, twin=False, out_rows=None):
-    """The model step -> (logits, kv_caches, greedy tokens or None). `logits_buffer` (donated, never
+                  decode_only=False, twin=False, out_rows=None, prompt=None, num_prompt_logprobs=0):
+    """The model step -> (logits, kv_caches, greedy tokens or None), plus, when `prompt` (the flat token
+    indices and scored tokens of prompt_logprobs.PromptRows) is given, prompt_logprobs.compute's arrays
+    with `num_prompt_logprobs` top entries. `logits_buffer` (donated, never
     read) gives the logits a buffer that is the same every step, as the staged batch and the donated
     caches are: XLA then replays the step's CUDA graph without updating any node. `decode_only`: every
     request has one query token, token r being request r's (the kernels' decode fast path); such a
@@ -87,13 +92,17 @@ def _forward_step(params, cfg, batch: ModelBatch, kv_caches, logits_buffer, comm
     all-reduces). `twin`: the same step as a second executable (ModelRunner._run_forward alternates)."""
     del logits_buffer
     family = registry.family_of(cfg)
-    logits, kv_caches = family.forward(params, cfg, batch, kv_caches, attention_backend=attention_backend, tp=tp,
-                                       decode_only=decode_only, comm=comm)
+    logits, kv_caches, *hidden = family.forward(params, cfg, batch, kv_caches, attention_backend=attention_backend,
+                                                tp=tp, decode_only=decode_only, comm=comm,
+                                                return_hidden=prompt is not None)
     if twin:  # a no-op that only makes the program (and so the executable and its CUDA graph) another one
         logits = logits + jnp.zeros((), logits.dtype)
     tokens = None
     if decode_only and out_rows is not None:  # sampler.sample's greedy path without banned ids or penalties
         tokens = jnp.pad(jnp.argmax(logits, axis=-1).astype(jnp.int32), (0, out_rows - logits.shape[0]))
+    if prompt is not None:
+        return logits, kv_caches, tokens, prompt_logprobs.compute(params, cfg, hidden[0], *prompt,
+                                                                  num_prompt_logprobs)
     return logits, kv_caches, tokens
 
 
@@ -111,7 +120,8 @@ TWIN_COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 1025}
 def forward_fn(platform: str):
     """The jitted step for a platform (GPU options only where XLA:GPU compiles), one per process so
     engines with the same model config and shapes share compilations."""
-    return jax.jit(_forward_step, static_argnames=("cfg", "attention_backend", "tp", "decode_only", "twin", "out_rows"),
+    return jax.jit(_forward_step, static_argnames=("cfg", "attention_backend", "tp", "decode_only", "twin", "out_rows",
+                                                   "num_prompt_logprobs"),
                    donate_argnames=("kv_caches", "logits_buffer"), keep_unused=True,
                    compiler_options=GPU_COMPILER_OPTIONS if platform == "gpu" else None)
 
@@ -126,6 +136,7 @@ class HostStep(NamedTuple):
     request_ids: list[str]  # of the sampling rows
     sampling: tuple | None  # (SamplingMetadata, all_greedy, use_penalties, num_logprobs); None: nothing sampled
     decode_only: bool = False  # one token per request, token r being request r's
+    prompt: prompt_logprobs.PromptRows | None = None  # rows that give prompt logprobs
 
 
 @dataclasses.dataclass
@@ -139,6 +150,7 @@ class StepHandle:
     logprobs: tuple | None
     ready: jax.Array  # an output of the step that is never donated: ready when the device finished it
     output: RunnerOutput | None = None
+    prompt: tuple | None = None  # (PromptRows.segments, prompt_logprobs.compute's arrays) of the step
 
 
 class ModelRunner:
@@ -184,7 +196,8 @@ class ModelRunner:
                                               reserved)
         self.kv_caches = registry.family_of(self.cfg).init_kv_caches(self.cfg, self.num_blocks, self.block_size,
                                                                      self.attention_backend, tp=tp)
-        self.max_logprobs = min(sched.max_logprobs, self.cfg.vocab_size)
+        self.max_logprobs = self.cfg.vocab_size if sched.max_logprobs == -1 else min(sched.max_logprobs,
+                                                                                     self.cfg.vocab_size)
 
         # Per-row state (rows are assigned by the scheduler), so a step gathers rows with fancy indexing
         # instead of per-request Python.
@@ -202,13 +215,17 @@ class ModelRunner:
         self.row_greedy = np.zeros(rows, bool)
         self.row_penalties = np.zeros(rows, bool)
         self.row_logprobs = np.zeros(rows, bool)
+        self.row_prompt_logprobs = np.zeros(rows, bool)
         self.row_min_tokens = np.zeros(rows, np.int64)
         # Sampled tokens come back padded to the largest request bucket, so the next step reads them
         # from the device with one compiled shape.
         self.max_rows = self.buckets.request_buckets[-1]
+        # A prompt-logprob step of T tokens pads its requests to the largest bucket T pairs with.
+        self._prompt_requests = {t: max(r for t2, r in self.buckets.precompile_plan() if t2 == t)
+                                 for t in self.buckets.token_buckets}
         self._last: StepHandle | None = None  # the last dispatched step
-        # Ahead-of-time executables by ("forward", T, R, decode_only, twin) / ("stage", T, R) /
-        # ("sample", R, variant...), from precompile().
+        # Ahead-of-time executables by ("forward", T, R, decode_only, twin) / ("forward_prompt", T, R) /
+        # ("stage", T, R) / ("sample", R, variant...), from precompile().
         self._compiled: dict[tuple, jax.stages.Compiled] = {}
         # Device buffers reused by donation (_run_forward): staged inputs by (T, R), logits by R.
         self._staged: dict[tuple[int, int], ModelBatch] = {}
@@ -255,6 +272,7 @@ class ModelRunner:
         self.row_penalties[row] = (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
                                    or params.frequency_penalty != 0.0)
         self.row_logprobs[row] = params.logprobs is not None
+        self.row_prompt_logprobs[row] = params.prompt_logprobs is not None
         self.row_min_tokens[row] = params.min_tokens
 
     def _append_blocks(self, row: int, block_ids: list[int]) -> None:
@@ -303,6 +321,12 @@ class ModelRunner:
         num_reqs = len(rows)
         t_pad, r_pad = self.buckets.pad_tokens(num_tokens), self.buckets.pad_requests(num_reqs)
         decode_only = bool((counts == 1).all())  # one token each: token r is request r's (decode rows lead)
+        prompt = None
+        if items and self.row_prompt_logprobs[rows[num_decode:]].any():
+            prompt = prompt_logprobs.gather(items, (ends - counts)[num_decode:], self.row_prompt_logprobs,
+                                            self.token_buf, self.row_num_prompt, self.row_generation, t_pad)
+            if prompt is not None:  # the variant: compiled for this T with its largest request bucket
+                r_pad, decode_only = self._prompt_requests[t_pad], False
 
         token_ids = np.zeros(t_pad, np.int32)
         token_ids[:num_tokens] = self.token_buf[token_rows, pos]
@@ -330,7 +354,7 @@ class ModelRunner:
         self.row_prev_index[sample_rows] = np.arange(len(sample_rows))
         self.row_pending[sample_rows] += 1
         return HostStep(batch, prev_index, sample_rows, self.row_generation[sample_rows], request_ids, sampling,
-                        decode_only)
+                        decode_only, prompt)
 
     def _sampling_metadata(self, rows: np.ndarray, r_pad: int):
         num_output = self.row_num_tokens[rows] + self.row_pending[rows] - self.row_num_prompt[rows]
@@ -366,11 +390,17 @@ class ModelRunner:
         step = self.prepare(out)
         prev_tokens = self._last.tokens if self._last is not None else self._zeros((self.max_rows,), jnp.int32)
         # A step that samples nothing marks its readiness with its logits: they must not be donated later.
-        logits, greedy_tokens = self._run_forward(step.batch, prev_tokens, step.prev_index, step.decode_only,
-                                                  keep_logits=step.sampling is not None)
-        if step.sampling is None:  # prefill chunks only: nothing to wait for
+        logits, greedy_tokens, *prompt_arrays = self._run_forward(
+            step.batch, prev_tokens, step.prev_index, step.decode_only, keep_logits=step.sampling is not None,
+            prompt=step.prompt)
+        prompt = None
+        if step.prompt is not None:
+            for array in prompt_arrays[0]:
+                array.copy_to_host_async()
+            prompt = (step.prompt.segments, prompt_arrays[0])
+        if step.sampling is None:  # prefill chunks only: nothing to wait for, unless prompt logprobs come back
             handle = StepHandle(step.request_ids, step.rows, step.generations, prev_tokens, None, logits,
-                                RunnerOutput([], []))
+                                RunnerOutput([], []) if prompt is None else None, prompt)
         else:
             md, *variant = step.sampling
             all_greedy, use_penalties, num_logprobs = variant
@@ -382,14 +412,15 @@ class ModelRunner:
                 result = compiled(logits, md) if compiled is not None else self._sample(logits, md, *variant)
             result.token_ids.copy_to_host_async()
             handle = StepHandle(step.request_ids, step.rows, step.generations, result.token_ids, result.logprobs,
-                                result.token_ids)
+                                result.token_ids, prompt=prompt)
         self._last = handle
         return handle
 
     def _run_forward(self, batch: ModelBatch, prev_tokens, prev_index, decode_only: bool = False,
-                     keep_logits: bool = True):
+                     keep_logits: bool = True, prompt: prompt_logprobs.PromptRows | None = None):
         """Stage the step's inputs, run the forward -> (logits, greedy tokens of a decode-only step or
-        None). Every device buffer the forward reads or writes is
+        None), plus prompt_logprobs.compute's arrays when `prompt` is given. Every device buffer the
+        forward reads or writes is
         the same each time a shape recurs (staged inputs, caches, logits: all donated back in), so XLA
         launches its CUDA graph as recorded: updating a graph's nodes and re-uploading it cost ~2 us a
         node, most of a decode step's host time (benchmarks/RESULTS.md). `keep_logits=False`: the
@@ -411,18 +442,25 @@ class ModelRunner:
         twin = False
         if decode_only and self.use_twins:
             twin = self._twin[(t_pad, r_pad)] = not self._twin.get((t_pad, r_pad), True)
-        compiled = self._compiled.get(("forward", t_pad, r_pad, decode_only, twin))
-        if compiled is not None:
-            logits, self.kv_caches, tokens = compiled(self.model.params, staged, self.kv_caches, logits_buffer,
-                                                      self.comm)
+        extra = {}
+        if prompt is not None:  # (the variant's own key: no twin, never decode_only)
+            key = ("forward_prompt", t_pad, r_pad)
+            extra = {"prompt": (jax.device_put(prompt.indices, self.on_device),
+                                jax.device_put(prompt.targets, self.on_device))}
         else:
-            logits, self.kv_caches, tokens = self.forward_fn(
+            key = ("forward", t_pad, r_pad, decode_only, twin)
+        compiled = self._compiled.get(key)
+        if compiled is not None:
+            logits, self.kv_caches, tokens, *plp = compiled(self.model.params, staged, self.kv_caches,
+                                                            logits_buffer, self.comm, **extra)
+        else:
+            logits, self.kv_caches, tokens, *plp = self.forward_fn(
                 self.model.params, self.cfg, staged, self.kv_caches, logits_buffer, self.comm,
                 attention_backend=self.attention_backend, tp=self.tp, decode_only=decode_only, twin=twin,
-                out_rows=self.max_rows)
+                out_rows=self.max_rows, num_prompt_logprobs=self.max_logprobs if extra else 0, **extra)
         if keep_logits:
             self._logits[r_pad] = logits
-        return logits, tokens
+        return (logits, tokens, *plp)
 
     def _sample(self, logits, md, all_greedy: bool, use_penalties: bool, num_logprobs: int):
         return sampler.sample(logits, md, all_greedy=all_greedy, use_penalties=use_penalties,
@@ -436,7 +474,7 @@ class ModelRunner:
 
     def _collect(self, handle: StepHandle) -> None:
         rows = handle.rows
-        tokens = np.asarray(handle.tokens)[: len(rows)]
+        tokens = np.asarray(handle.tokens)[: len(rows)] if len(rows) else np.zeros(0, np.int32)
         # A row reset since the dispatch (its request finished, or was preempted, and the row reused)
         # does not take the stale token; the scheduler drops it too.
         live = rows[self.row_generation[rows] == handle.generations]
@@ -450,9 +488,13 @@ class ModelRunner:
             logprobs = []
             for i, row in enumerate(rows):
                 wanted = self.row_data[row].sampling_params.logprobs
+                wanted = self.cfg.vocab_size if wanted == -1 else wanted
                 logprobs.append(None if wanted is None else Logprobs(
                     float(lp[i]), int(rank[i]), top_ids[i, :wanted].tolist(), top_lps[i, :wanted].tolist()))
-        handle.output = RunnerOutput(handle.request_ids, tokens.tolist(), logprobs)
+        prompt = None
+        if handle.prompt is not None:
+            prompt = prompt_logprobs.chunks(*handle.prompt, self.row_generation, self.row_data, self.cfg.vocab_size)
+        handle.output = RunnerOutput(handle.request_ids, tokens.tolist(), logprobs, prompt)
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """One step without overlap: dispatch, then wait for its tokens."""
@@ -460,7 +502,8 @@ class ModelRunner:
 
     # ---- start-up ----
     def precompile(self, progress: bool = True) -> int:
-        """Compile every (T, R) forward bucket and every sampler variant; returns the number compiled.
+        """Compile every (T, R) forward bucket, the prompt-logprob variant of each T, and every sampler
+        variant; returns the number compiled.
 
         Each one is lowered and compiled ahead of time in a thread pool (XLA compiles without holding
         the GIL, so the shapes compile side by side; warm starts read the persistent cache side by
@@ -476,11 +519,17 @@ class ModelRunner:
             return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_device),
                                 self._host_batch(t_pad, r_pad))
 
-        def forward(t_pad: int, r_pad: int, decode_only: bool):
+        def forward(t_pad: int, r_pad: int, decode_only: bool, prompt: bool = False):
             logits = jax.ShapeDtypeStruct((r_pad, self.cfg.vocab_size), jnp.float32, sharding=on_device)
+            extra = {}
+            if prompt:
+                rows = jax.ShapeDtypeStruct((prompt_logprobs.num_rows(t_pad)[0],), jnp.int32, sharding=on_device)
+                extra = {"prompt": (rows, rows), "num_prompt_logprobs": self.max_logprobs}
             lowered = self.forward_fn.lower(self.model.params, self.cfg, device_batch(t_pad, r_pad), self.kv_caches,
                                             logits, self.comm, attention_backend=self.attention_backend, tp=self.tp,
-                                            decode_only=decode_only, out_rows=self.max_rows)
+                                            decode_only=decode_only, out_rows=self.max_rows, **extra)
+            if prompt:
+                return {("forward_prompt", t_pad, r_pad): lowered.compile()}
             if not (decode_only and self.use_twins):
                 return {("forward", t_pad, r_pad, decode_only, False): lowered.compile()}
             # The twin: the same program compiled once more (an option that changes nothing makes it a
@@ -502,6 +551,8 @@ class ModelRunner:
         jobs = {("forward", t_pad, r_pad, False): (forward, (t_pad, r_pad, False)) for t_pad, r_pad in plan}
         jobs.update({("forward", t_pad, r_pad, True): (forward, (t_pad, r_pad, True))
                      for t_pad, r_pad in self.buckets.decode_plan()})
+        jobs.update({("forward_prompt", t_pad, r_pad): (forward, (t_pad, r_pad, False, True))
+                     for t_pad, r_pad in self._prompt_requests.items()})
         jobs.update({("stage", t_pad, r_pad): (stage, (t_pad, r_pad)) for t_pad, r_pad in self._step_shapes})
         # The buffers the steps reuse, made now so that no step traces their fill.
         for t_pad, r_pad in self._step_shapes:

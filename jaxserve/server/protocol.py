@@ -54,7 +54,7 @@ class OpenAIRequest(BaseModel):
 
     model: str | None = None
     n: Annotated[int, Field(strict=True, ge=1, le=MAX_N)] | None = None
-    max_tokens: Annotated[int, Field(strict=True, ge=1, le=MAX_TOKENS)] | None = None
+    max_tokens: Annotated[int, Field(strict=True, ge=0, le=MAX_TOKENS)] | None = None  # 0: completions with echo
     temperature: float | None = None
     top_p: float | None = None
     presence_penalty: float | None = None
@@ -75,6 +75,8 @@ class OpenAIRequest(BaseModel):
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    # one entry per prompt token (the first null): its logprob and rank, plus the top-N; -1 = all
+    prompt_logprobs: Annotated[int, Field(strict=True, ge=-1, le=MAX_LOGPROBS)] | None = None
     # vLLM's extra scheduling fields.
     priority: Annotated[int, Field(strict=True, ge=-(2**31), le=2**31 - 1)] = 0  # lower first; policy "priority"
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
@@ -85,17 +87,19 @@ class OpenAIRequest(BaseModel):
             raise ValueError("logit_bias is not supported by jaxserve; leave it out")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
+        if self.stream and self.prompt_logprobs not in (None, 0):  # as vLLM
+            raise ValueError("prompt_logprobs are not available with stream=true; send stream=false to get them")
         if self.model_extra:
             logger.warning("ignoring unknown request fields %s", sorted(self.model_extra)[:16])
         return self
 
-    def _sampling_params(self, defaults: dict[str, Any], max_tokens: int | None,
-                         logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, defaults: dict[str, Any], max_tokens: int | None, logprobs: int | None,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
         """SamplingParams from the fields sent, over `defaults` (the checkpoint's generation config);
         raises ValueError naming the field (vLLM's ranges)."""
         values = dict(defaults)
         values.update({name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None})
-        return SamplingParams(**values, max_tokens=max_tokens, logprobs=logprobs)
+        return SamplingParams(**values, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     @property
     def include_usage(self) -> bool:
@@ -108,7 +112,7 @@ class CompletionRequest(OpenAIRequest):
              | Annotated[list[TokenId], Field(min_length=1)]
              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1,
                                                                                    max_length=MAX_PROMPTS)])
-    logprobs: Annotated[int, Field(strict=True, ge=0, le=MAX_LOGPROBS)] | None = None
+    logprobs: Annotated[int, Field(strict=True, ge=-1, le=MAX_LOGPROBS)] | None = None  # -1 = all
     echo: bool = False
     suffix: str | None = None
 
@@ -116,14 +120,22 @@ class CompletionRequest(OpenAIRequest):
     def _refuse_unsupported_completion(self):
         if self.suffix:
             raise ValueError("suffix is not supported by jaxserve; leave it out")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs needs prompt logprobs, which jaxserve does not support; drop one")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be greater than or equal to 1 (0 only with echo=true: the prompt "
+                             "alone), got 0")
+        if self.echo and self.stream and (self.logprobs is not None or self.max_tokens == 0):
+            raise ValueError("echo with logprobs or max_tokens=0 is not supported with stream=true; send "
+                             "stream=false")
         return self
 
     def sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
-        # As OpenAI and vLLM: a completion without max_tokens stops after 16 tokens.
-        return self._sampling_params(defaults, self.max_tokens if self.max_tokens is not None else 16,
-                                     self.logprobs)
+        # As OpenAI and vLLM: a completion without max_tokens stops after 16 tokens. As vLLM, echo with
+        # logprobs asks for the prompt's too, and max_tokens=0 with echo generates one token, never shown.
+        max_tokens = self.max_tokens if self.max_tokens is not None else 16
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo:
+            prompt_logprobs = self.logprobs
+        return self._sampling_params(defaults, max(max_tokens, 1), self.logprobs, prompt_logprobs)
 
     def prompts(self) -> list[str | dict[str, list[int]]]:
         """One engine prompt per entry: text, or {"prompt_token_ids": [...]}."""
@@ -180,12 +192,15 @@ class ChatCompletionRequest(OpenAIRequest):
             raise ValueError("top_logprobs needs logprobs=true")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise ValueError("max_tokens and max_completion_tokens are the same limit; send only one")
+        if self.max_tokens == 0:
+            raise ValueError("max_tokens must be greater than or equal to 1, got 0")
         return self
 
     def sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
         # A chat completion without a limit may fill the context (None: the engine resolves it).
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._sampling_params(defaults, max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        return self._sampling_params(defaults, max_tokens, (self.top_logprobs or 0) if self.logprobs else None,
+                                     self.prompt_logprobs)
 
 
 # ---- responses -------------------------------------------------------------------------------------------------
@@ -202,12 +217,21 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = []
 
 
+class LogprobInfo(BaseModel):
+    """One token of a prompt_logprobs entry (vLLM's Logprob)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[int, LogprobInfo] | None] | None = None  # vLLM's extra (set only when asked)
 
 
 class CompletionResponse(BaseModel):
@@ -253,6 +277,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: list[dict[int, LogprobInfo] | None] | None = None  # vLLM's extra (set only when asked)
 
 
 class DeltaMessage(BaseModel):

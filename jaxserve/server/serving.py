@@ -30,6 +30,7 @@ from starlette.responses import Response, StreamingResponse
 from jaxserve.config import ServerConfig
 from jaxserve.engine_client import EngineClient, PreparedRequest
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxserve.server import logprobs_format
 from jaxserve.server import protocol as P
 from jaxserve.server.bridge import EngineBridge, RequestGroup
 from jaxserve.server.errors import ApiError, error_body, param_of
@@ -174,12 +175,17 @@ class Serving:
             return Response(status_code=499)
         choices = []
         for prompt_index, output in sorted(outputs.items()):
+            prompt_logprobs = logprobs_format.prompt_logprobs_json(output.prompt_logprobs)
             for c in output.outputs:
-                logprobs = (_completion_logprobs(c.logprobs, len(echoes[prompt_index]))[0]
-                            if c.logprobs is not None else None)
-                choices.append(P.CompletionChoice(index=prompt_index * params.n + c.index,
-                                                  text=echoes[prompt_index] + c.text, logprobs=logprobs,
-                                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                if body.echo:
+                    text, logprobs = logprobs_format.echo_choice(echoes[prompt_index], output, c, body.max_tokens,
+                                                                 body.logprobs, self.engine.tokenizer)
+                else:
+                    text = c.text
+                    logprobs = _completion_logprobs(c.logprobs, 0)[0] if c.logprobs is not None else None
+                choices.append(P.CompletionChoice(index=prompt_index * params.n + c.index, text=text,
+                                                  logprobs=logprobs, finish_reason=c.finish_reason,
+                                                  stop_reason=c.stop_reason, prompt_logprobs=prompt_logprobs))
         return _json(P.CompletionResponse(id=response_id, created=int(time.time()), model=self.model_name,
                                           choices=choices, usage=self._usage(outputs)))
 
@@ -272,7 +278,9 @@ class Serving:
                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason)
                    for c in outputs[0].outputs]
         return _json(P.ChatCompletionResponse(id=response_id, created=int(time.time()), model=self.model_name,
-                                              choices=choices, usage=self._usage(outputs)))
+                                              choices=choices, usage=self._usage(outputs),
+                                              prompt_logprobs=logprobs_format.prompt_logprobs_json(
+                                                  outputs[0].prompt_logprobs)))
 
     async def _chat_stream(self, group: RequestGroup, body: P.ChatCompletionRequest, n: int, response_id: str,
                            top_n: int) -> AsyncIterator[str]:
