@@ -2,8 +2,9 @@
 
     YAML config (default configs/tiny.yaml: the embedded model) --flags override any field of any
     section (`--max-num-seqs 8`, `--policy fair`, `--model DIR` for model.path)--> EngineConfig
+    (server.api_key set by neither: the JAXSERVE_API_KEY environment variable, invisible in `ps`)
     --> Engine, or DataParallelEngine when parallel.data > 1 (compiles its buckets) --> build_app
-    --> DrainingServer (uvicorn, h11) --> 0 on a clean exit
+    --> DrainingServer (uvicorn, h11 with connections.GuardedH11Protocol's timeouts) --> 0 on a clean exit
 
 SIGTERM drains: new requests answer 503, in-flight ones finish (at most server.drain_timeout_s, then they
 are aborted: streams end with finish_reason "abort"), then the process exits 0. A second SIGTERM, or
@@ -16,6 +17,7 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -25,10 +27,12 @@ import yaml
 
 from jaxserve.config import SECTIONS, EngineConfig, load_config
 from jaxserve.server.app import build_app, served_model_name
+from jaxserve.server.connections import GuardedH11Protocol
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent.parent / "configs" / "tiny.yaml"
+API_KEY_ENV = "JAXSERVE_API_KEY"  # as vLLM's VLLM_API_KEY: the key without it showing in the process list
 _HEAD_SLACK = 8 << 10  # h11's hard limit on a request head: the request line on top of max_header_bytes
 # Past the drain: how long aborted requests get to deliver their last output, and open connections to
 # close (uvicorn's timeout_graceful_shutdown; then their tasks are cancelled).
@@ -72,9 +76,11 @@ def build_server(config: EngineConfig, engine, log_level: str = "info") -> Drain
     """The server for `engine` (built from `config`); `.run()` serves until shutdown."""
     app = build_app(engine, config)
     server = config.server
-    uv_config = uvicorn.Config(app, host=server.host, port=server.port, http="h11", lifespan="on",
+    uv_config = uvicorn.Config(app, host=server.host, port=server.port,
+                               http=GuardedH11Protocol.with_read_timeout(server.read_timeout_s), lifespan="on",
                                log_level=log_level, access_log=server.access_log,
                                h11_max_incomplete_event_size=server.max_header_bytes + _HEAD_SLACK,
+                               timeout_keep_alive=server.keep_alive_timeout_s,
                                timeout_graceful_shutdown=_SHUTDOWN_GRACE_S)
     return DrainingServer(uv_config, app.state.bridge, server.drain_timeout_s)
 
@@ -120,6 +126,8 @@ def _config_from_args(argv: list[str]) -> tuple[EngineConfig, str]:
         if value is not None:
             section, name, annotation = specs[flag]
             data[section][name] = value if isinstance(value, list) else _parse_value(value, annotation)
+    if data["server"]["api_key"] is None and os.environ.get(API_KEY_ENV):  # the config or a flag wins
+        data["server"]["api_key"] = os.environ[API_KEY_ENV]
     return EngineConfig.from_dict(data, source="command line"), log_level
 
 
