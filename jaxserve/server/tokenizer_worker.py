@@ -87,7 +87,7 @@ class Worker:
                 chat_template=header.get("chat_template"), continue_final_message=header["continue_final_message"],
                 **header.get("template_kwargs", {}))
         else:
-            text = payload.decode("utf-8")
+            text = payload.decode("utf-8", "surrogatepass")  # a lone surrogate is refused below, by name
         bound = self.max_chars_per_token
         if bound is not None and len(text) > self.max_model_len * bound:
             what = "the rendered chat" if chat else "the prompt"
