@@ -208,14 +208,25 @@ class ServerConfig:
 
     host: str = "127.0.0.1"  # 0.0.0.0 to listen on every interface
     port: int = 8000
-    api_key: str | tuple[str, ...] | None = None  # one key or a list; every route but /health and /metrics
+    # One key or a list; every route but /health, /ping, /version and /metrics. Unset here and on the
+    # command line: `jaxserve serve` reads the JAXSERVE_API_KEY environment variable (not visible in ps).
+    api_key: str | tuple[str, ...] | None = None
     served_model_name: str | None = None  # the `model` clients send; default: the model directory's name
     max_queued_requests: int = 1024  # accepted but not yet started; more answer 429
     max_body_bytes: int = 1 << 20  # larger request bodies answer 413
     max_header_bytes: int = 16 << 10  # larger request heads answer 431
+    # One request's total work: prompts x n x max_tokens generated tokens, and that times
+    # (logprobs + 1) logprob entries; more answer 400 (the response would grow with the product).
+    max_request_tokens: int = 1 << 20
+    max_request_logprobs: int = 1 << 18
     tenant_header: str | None = "x-tenant-id"  # fair-share tenant when no api_key is set; with keys: the key
     drain_timeout_s: float = 30.0  # SIGTERM: wait this long for in-flight requests, then abort them
     retry_after_s: int = 1  # Retry-After of 429 and 503 answers
+    # An idle connection (no request yet, or between requests) stays open this long; longer than
+    # clients' pool expiry (httpx: 5 s), so a client never reuses a connection the server is closing.
+    keep_alive_timeout_s: float = 60.0
+    read_timeout_s: float = 30.0  # a request's head and body must arrive within this long of its first byte
+    tokenizer_workers: int = 2  # processes that render chat templates and tokenize (off the serving process)
     trust_request_chat_template: bool = False  # accept `chat_template` in requests
     access_log: bool = True
 
@@ -226,13 +237,16 @@ class ServerConfig:
             raise ValueError("server.api_key must be a non-empty string, a list of them, or null")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"server.port must be in [0, 65535], got {self.port}")
-        for name in ("max_queued_requests", "max_body_bytes", "max_header_bytes"):
+        for name in ("max_queued_requests", "max_body_bytes", "max_header_bytes", "max_request_tokens",
+                     "max_request_logprobs", "tokenizer_workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"server.{name} must be >= 1, got {getattr(self, name)}")
         if self.tenant_header is not None:
             object.__setattr__(self, "tenant_header", self.tenant_header.lower())
         if self.drain_timeout_s < 0 or self.retry_after_s < 0:
             raise ValueError("server.drain_timeout_s and server.retry_after_s must be >= 0")
+        if self.keep_alive_timeout_s <= 0 or self.read_timeout_s <= 0:
+            raise ValueError("server.keep_alive_timeout_s and server.read_timeout_s must be > 0")
 
 
 SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "runner": RunnerConfig,

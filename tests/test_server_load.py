@@ -1,8 +1,8 @@
 """The server under load, on loopback, serving the embedded model: 200 concurrent streaming clients with no
 lost or duplicated token (against the same engine run offline) and no leaked KV block; a client that goes
 away mid-stream frees its blocks; a full queue answers 429; per-sequence inter-token latency; per-tenant
-fairness (a tenant sending 10x another's rate leaves the other's median latency within 2x of its latency
-alone); SIGTERM drains in-flight requests, then exits 0, aborting what outlasts drain_timeout_s.
+fairness (a tenant that floods the queue does not hold back another's request); SIGTERM drains in-flight
+requests, then exits 0, aborting what outlasts drain_timeout_s.
 
 Servers here use one token bucket of 256 and one request bucket of 64, so every step costs about the same
 whatever the batch (~10-20 ms on the CPU): a request lasts long enough to be caught mid-stream.
@@ -17,7 +17,6 @@ import os
 import random
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -281,52 +280,34 @@ def server_process():
         yield process
 
 
-def run_schedule(url: str, rate_b: float, seconds: float, with_a: bool) -> list[float]:
-    """Tenant B sends at `rate_b`, tenant A (if present) at 10x; returns B's end-to-end latencies. A's requests
-    still open when B's last one finishes are dropped (their clients disconnect)."""
-    body = {"max_tokens": 20, "ignore_eos": True, "temperature": 0}
-
-    async def one(client, tenant, number, latencies):
-        start = time.monotonic()
-        response = await client.post("/v1/completions", json={"prompt": f"{number % 900 + 10}+7=", **body},
-                                     headers={"x-tenant-id": tenant})
-        assert response.status_code == 200, response.text
-        latencies.append(time.monotonic() - start)
-
-    async def run():
-        interval = 1 / rate_b
-        events = [(k * interval, "b") for k in range(int(seconds * rate_b))]
-        if with_a:
-            events += [(k * interval / 10, "a") for k in range(int(seconds * rate_b) * 10)]
-        tasks = {"a": [], "b": []}
-        latencies = {"a": [], "b": []}
-        async with httpx.AsyncClient(base_url=url, timeout=60, limits=httpx.Limits(max_connections=1000)) as client:
-            start = time.monotonic()
-            for number, (offset, tenant) in enumerate(sorted(events)):
-                await asyncio.sleep(max(0.0, start + offset - time.monotonic()))
-                tasks[tenant].append(asyncio.create_task(one(client, tenant, number, latencies[tenant])))
-            await asyncio.gather(*tasks["b"])
-            for task in tasks["a"]:
-                task.cancel()
-            await asyncio.gather(*tasks["a"], return_exceptions=True)
-        return latencies["b"]
-
-    return asyncio.run(run())
-
-
-def test_fairness_flooding_tenant_leaves_the_other_within_2x(server_process):
+def test_fairness_a_flooding_tenant_does_not_hold_back_the_other(server_process):
     """Needs scheduler.policy "fair" wired to core.fairness.FairWaitingQueue (test_fairness.py checks it).
-    Measured with FairWaitingQueue in place: B's median 1.2-1.3x its latency alone; fcfs: 9x."""
-    # Up to three measurements: a busy moment on a shared 2-core machine can slow one of them, while
-    # an unfair queue (fcfs: ~9x) fails every one.
-    measured = []
-    for _ in range(3):
-        alone = statistics.median(run_schedule(server_process.url, rate_b=3, seconds=4, with_a=False))
-        flooded = statistics.median(run_schedule(server_process.url, rate_b=3, seconds=4, with_a=True))
-        if flooded <= 2 * alone:
-            return
-        measured.append(f"{flooded:.3f} s flooded vs {alone:.3f} s alone")
-    pytest.fail(f"B's median latency with A flooding exceeded 2x its latency alone in every try: {measured}")
+    Tenant A queues 32 requests; B sends one once most of them wait. Fair sharing starts B at the next free
+    slot (of 4), so B finishes before most of A's requests; FCFS would finish all of A's first. The order
+    of completions is asserted, not a speed: every request completes, with the same greedy text."""
+    body = {"prompt": "12+7=", "max_tokens": 20, "ignore_eos": True, "temperature": 0}
+
+    async def scenario():
+        finished = []
+        limits = httpx.Limits(max_connections=100)
+        async with httpx.AsyncClient(base_url=server_process.url, timeout=120, limits=limits) as client:
+            async def one(tenant):
+                response = await client.post("/v1/completions", json=body, headers={"x-tenant-id": tenant})
+                assert response.status_code == 200, response.text
+                finished.append((tenant, response.json()["choices"][0]))
+
+            flood = [asyncio.create_task(one("a")) for _ in range(32)]
+            while metric((await client.get("/metrics")).text, "num_requests_waiting") < 20:
+                await asyncio.sleep(0.01)
+            await asyncio.gather(*flood, one("b"))
+        return finished
+
+    finished = asyncio.run(asyncio.wait_for(scenario(), timeout=120))
+    tenants = [tenant for tenant, _ in finished]
+    assert sorted(tenants) == ["a"] * 32 + ["b"]
+    assert len({choice["text"] for _, choice in finished}) == 1
+    assert all(choice["finish_reason"] == "length" for _, choice in finished)
+    assert tenants.index("b") <= 12, f"B finished after {tenants.index('b')} of A's 32 requests: {tenants}"
 
 
 def test_sigterm_drains_in_flight_requests_then_exits_0(server_process):
@@ -335,8 +316,11 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(server_process):
 
     async def scenario():
         async with httpx.AsyncClient(base_url=url, timeout=60, limits=httpx.Limits(max_connections=100)) as client:
+            prompt_tokens = metric((await client.get("/metrics")).text, "prompt_tokens_total")
             in_flight = [asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(32)]
-            while metric((await client.get("/metrics")).text, "num_requests_waiting") < 8:
+            # Every request reached the engine (7 prompt tokens each): none is still being tokenized, so
+            # not yet admitted, when the drain starts.
+            while metric((await client.get("/metrics")).text, "prompt_tokens_total") < prompt_tokens + 32 * 7:
                 await asyncio.sleep(0.01)
             server_process.send_signal(signal.SIGTERM)
             while (await client.get("/health")).status_code == 200:
@@ -371,7 +355,7 @@ def test_sigterm_aborts_what_outlasts_the_drain_timeout_then_exits_0():
             async with httpx.AsyncClient(base_url=process.url, timeout=60, limits=limits) as client:
                 streams = [asyncio.create_task(stream_one(client, 2 * i, "12+34=", params))  # even: completions
                            for i in range(32)]
-                while metric((await client.get("/metrics")).text, "num_requests_waiting") < 16:
+                while metric((await client.get("/metrics")).text, "prompt_tokens_total") < 32 * 7:  # all admitted
                     await asyncio.sleep(0.01)
                 process.send_signal(signal.SIGTERM)
                 signalled = time.monotonic()

@@ -1,10 +1,12 @@
 """OpenAI-compatible HTTP serving: `jaxserve serve --config configs/x.yaml`.
 
-    client --HTTP--> uvicorn --> middleware.Guard (head size, API key on the raw path, tenant, body size)
-        --> app.py routes --> serving.py (validate, render, tokenize in a thread pool)
+    client --HTTP--> uvicorn (connections.py: keep-alive and read timeouts)
+        --> middleware.Guard (head size, API key on the raw path, tenant, body size)
+        --> app.py routes --> serving.py (validate, volume caps)
+        --> tokenizer_pool.py: chat templates and tokenization in worker processes (tokenizer_worker.py)
         --> bridge.EngineBridge.submit (admission: 429 full, 503 draining) --inbox--> engine thread
         engine thread: enqueue / abort / step --call_soon_threadsafe--> per-request asyncio queues
-        --> serving.py: JSON response or SSE chunks ending in `data: [DONE]`
+        --> serving.py: JSON response, or streaming.py's SSE chunks ending in `data: [DONE]`
     metrics.py: Prometheus collectors fed by the engine thread; `GET /metrics`.
 
 Only this package and jaxserve/bench/serve.py import fastapi, uvicorn, pydantic or prometheus_client.

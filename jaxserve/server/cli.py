@@ -3,8 +3,10 @@
     YAML config (default: jaxserve/configs/tiny.yaml, package data: the embedded model) --flags override
     any field of any section (`--max-num-seqs 8`, `--policy fair`, `--model DIR` for model.path), also by
     vLLM's names (`--tensor-parallel-size 2`; jaxserve/config_flags.py) --> EngineConfig
+    (server.api_key set by neither: the JAXSERVE_API_KEY environment variable, invisible in `ps`)
     --> Engine, or DataParallelEngine when parallel.data > 1 (compiles its buckets)
-    --> build_app (which knows only the engine client interface) --> DrainingServer (uvicorn, h11)
+    --> build_app (which knows only the engine client interface) --> DrainingServer (uvicorn, h11 with
+    connections.GuardedH11Protocol's timeouts)
     --> 0 on a clean exit
     parallel.process_id > 0 (multi-host): distributed.run_follower instead: no HTTP, follow process 0
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -30,9 +33,11 @@ import yaml
 from jaxserve import config_flags
 from jaxserve.config import DEFAULT_CONFIG, EngineConfig, load_config
 from jaxserve.server.app import build_app, served_model_name
+from jaxserve.server.connections import GuardedH11Protocol
 
 logger = logging.getLogger(__name__)
 
+API_KEY_ENV = "JAXSERVE_API_KEY"  # as vLLM's VLLM_API_KEY: the key without it showing in the process list
 _HEAD_SLACK = 8 << 10  # h11's hard limit on a request head: the request line on top of max_header_bytes
 # Past the drain: how long aborted requests get to deliver their last output, and open connections to
 # close (uvicorn's timeout_graceful_shutdown; then their tasks are cancelled).
@@ -76,9 +81,11 @@ def build_server(config: EngineConfig, engine, log_level: str = "info") -> Drain
     """The server for `engine` (built from `config`); `.run()` serves until shutdown."""
     app = build_app(engine, config)
     server = config.server
-    uv_config = uvicorn.Config(app, host=server.host, port=server.port, http="h11", lifespan="on",
+    uv_config = uvicorn.Config(app, host=server.host, port=server.port,
+                               http=GuardedH11Protocol.with_read_timeout(server.read_timeout_s), lifespan="on",
                                log_level=log_level, access_log=server.access_log,
                                h11_max_incomplete_event_size=server.max_header_bytes + _HEAD_SLACK,
+                               timeout_keep_alive=server.keep_alive_timeout_s,
                                timeout_graceful_shutdown=_SHUTDOWN_GRACE_S)
     return DrainingServer(uv_config, app.state.bridge, server.drain_timeout_s)
 
@@ -93,7 +100,10 @@ def _config_from_args(argv: list[str]) -> tuple[EngineConfig, str]:
     args = vars(parser.parse_args(argv))
     config = load_config(args.pop("config"))
     log_level = args.pop("log_level")
-    return config.with_overrides(**config_flags.overrides(args, flags)), log_level
+    config = config.with_overrides(**config_flags.overrides(args, flags))
+    if config.server.api_key is None and os.environ.get(API_KEY_ENV):  # the config or a flag wins
+        config = config.with_overrides(api_key=os.environ[API_KEY_ENV])
+    return config, log_level
 
 
 def main(argv: list[str]) -> int:

@@ -10,7 +10,7 @@ import json
 import re
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-               405: "MethodNotAllowedError", 413: "RequestEntityTooLargeError", 429: "RateLimitError",
+               405: "MethodNotAllowedError", 408: "RequestTimeoutError", 413: "RequestEntityTooLargeError", 429: "RateLimitError",
                431: "RequestHeaderFieldsTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 _LEADING_NAME = re.compile(r"^([a-z_]+)\b")

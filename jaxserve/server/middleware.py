@@ -1,8 +1,9 @@
 """The request guard: pure ASGI middleware in front of every route, before any routing or parsing.
 
     request head --> more than max_header_bytes or MAX_HEADER_COUNT headers: 431
-                 --> API key (when configured): only GET/HEAD of the exact raw paths /health and /metrics
-                     are public; anything else needs `Authorization: Bearer <key>` (hmac.compare_digest): 401
+                 --> API key (when configured): only PUBLIC (exact raw path and method: /health, /ping,
+                     /version, /metrics) is open; anything else, /v1/* and /tokenize included, needs
+                     `Authorization: Bearer <key>` (hmac.compare_digest): 401
                  --> tenant: with API keys, "key-<sha256 prefix>" of the request's key (the tenant header is
                      ignored); without, the tenant header when configured and sent (400 unless well
                      formed); else None                                      -> scope["jaxserve.tenant"]
@@ -29,7 +30,8 @@ from jaxserve.server.errors import error_body
 
 MAX_HEADER_COUNT = 256
 _DRAIN_FACTOR = 4  # an over-limit body is read (and dropped) up to this many times the limit
-PUBLIC_PATHS = (b"/health", b"/metrics")
+# Raw path -> the methods that need no key (probes and monitoring; they reveal no model output).
+PUBLIC = {b"/health": ("GET", "HEAD"), b"/ping": ("GET", "POST"), b"/version": ("GET",), b"/metrics": ("GET",)}
 _TENANT = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
 
 
@@ -81,7 +83,7 @@ class Guard:
         await self._with_body(scope, receive, send, content_length)
 
     def _is_public(self, scope) -> bool:
-        return scope["method"] in ("GET", "HEAD") and scope.get("raw_path") in PUBLIC_PATHS
+        return scope["method"] in PUBLIC.get(scope.get("raw_path"), ())
 
     def _key_matches(self, key: bytes) -> bool:
         matches = [hmac.compare_digest(key, known) for known in self.keys]  # no early exit

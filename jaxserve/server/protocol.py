@@ -8,8 +8,13 @@
 Every count-like field has a hard upper bound here, so no request makes the server loop or allocate in
 proportion to a number it sends (vLLM CVE-2026-34756: a huge `n`). Limits that depend on the engine
 config (scheduler.max_n, scheduler.max_logprobs, max_model_len) are checked again by the engine before
-anything is queued. Unknown fields are accepted and logged (clients send vendor fields in `extra_body`);
-known fields jaxserve does not implement (logit_bias, tools, suffix, structured output) answer 400.
+anything is queued, and the product of the counts by serving.py (server.max_request_tokens / _logprobs).
+
+No known field is silently ignored: OpenAI and vLLM fields jaxserve does not implement (logit_bias,
+tools, suffix, structured output, beam search, best_of > n, ... : UNSUPPORTED) answer 400 naming the
+field unless their value asks for nothing (null, false, the default). `user` and `metadata` are
+informational (as in OpenAI's API) and change nothing. Fields no API defines are accepted and logged,
+as vLLM does (clients send vendor fields in `extra_body`).
 """
 
 from __future__ import annotations
@@ -43,8 +48,24 @@ _SAMPLING_FIELDS = ("n", "presence_penalty", "frequency_penalty", "repetition_pe
                     "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output")
 
 
+# Known OpenAI / vLLM request fields jaxserve does not implement -> the values that ask for nothing
+# (accepted as absent; null always is). Any other value answers 400 naming the field.
+UNSUPPORTED: dict[str, tuple] = {
+    "use_beam_search": (False,), "length_penalty": (1, 1.0), "truncate_prompt_tokens": (),
+    "allowed_token_ids": (), "bad_words": ([],), "logits_processors": ([],), "logprob_token_ids": ([],),
+    "return_token_ids": (False,), "structured_outputs": (), "guided_json": (), "guided_regex": (),
+    "guided_choice": (), "guided_grammar": (), "guided_decoding_backend": (), "guided_whitespace_pattern": (),
+    "kv_transfer_params": (), "vllm_xargs": (), "prompt_embeds": (), "mm_processor_kwargs": ({},),
+    "documents": ([],), "functions": ([],), "function_call": ("none",), "audio": (), "modalities": (["text"],),
+    "prediction": (), "reasoning_effort": (), "web_search_options": (), "store": (False,),
+    "service_tier": ("auto", "default"),
+}
+INFORMATIONAL = ("user", "metadata", "parallel_tool_calls")  # no effect on generation, as OpenAI defines them
+
+
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: bool = True  # as vLLM: stream_options without include_usage asks for the usage chunk
+    continuous_usage_stats: bool = False  # usage (that choice's tokens so far) on every chunk too
 
 
 class OpenAIRequest(BaseModel):
@@ -64,7 +85,9 @@ class OpenAIRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    metadata: dict[str, Any] | None = None
     logit_bias: dict[str, float] | None = None
+    best_of: Annotated[int, Field(strict=True, ge=1, le=MAX_N)] | None = None  # only == n: no extra candidates
     # vLLM's extra sampling fields.
     top_k: Annotated[int, Field(strict=True, ge=-(2**31), le=2**31 - 1)] | None = None
     min_p: float | None = None
@@ -78,19 +101,33 @@ class OpenAIRequest(BaseModel):
     # one entry per prompt token (the first null): its logprob and rank, plus the top-N; -1 = all
     prompt_logprobs: Annotated[int, Field(strict=True, ge=-1, le=MAX_LOGPROBS)] | None = None
     # vLLM's extra scheduling fields.
-    priority: Annotated[int, Field(strict=True, ge=-(2**31), le=2**31 - 1)] = 0  # lower first; policy "priority"
+    # One value for every prompt of the request: lower first under policy "priority"; under every policy
+    # the highest value is preempted first.
+    priority: Annotated[int, Field(strict=True, ge=-(2**31), le=2**31 - 1)] = 0
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    request_id: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")] | None = None
+    return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N" (bytes that are no valid UTF-8)
+    add_special_tokens: bool | None = None  # default: true for completions; false for chat (the template adds them)
 
     @model_validator(mode="after")
     def _refuse_unsupported(self):
         if self.logit_bias:
             raise ValueError("logit_bias is not supported by jaxserve; leave it out")
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise ValueError(f"best_of={self.best_of} (more candidates than the n={self.n or 1} returned) is not "
+                             f"supported by jaxserve; leave best_of out or set it to n")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
         if self.stream and self.prompt_logprobs not in (None, 0):  # as vLLM
             raise ValueError("prompt_logprobs are not available with stream=true; send stream=false to get them")
         if self.model_extra:
-            logger.warning("ignoring unknown request fields %s", sorted(self.model_extra)[:16])
+            for name, value in self.model_extra.items():
+                if name in UNSUPPORTED and value is not None and not any(
+                        value == allowed and type(value) is type(allowed) for allowed in UNSUPPORTED[name]):
+                    raise ValueError(f"{name} is not supported by jaxserve; leave it out")
+            unknown = sorted(name for name in self.model_extra if name not in UNSUPPORTED and name not in INFORMATIONAL)
+            if unknown:
+                logger.warning("ignoring request fields no API defines: %s", unknown[:16])
         return self
 
     def _sampling_params(self, defaults: dict[str, Any], max_tokens: int | None, logprobs: int | None,
@@ -104,6 +141,10 @@ class OpenAIRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(OpenAIRequest):
@@ -186,6 +227,9 @@ class ChatCompletionRequest(OpenAIRequest):
     def _refuse_unsupported_chat(self):
         if self.tools:
             raise ValueError("tools are not supported by jaxserve yet; leave them out")
+        if self.tool_choice not in (None, "none", "auto"):  # without tools, "auto" chooses none
+            raise ValueError("tool_choice other than 'none' or 'auto' needs tools, which jaxserve does not support "
+                             "yet; leave it out")
         if self.response_format is not None and self.response_format.get("type", "text") != "text":
             raise ValueError("response_format other than {'type': 'text'} (structured output) is not supported")
         if self.top_logprobs is not None and not self.logprobs:
@@ -302,17 +346,67 @@ class ChatCompletionStreamResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
+class ModelPermission(BaseModel):
+    """vLLM's permission object (fixed values: the served model may be sampled, with logprobs)."""
+
+    id: str
+    object: Literal["model_permission"] = "model_permission"
+    created: int
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "jaxserve"
+    root: str  # the checkpoint directory served
+    parent: str | None = None
     max_model_len: int
+    permission: list[ModelPermission]
 
 
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# ---- /tokenize, /detokenize (vLLM's shapes) ----------------------------------------------------------------------
+class TokenizeCompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # the chat template writes them
+    return_token_strs: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=MAX_TEMPLATE_KWARGS)] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[TokenId]
 
 
 class ErrorInfo(BaseModel):

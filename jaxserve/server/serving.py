@@ -1,14 +1,17 @@
 """The OpenAI routes' logic: HTTP request -> engine requests -> JSON response or SSE stream.
 
     body --parse (400)--> model (404) --> admission pre-check (429 / 503, before any tokenizing)
-    --thread pool--> chat template + tokenize + engine.prepare_request   (ValueError -> 400 naming the param)
+    --> prompt bound (400: more characters than max_model_len tokens can hold, nothing tokenized)
+    --tokenizer worker processes (tokenizer_pool.py)--> chat template + token ids
+    --thread pool--> engine.prepare_request (ValueError -> 400 naming the param) --> request volume (400)
     --> bridge.submit (429 / 503) --> RequestGroup
         stream=false: wait for the final outputs, racing the client's disconnect (then abort)
-        stream=true:  SSE chunks of text deltas (+ a usage chunk) and `data: [DONE]`; the response aborts
-                      whatever is unfinished when it ends for any reason (client gone included)
+        stream=true:  streaming.py's SSE chunks and `data: [DONE]`; the response aborts whatever is
+                      unfinished when it ends for any reason (client gone included)
 
 Choice i of prompt p is choice `p * n + i` of the response. Outputs are cumulative, so a delta is the
 text / token ids past what was already sent: nothing is lost or sent twice however outputs coalesce.
+/tokenize and /detokenize (vLLM's shapes) go through the same workers.
 """
 
 from __future__ import annotations
@@ -29,16 +32,21 @@ from starlette.responses import Response, StreamingResponse
 
 from jaxserve.config import ServerConfig
 from jaxserve.engine_client import EngineClient, PreparedRequest
-from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.server import logprobs_format
 from jaxserve.server import protocol as P
+from jaxserve.server import streaming
 from jaxserve.server.bridge import EngineBridge, RequestGroup
-from jaxserve.server.errors import ApiError, error_body, param_of
-from jaxserve.tokenizer import SPECIAL_TOKEN_NAMES, ChatTemplateError
+from jaxserve.server.errors import ApiError, param_of
+from jaxserve.server.tokenizer_pool import Encoded, TokenizeError, TokenizerPool
+from jaxserve.tokenizer import SPECIAL_TOKEN_NAMES
 
 _DEFAULT_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 _KNOWN_PARAMS = (set(P.ChatCompletionRequest.model_fields) | set(P.CompletionRequest.model_fields)
-                 | {"prompt_token_ids", "stop_token_ids"})
+                 | {"prompt_token_ids", "stop_token_ids"} | set(P.UNSUPPORTED))
+_INLINE_PARSE_BYTES = 64 << 10  # larger bodies are decoded in the thread pool
+_JSON_MEDIA_TYPE = re.compile(r"^application/([a-z0-9.+-]+\+)?json$")
 
 
 class _EventStream(StreamingResponse):
@@ -55,24 +63,21 @@ class _EventStream(StreamingResponse):
             self.group.abort()
 
 
-def _sse(chunk: BaseModel) -> str:
-    return f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
-
-
-_DONE = "data: [DONE]\n\n"
 _FIELD_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 class Serving:
     def __init__(self, engine: EngineClient, bridge: EngineBridge, config: ServerConfig,
-                 model_name: str):
+                 model_name: str, tokens: TokenizerPool | None):
         self.engine = engine
         self.bridge = bridge
         self.config = config
         self.model_name = model_name
+        self.tokens = tokens  # None: no tokenizer (model.skip_tokenizer_init); token-id prompts only
         self.created = int(time.time())
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="jaxserve-prepare")
+        self._large_body = asyncio.Semaphore(1)
         self.defaults = {k: v for k, v in engine.sampling_defaults.items() if k in _DEFAULT_SAMPLING_KEYS}
         # Template variables a request may not set: the renderer's own arguments and the special tokens.
         tokenizer = engine.tokenizer
@@ -83,17 +88,29 @@ class Serving:
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
-    # ---- request handling common to both routes ----
-    async def _parse(self, request: Request, model_cls: type[P.OpenAIRequest]) -> P.OpenAIRequest:
+    # ---- request handling common to the routes ----
+    async def _parse(self, request: Request, model_cls: type[BaseModel] | Callable[[dict], type[BaseModel]]) -> Any:
+        """The validated body; `model_cls` may choose the model from the JSON object. A large body is decoded
+        in the thread pool, so the event loop keeps serving while it is (other streams, /health)."""
         media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if media_type != "application/json":
-            raise ApiError(400, f"Content-Type must be application/json, got {media_type or 'none'!r}")
+        if media_type and not _JSON_MEDIA_TYPE.match(media_type):  # no Content-Type: JSON, as vLLM reads it
+            raise ApiError(400, f"Content-Type must be application/json (or left out), got {media_type!r}")
+        raw = await request.body()
+        if len(raw) <= _INLINE_PARSE_BYTES:
+            return self._decode(raw, model_cls)
+        # One large body at a time: decoding holds the GIL, and the engine thread must keep getting it.
+        async with self._large_body:
+            return await asyncio.get_running_loop().run_in_executor(self.pool, self._decode, raw, model_cls)
+
+    def _decode(self, raw: bytes, model_cls: type[BaseModel] | Callable[[dict], type[BaseModel]]) -> Any:
         try:
-            data = json.loads(await request.body())
+            data = json.loads(raw)
         except (ValueError, RecursionError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             raise ApiError(400, f"the request body is not valid UTF-8 JSON: {err}") from None
         if not isinstance(data, dict):
             raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+        if not isinstance(model_cls, type):
+            model_cls = model_cls(data)
         try:
             body = model_cls.model_validate(data)
         except ValidationError as err:
@@ -102,34 +119,72 @@ class Serving:
             raise ApiError(404, f"The model `{body.model}` does not exist.", "model")
         return body
 
-    def _sampling_params(self, body: P.OpenAIRequest):
+    def _sampling_params(self, body: P.OpenAIRequest) -> SamplingParams:
         try:
             return body.sampling_params(self.defaults)
         except ValueError as err:
             raise ApiError(400, str(err), param_of(str(err), _KNOWN_PARAMS)) from None
 
-    async def _prepare(self, prompts: list, params, body: P.OpenAIRequest, request: Request, prefix: str,
-                       render: Callable[[], dict] | None = None) -> list[PreparedRequest]:
-        """Render (chat) and tokenize in the thread pool: neither may block the event loop."""
+    def _check_volume(self, num_prompts: int, max_tokens: int, params: SamplingParams) -> None:
+        """Refuse a request whose generated tokens (prompts x n x max_tokens, `max_tokens` summed over its
+        prompts) or logprob entries (that x (logprobs + 1)) pass the server's caps."""
+        config = self.config
+        tokens = max_tokens * params.n
+        shape = f"{num_prompts} prompt(s) x n={params.n} x max_tokens"
+        if tokens > config.max_request_tokens:
+            raise ApiError(400, f"the request may generate {tokens} tokens ({shape}), more than "
+                                f"server.max_request_tokens={config.max_request_tokens}; lower n, max_tokens or the "
+                                f"number of prompts", "max_tokens")
+        if params.logprobs is not None and tokens * (params.logprobs + 1) > config.max_request_logprobs:
+            raise ApiError(400, f"the request may return {tokens * (params.logprobs + 1)} logprob entries ({shape} x "
+                                f"(logprobs={params.logprobs} + 1)), more than server.max_request_logprobs="
+                                f"{config.max_request_logprobs}; lower logprobs, n or max_tokens", "logprobs")
+
+    def _check_prompt_chars(self, text: str, param: str) -> None:
+        limit = self.tokens.max_prompt_chars if self.tokens is not None else None
+        if limit is not None and len(text) > limit:
+            raise ApiError(400, f"{param} is {len(text)} characters, more than max_model_len="
+                                f"{self.engine.max_model_len} tokens of at most {self.tokens.max_chars_per_token} "
+                                f"characters each can hold ({limit}); shorten it", param)
+
+    def _checked(self, encoded: Encoded, param: str) -> list[int]:
+        if encoded.token_ids is None:
+            raise ApiError(400, f"The prompt (length {encoded.count}) is longer than the maximum model length of "
+                                f"{self.engine.max_model_len} minus one generated token; shorten the prompt", param)
+        return encoded.token_ids
+
+    async def _prepare(self, items: list[dict], params: SamplingParams, body: P.OpenAIRequest, request: Request,
+                       request_id: str, param: str) -> list[PreparedRequest]:
+        """engine.prepare_request for each tokenized prompt, in the thread pool; then the volume check."""
         tenant = request.scope.get("jaxserve.tenant")
-        request_id = f"{prefix}-{uuid.uuid4().hex}"
-        prompt_param = "messages" if render is not None else "prompt"
 
         def work() -> list[PreparedRequest]:
             try:
-                items = [render()] if render is not None else prompts
-                return [self.engine.prepare_request(prompt, params, request_id=f"{request_id}-{i}",
+                return [self.engine.prepare_request(item, params, request_id=f"{request_id}-{i}",
                                                     priority=body.priority, cache_salt=body.cache_salt, tenant=tenant,
                                                     strict=True)  # max_tokens past the context: 400
-                        for i, prompt in enumerate(items)]
-            except ChatTemplateError as err:
-                raise ApiError(400, f"the chat template failed: {err}", "messages") from None
+                        for i, item in enumerate(items)]
             except ValueError as err:
                 message = str(err)
-                param = param_of(message, _KNOWN_PARAMS) or prompt_param
-                raise ApiError(400, message, "prompt" if param == "prompt_token_ids" else param) from None
+                found = param_of(message, _KNOWN_PARAMS) or param
+                raise ApiError(400, message, "prompt" if found == "prompt_token_ids" else found) from None
 
-        return await asyncio.get_running_loop().run_in_executor(self.pool, work)
+        prepared = await asyncio.get_running_loop().run_in_executor(self.pool, work)
+        self._check_volume(len(prepared), sum(p.max_tokens for p in prepared), params)
+        return prepared
+
+    async def _encode(self, prompt: str | list[int], add_special_tokens: bool) -> dict:
+        """One engine prompt: {"prompt", "prompt_token_ids"} tokenized by a worker, or the ids sent."""
+        if isinstance(prompt, list):
+            return {"prompt_token_ids": prompt}
+        if self.tokens is None:
+            return {"prompt": prompt}  # refused by the engine: it has no tokenizer
+        self._check_prompt_chars(prompt, "prompt")
+        try:
+            encoded = await self.tokens.encode(prompt, add_special_tokens)
+        except TokenizeError as err:
+            raise _tokenize_error(err, "prompt") from None
+        return {"prompt": prompt, "prompt_token_ids": self._checked(encoded, "prompt")}
 
     async def _collect(self, request: Request, group: RequestGroup) -> dict[int, RequestOutput] | None:
         """The final outputs by prompt index, or None when the client went away first (work aborted)."""
@@ -152,10 +207,16 @@ class Serving:
         consumer.result()  # re-raises an engine failure
         return latest
 
-    def _usage(self, outputs: dict[int, RequestOutput]) -> P.UsageInfo:
-        prompt = sum(len(o.prompt_token_ids) for o in outputs.values())
-        completion = sum(len(c.token_ids) for o in outputs.values() for c in o.outputs)
-        return P.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    def _stream_spec(self, body: P.OpenAIRequest, response_id: str, n: int,
+                     prepared: list[PreparedRequest]) -> streaming.StreamSpec:
+        return streaming.StreamSpec(response_id, self.model_name, n, [len(p.prompt_token_ids) for p in prepared],
+                                    body.include_usage, body.continuous_usage, body.return_tokens_as_token_ids)
+
+    @staticmethod
+    def _ids(prefix: str, body: P.OpenAIRequest) -> tuple[str, str]:
+        """(the response id, the engine requests' id prefix); engine ids stay unique whatever request_id says."""
+        internal = f"{prefix}-{uuid.uuid4().hex}"
+        return (f"{prefix}-{body.request_id}" if body.request_id else internal), internal
 
     # ---- /v1/completions ----
     async def completions(self, request: Request) -> Response:
@@ -163,85 +224,53 @@ class Serving:
         prompts = body.prompts()
         self.bridge.check_admission(len(prompts))
         params = self._sampling_params(body)
-        prepared = await self._prepare(prompts, params, body, request, "cmpl")
+        self._check_volume(len(prompts), len(prompts) * params.max_tokens, params)  # before any tokenizing
+        add_special = body.add_special_tokens if body.add_special_tokens is not None else True
+        items = await asyncio.gather(*(self._encode(p if isinstance(p, str) else p["prompt_token_ids"], add_special)
+                                       for p in prompts))
+        response_id, internal_id = self._ids("cmpl", body)
+        prepared = await self._prepare(list(items), params, body, request, internal_id, "prompt")
+        echoes = [await self._echo_text(p) for p in prepared] if body.echo else None
         group = self.bridge.submit(prepared)
-        response_id = prepared[0].request_id.rsplit("-", 1)[0]
-        echoes = ([""] * len(prepared) if not body.echo else await asyncio.get_running_loop().run_in_executor(
-            self.pool, lambda: [self._echo_text(p) for p in prepared]))  # detokenizing: off the event loop too
         if body.stream:
-            return _EventStream(self._completion_stream(group, body, params.n, response_id, echoes), group)
+            spec = self._stream_spec(body, response_id, params.n, prepared)
+            return _EventStream(streaming.completion_stream(spec, group, echoes), group)
         outputs = await self._collect(request, group)
         if outputs is None:
             return Response(status_code=499)
         choices = []
+        as_ids = body.return_tokens_as_token_ids
         for prompt_index, output in sorted(outputs.items()):
             prompt_logprobs = logprobs_format.prompt_logprobs_json(output.prompt_logprobs)
+            echo = echoes[prompt_index] if echoes is not None else ""
             for c in output.outputs:
                 if body.echo:
-                    text, logprobs = logprobs_format.echo_choice(echoes[prompt_index], output, c, body.max_tokens,
-                                                                 body.logprobs, self.engine.tokenizer)
+                    text, logprobs = logprobs_format.echo_choice(echo, output, c, body.max_tokens, body.logprobs,
+                                                                 self.engine.tokenizer)
                 else:
                     text = c.text
-                    logprobs = _completion_logprobs(c.logprobs, 0)[0] if c.logprobs is not None else None
+                    logprobs = (streaming.completion_logprobs(c.logprobs, 0, as_ids)[0]
+                                if c.logprobs is not None else None)
                 choices.append(P.CompletionChoice(index=prompt_index * params.n + c.index, text=text,
                                                   logprobs=logprobs, finish_reason=c.finish_reason,
                                                   stop_reason=c.stop_reason, prompt_logprobs=prompt_logprobs))
         return _json(P.CompletionResponse(id=response_id, created=int(time.time()), model=self.model_name,
-                                          choices=choices, usage=self._usage(outputs)))
+                                          choices=choices, usage=streaming.usage_of(outputs)))
 
-    def _echo_text(self, prepared: PreparedRequest) -> str:
-        if prepared.prompt is not None or self.engine.tokenizer is None:
+    async def _echo_text(self, prepared: PreparedRequest) -> str:
+        if prepared.prompt is not None or self.tokens is None:
             return prepared.prompt or ""
-        return self.engine.tokenizer.decode(prepared.prompt_token_ids, skip_special_tokens=False)
-
-    async def _completion_stream(self, group: RequestGroup, body: P.CompletionRequest, n: int, response_id: str,
-                                 echoes: list[str]) -> AsyncIterator[str]:
-        created = int(time.time())
-        sent_chars: dict[int, int] = {}
-        sent_tokens: dict[int, int] = {}
-        offsets: dict[int, int] = {}
-        latest: dict[int, RequestOutput] = {}
-
-        def chunk(choices):
-            return _sse(P.CompletionResponse(id=response_id, created=created, model=self.model_name,
-                                             choices=choices))
-
-        if body.echo:
-            yield chunk([P.CompletionChoice(index=p * n + i, text=echo, logprobs=None, finish_reason=None)
-                         for p, echo in enumerate(echoes) for i in range(n)])
         try:
-            async for updates in group:
-                latest.update(updates)
-                choices = []
-                for prompt_index, output in updates.items():
-                    for c in output.outputs:
-                        index = prompt_index * n + c.index
-                        delta = _delta(c, index, sent_chars, sent_tokens)
-                        if delta is None:
-                            continue
-                        text, new_logprobs = delta
-                        logprobs = None
-                        if new_logprobs is not None:
-                            start = offsets.get(index, len(echoes[prompt_index]))
-                            logprobs, offsets[index] = _completion_logprobs(new_logprobs, start)
-                        choices.append(P.CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                                          finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-                if choices:
-                    yield chunk(choices)
-        except Exception as err:  # noqa: BLE001 - after the headers went out, errors travel in the stream
-            yield f"data: {error_body(500, str(err)).decode()}\n\n"
-        if body.include_usage:
-            yield _sse(P.CompletionResponse(id=response_id, created=created, model=self.model_name, choices=[],
-                                            usage=self._usage(latest)))
-        yield _DONE
+            return await self.tokens.decode(prepared.prompt_token_ids, skip_special_tokens=False)
+        except TokenizeError as err:
+            raise _tokenize_error(err, "prompt") from None
 
     # ---- /v1/chat/completions ----
-    async def chat(self, request: Request) -> Response:
-        body = await self._parse(request, P.ChatCompletionRequest)
-        if self.engine.tokenizer is None:
+    async def _render(self, body: P.ChatCompletionRequest | P.TokenizeChatRequest) -> dict[str, Any]:
+        """Check a chat's template options; the arguments of TokenizerPool.render_chat / tokenize_body."""
+        if self.tokens is None:
             raise ApiError(400, "this server runs without a tokenizer (model.skip_tokenizer_init), so it cannot "
                                 "render chats; send token ids to /v1/completions", "messages")
-        self.bridge.check_admission(1)
         if body.chat_template is not None and not self.config.trust_request_chat_template:
             raise ApiError(400, "chat_template in a request is refused: the server does not set "
                                 "server.trust_request_chat_template", "chat_template")
@@ -254,71 +283,86 @@ class Serving:
             messages = [m.template_dict(i) for i, m in enumerate(body.messages)]
         except ValueError as err:
             raise ApiError(400, str(err), "messages") from None
+        return {"messages": messages, "add_generation_prompt": body.add_generation_prompt,
+                "continue_final_message": body.continue_final_message, "chat_template": body.chat_template,
+                "template_kwargs": kwargs}
+
+    async def chat(self, request: Request) -> Response:
+        body = await self._parse(request, P.ChatCompletionRequest)
+        chat = await self._render(body)
+        self.bridge.check_admission(1)
         params = self._sampling_params(body)
-        tokenizer = self.engine.tokenizer
-
-        def render() -> dict:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
-                                                 chat_template=body.chat_template,
-                                                 continue_final_message=body.continue_final_message, **kwargs)
-            # The template writes special tokens (e.g. BOS) itself.
-            return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
-
-        prepared = await self._prepare([], params, body, request, "chatcmpl", render)
+        if params.max_tokens is not None:
+            self._check_volume(1, params.max_tokens, params)  # before any tokenizing
+        try:
+            encoded = await self.tokens.render_chat(**chat, add_special_tokens=bool(body.add_special_tokens))
+        except TokenizeError as err:
+            raise _tokenize_error(err, "messages") from None
+        item = {"prompt": encoded.prompt, "prompt_token_ids": self._checked(encoded, "messages")}
+        response_id, internal_id = self._ids("chatcmpl", body)
+        prepared = await self._prepare([item], params, body, request, internal_id, "messages")
         group = self.bridge.submit(prepared)
-        response_id = prepared[0].request_id.rsplit("-", 1)[0]
         top_n = body.top_logprobs or 0
         if body.stream:
-            return _EventStream(self._chat_stream(group, body, params.n, response_id, top_n), group)
+            spec = self._stream_spec(body, response_id, params.n, prepared)
+            return _EventStream(streaming.chat_stream(spec, group, top_n), group)
         outputs = await self._collect(request, group)
         if outputs is None:
             return Response(status_code=499)
+        as_ids = body.return_tokens_as_token_ids
         choices = [P.ChatChoice(index=c.index, message=P.ChatMessageOut(content=c.text),
-                                logprobs=_chat_logprobs(c.logprobs, top_n) if c.logprobs is not None else None,
+                                logprobs=(streaming.chat_logprobs(c.logprobs, top_n, as_ids)
+                                          if c.logprobs is not None else None),
                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason)
                    for c in outputs[0].outputs]
         return _json(P.ChatCompletionResponse(id=response_id, created=int(time.time()), model=self.model_name,
-                                              choices=choices, usage=self._usage(outputs),
+                                              choices=choices, usage=streaming.usage_of(outputs),
                                               prompt_logprobs=logprobs_format.prompt_logprobs_json(
                                                   outputs[0].prompt_logprobs)))
 
-    async def _chat_stream(self, group: RequestGroup, body: P.ChatCompletionRequest, n: int, response_id: str,
-                           top_n: int) -> AsyncIterator[str]:
-        created = int(time.time())
-        sent_chars: dict[int, int] = {}
-        sent_tokens: dict[int, int] = {}
-        latest: dict[int, RequestOutput] = {}
-
-        def chunk(choices, **usage):
-            return _sse(P.ChatCompletionStreamResponse(id=response_id, created=created, model=self.model_name,
-                                                       choices=choices, **usage))
-
-        for index in range(n):
-            yield chunk([P.ChatStreamChoice(index=index, delta=P.DeltaMessage(role="assistant", content=""),
-                                            logprobs=None, finish_reason=None)])
+    # ---- /tokenize, /detokenize ----
+    async def tokenize(self, request: Request) -> Response:
+        body = await self._parse(request, lambda data: P.TokenizeChatRequest if "messages" in data
+                                 else P.TokenizeCompletionRequest)
+        if self.tokens is None:
+            raise ApiError(400, "this server runs without a tokenizer (model.skip_tokenizer_init)")
         try:
-            async for updates in group:
-                latest.update(updates)
-                choices = []
-                for c in updates[0].outputs:
-                    delta = _delta(c, c.index, sent_chars, sent_tokens)
-                    if delta is None:
-                        continue
-                    text, new_logprobs = delta
-                    message = P.DeltaMessage(content=text) if text else P.DeltaMessage()
-                    logprobs = _chat_logprobs(new_logprobs, top_n) if new_logprobs is not None else None
-                    choices.append(P.ChatStreamChoice(index=c.index, delta=message, logprobs=logprobs,
-                                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-                if choices:
-                    yield chunk(choices)
-        except Exception as err:  # noqa: BLE001 - after the headers went out, errors travel in the stream
-            yield f"data: {error_body(500, str(err)).decode()}\n\n"
-        if body.include_usage:
-            yield chunk([], usage=self._usage(latest))
-        yield _DONE
+            if isinstance(body, P.TokenizeChatRequest):
+                chat = await self._render(body)
+                result = await self.tokens.tokenize_body(None, add_special_tokens=body.add_special_tokens,
+                                                         return_token_strs=body.return_token_strs, **chat)
+            else:
+                self._check_prompt_chars(body.prompt, "prompt")
+                result = await self.tokens.tokenize_body(body.prompt, None, add_special_tokens=body.add_special_tokens,
+                                                         return_token_strs=body.return_token_strs)
+        except TokenizeError as err:
+            raise _tokenize_error(err, "messages" if isinstance(body, P.TokenizeChatRequest) else "prompt") from None
+        return Response(result, media_type="application/json")
+
+    async def detokenize(self, request: Request) -> Response:
+        body = await self._parse(request, P.DetokenizeRequest)
+        if self.tokens is None:
+            raise ApiError(400, "this server runs without a tokenizer (model.skip_tokenizer_init)")
+        vocab_size = len(self.engine.tokenizer)
+        bad = next((t for t in body.tokens if t >= vocab_size), None)
+        if bad is not None:
+            raise ApiError(400, f"tokens: token id {bad} is out of vocabulary (vocab_size {vocab_size})", "tokens")
+        try:
+            text = await self.tokens.decode(body.tokens, skip_special_tokens=False)
+        except TokenizeError as err:
+            raise _tokenize_error(err, "tokens") from None
+        return Response(json.dumps({"prompt": text}), media_type="application/json")
 
 
 # ---- helpers ---------------------------------------------------------------------------------------------------
+def _tokenize_error(err: TokenizeError, param: str) -> ApiError:
+    if err.kind == "template":
+        return ApiError(400, f"the chat template failed: {err}", "messages")
+    if err.kind == "value":
+        return ApiError(400, str(err), param)
+    return ApiError(500, f"tokenization failed: {err}")
+
+
 def _validation_error(err: ValidationError) -> ApiError:
     errors = err.errors(include_url=False)
     # A value that fits no member of a union gets one error per member: prefer one that is not a plain
@@ -333,6 +377,8 @@ def _validation_error(err: ValidationError) -> ApiError:
     if first["type"] == "value_error":  # our model validators: the message names the field
         message = str(first["ctx"]["error"])
         return ApiError(400, message, loc[0] if loc else param_of(message, _KNOWN_PARAMS))
+    if first["type"] == "extra_forbidden":
+        return ApiError(400, f"{'.'.join(loc)} is not a field of this route; leave it out", loc[0] if loc else None)
     return ApiError(400, f"{'.'.join(loc)}: {first['msg']} (got {_shown(first.get('input'))})",
                     loc[0] if loc else None)
 
@@ -349,47 +395,3 @@ async def _wait_disconnect(request: Request) -> None:
 
 def _json(model: BaseModel) -> Response:
     return Response(model.model_dump_json(), media_type="application/json")
-
-
-def _delta(c: CompletionOutput, index: int, sent_chars: dict[int, int],
-           sent_tokens: dict[int, int]) -> tuple[str, list | None] | None:
-    """The unsent text and logprobs of one sequence (None if there is nothing to send); marks them sent.
-    A finished sequence is sent once more with its finish reason, then never again."""
-    chars, tokens = sent_chars.get(index, 0), sent_tokens.get(index, 0)
-    if chars < 0:
-        return None  # finish already sent
-    text = c.text[chars:]
-    new_logprobs = c.logprobs[tokens:] if c.logprobs is not None else None
-    if not text and not new_logprobs and c.finish_reason is None:
-        return None
-    sent_chars[index] = -1 if c.finish_reason is not None else len(c.text)
-    sent_tokens[index] = len(c.token_ids)
-    return text, new_logprobs
-
-
-def _completion_logprobs(entries: list[dict[int, Logprob]], offset: int) -> tuple[P.CompletionLogprobs, int]:
-    """OpenAI's legacy logprobs block for `entries` (sampled token first in each), text offsets from `offset`."""
-    result = P.CompletionLogprobs(text_offset=[], token_logprobs=[], tokens=[], top_logprobs=[])  # set: streamed
-    for entry in entries:
-        sampled = next(iter(entry.values()))
-        token = sampled.decoded_token or ""
-        result.tokens.append(token)
-        result.token_logprobs.append(sampled.logprob)
-        result.top_logprobs.append({(lp.decoded_token or ""): lp.logprob for lp in entry.values()})
-        result.text_offset.append(offset)
-        offset += len(token)
-    return result, offset
-
-
-def _chat_logprobs(entries: list[dict[int, Logprob]], top_n: int) -> P.ChatChoiceLogprobs:
-    def top(lp: Logprob) -> dict[str, Any]:
-        token = lp.decoded_token or ""
-        return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode())}
-
-    content = []
-    for entry in entries:
-        sampled = next(iter(entry.values()))
-        ranked = sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= top_n),
-                        key=lambda lp: lp.rank)
-        content.append(P.ChatLogprob(**top(sampled), top_logprobs=[P.ChatTopLogprob(**top(lp)) for lp in ranked]))
-    return P.ChatChoiceLogprobs(content=content)

@@ -1,0 +1,219 @@
+"""Tokenization off the serving process: a pool of tokenizer worker processes (tokenizer_worker.py).
+
+    Serving --await pool.encode / render_chat / decode / tokenize_body--> an idle worker
+        --frame over its stdin (JSON header + raw payload)--> worker: template, encode, decode
+        <--frame over its stdout-- Encoded(count, token_ids | None, prompt)
+
+Encoding a long text holds the GIL for its whole length; in the serving process that would stall the
+engine thread and the event loop (every stream, /health). Here the event loop only moves bytes.
+A call holds its worker until the reply is read, even when the caller is cancelled (client gone), so
+replies never cross. A worker that dies or breaks the protocol fails its call (500) and is replaced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from jaxserve.server.tokenizer_worker import FRAME_HEAD, MAX_FRAME_BYTES, bytes_to_ids, encode_frame, ids_to_bytes
+
+logger = logging.getLogger(__name__)
+
+_PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent.parent)  # the workers import this jaxserve
+_CLOSE_TIMEOUT_S = 5.0
+
+
+class TokenizeError(Exception):
+    """A request's text could not be rendered or tokenized: kind "template" | "value" (400), else 500."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclasses.dataclass(frozen=True)
+class Encoded:
+    count: int  # tokens
+    token_ids: list[int] | None  # None when count >= max_model_len (too long to serve)
+    prompt: str | None = None  # the rendered chat
+
+
+class _Worker:
+    """One worker process and the event loop's ends of its pipes."""
+
+    def __init__(self, process: subprocess.Popen, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.process = process
+        self.reader = reader
+        self.writer = writer
+
+    @classmethod
+    async def spawn(cls, command: list[str], env: dict[str, str]) -> _Worker:
+        # NOTE: subprocess.Popen (vfork + exec), not the event loop's subprocess support: uvloop forks,
+        # which runs JAX's at-fork warning in a multithreaded process.
+        process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader()
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), process.stdout)
+        transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, process.stdin)
+        return cls(process, reader, asyncio.StreamWriter(transport, protocol, None, loop))
+
+    async def call(self, header: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes]:
+        self.writer.write(encode_frame(header, payload))
+        await self.writer.drain()
+        return await self.read()
+
+    async def read(self) -> tuple[dict[str, Any], bytes]:
+        header_len, payload_len = FRAME_HEAD.unpack(await self.reader.readexactly(FRAME_HEAD.size))
+        if header_len + payload_len > MAX_FRAME_BYTES:
+            raise RuntimeError(f"tokenizer worker sent a frame of {header_len + payload_len} bytes")
+        header = json.loads(await self.reader.readexactly(header_len))
+        return header, await self.reader.readexactly(payload_len)
+
+    async def close(self, timeout: float) -> None:
+        """End its input (the worker exits), wait for it, kill it if it does not."""
+        self.writer.close()
+        try:
+            await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, self.process.wait), timeout)
+        except TimeoutError:
+            self.kill()
+        self.process.stdout.close()
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+
+
+class TokenizerPool:
+    def __init__(self, tokenizer_dir: str, max_model_len: int, size: int):
+        self.tokenizer_dir = tokenizer_dir
+        self.max_model_len = max_model_len
+        self.size = size
+        self.max_chars_per_token: int | None = None
+        self._idle: asyncio.Queue[_Worker] = asyncio.Queue()
+        self._workers: set[_Worker] = set()
+        self._replacing: set[asyncio.Task] = set()
+        self._closed = False
+
+    @property
+    def max_prompt_chars(self) -> int | None:
+        """Longer texts cannot fit max_model_len tokens (char_bound.py); None: no bound is known."""
+        bound = self.max_chars_per_token
+        return None if bound is None else self.max_model_len * bound
+
+    async def start(self) -> None:
+        """Start every worker and wait until each has loaded the tokenizer (raises if one cannot)."""
+        workers = await asyncio.gather(*(self._spawn() for _ in range(self.size)), return_exceptions=True)
+        failed = [w for w in workers if isinstance(w, BaseException)]
+        for worker in workers:
+            if not isinstance(worker, BaseException):
+                self._idle.put_nowait(worker)
+        if failed:
+            await self.close()
+            raise RuntimeError(f"tokenizer workers failed to start: {failed[0]}") from failed[0]
+
+    async def _spawn(self) -> _Worker:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_PACKAGE_ROOT,
+                                                                          os.environ.get("PYTHONPATH")]))}
+        worker = await _Worker.spawn([sys.executable, "-m", "jaxserve.server.tokenizer_worker", "--tokenizer",
+                                      self.tokenizer_dir, "--max-model-len", str(self.max_model_len)], env)
+        self._workers.add(worker)
+        try:
+            hello, _ = await worker.read()
+        except (asyncio.IncompleteReadError, ValueError) as err:
+            await self._discard(worker)
+            raise RuntimeError("tokenizer worker exited while starting (its error is in the log above)") from err
+        if not hello.get("ok"):
+            await self._discard(worker)
+            raise RuntimeError(hello.get("error", "tokenizer worker failed"))
+        self.max_chars_per_token = hello["max_chars_per_token"]
+        return worker
+
+    async def close(self) -> None:
+        self._closed = True
+        for task in self._replacing:
+            task.cancel()
+        await asyncio.gather(*(worker.close(_CLOSE_TIMEOUT_S) for worker in self._workers))
+        self._workers.clear()
+
+    async def call(self, header: dict[str, Any], payload: bytes = b"") -> tuple[dict[str, Any], bytes]:
+        if self._closed:
+            raise RuntimeError("the tokenizer pool is closed")
+        worker = await self._idle.get()
+        task = asyncio.ensure_future(worker.call(header, payload))
+        task.add_done_callback(functools.partial(self._returned, worker))
+        try:
+            header, payload = await asyncio.shield(task)
+        except (asyncio.IncompleteReadError, ConnectionError, RuntimeError) as err:
+            raise TokenizeError("internal", f"the tokenizer worker failed ({err!r}); it is being replaced, "
+                                            f"retry the request") from None
+        if not header.get("ok"):
+            raise TokenizeError(header.get("kind", "internal"), header.get("error", "tokenization failed"))
+        return header, payload
+
+    def _returned(self, worker: _Worker, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is None:
+            self._idle.put_nowait(worker)
+            return
+        error = "cancelled" if task.cancelled() else repr(task.exception())
+        logger.error("tokenizer worker failed (%s); replacing it", error)
+        if not self._closed:
+            replacing = asyncio.ensure_future(self._replace(worker))
+            self._replacing.add(replacing)
+            replacing.add_done_callback(self._replacing.discard)
+
+    async def _discard(self, worker: _Worker) -> None:
+        worker.kill()
+        self._workers.discard(worker)
+        await worker.close(_CLOSE_TIMEOUT_S)
+
+    async def _replace(self, worker: _Worker) -> None:
+        await self._discard(worker)
+        try:
+            self._idle.put_nowait(await self._spawn())
+        except Exception:  # noqa: BLE001 - the pool serves on with one worker fewer
+            logger.exception("could not replace a tokenizer worker")
+
+    # ---- the calls Serving makes ----
+    async def encode(self, text: str, add_special_tokens: bool) -> Encoded:
+        header, payload = await self.call({"op": "encode", "add_special_tokens": add_special_tokens},
+                                          text.encode("utf-8", "surrogatepass"))
+        return Encoded(header["count"], bytes_to_ids(payload) if payload else None)
+
+    async def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
+                          continue_final_message: bool, chat_template: str | None,
+                          template_kwargs: dict[str, Any], add_special_tokens: bool) -> Encoded:
+        header, payload = await self.call(self._chat_header(messages, add_generation_prompt, continue_final_message,
+                                                            chat_template, template_kwargs, add_special_tokens))
+        return Encoded(header["count"], bytes_to_ids(payload) if payload else None, header.get("prompt"))
+
+    async def tokenize_body(self, text: str | None, messages: list[dict[str, Any]] | None, *,
+                            add_special_tokens: bool, return_token_strs: bool, **chat: Any) -> bytes:
+        """/tokenize's JSON response body {count, max_model_len, tokens, token_strs}, built by the worker."""
+        if messages is not None:
+            header = self._chat_header(messages, add_special_tokens=add_special_tokens, **chat)
+            payload = b""
+        else:
+            header = {"op": "encode", "add_special_tokens": add_special_tokens}
+            payload = text.encode("utf-8", "surrogatepass")
+        _, body = await self.call({**header, "reply": "tokenize", "return_token_strs": return_token_strs}, payload)
+        return body
+
+    async def decode(self, token_ids: list[int], skip_special_tokens: bool) -> str:
+        _, payload = await self.call({"op": "decode", "skip_special_tokens": skip_special_tokens},
+                                     ids_to_bytes(token_ids))
+        return payload.decode("utf-8", "surrogatepass")
+
+    @staticmethod
+    def _chat_header(messages, add_generation_prompt, continue_final_message, chat_template, template_kwargs,
+                     add_special_tokens) -> dict[str, Any]:
+        return {"op": "encode", "messages": messages, "add_generation_prompt": add_generation_prompt,
+                "continue_final_message": continue_final_message, "chat_template": chat_template,
+                "template_kwargs": template_kwargs, "add_special_tokens": add_special_tokens}
