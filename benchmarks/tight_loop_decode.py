@@ -1,4 +1,5 @@
-"""Tight-loop decode peer (issue 5): a plain jitted JAX decode step, no engine, for the same model shape.
+"""Tight-loop decode peer of the engine's decode benchmarks: a plain jitted JAX decode step, no engine,
+for the same model shape.
 
     config.json -> random weights made on the device (one jitted jax.random per shape; no host copy)
     caches: per layer one K and one V array, contiguous, [B, L, K, H] (or [B, K, L, H] with

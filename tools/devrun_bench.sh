@@ -1,5 +1,5 @@
-# End-to-end figures of issue 5 on the device machine (Llama-3-8B shape, random bf16 weights), in one
-# call; logs and JSON reports under $OUT.
+# End-to-end decode and throughput figures on the device machine (Llama-3-8B shape, random bf16 weights),
+# in one call; logs and JSON reports under $OUT.
 #   bash tools/devrun_bench.sh [decode|throughput]
 #   decode (default): the tight-loop peer, then `jaxserve bench latency` at batch 1 and at batch 64 /
 #     context 2048, overlap on and off. The first bench process starts cold (empty compilation cache);
@@ -61,7 +61,7 @@ throughput)
   tail -40 $OUT/throughput.log
   ;;
 decode64)
-  # The decode targets of issue 5 against the peer (both cache layouts) in one call, then T=2 (when two
+  # The decode figures against the peer (both cache layouts) in one call, then T=2 (when two
   # GPUs) and the GPU test tier of the kernels and the engine (skip with SKIP_TP=1 / SKIP_TESTS=1).
   CFG1="--config configs/llama3-8b-dummy.yaml --disable-tqdm --precompile false"
   peer 6
@@ -95,7 +95,7 @@ tp2)
     | grep -oE "num_commands=[0-9]+; updated_allocs=[0-9]+|Updated [0-9]+ commands" | sort | uniq -c
   ;;
 final)
-  # Everything of issue 5 and 6 in one call on nvidia-h200-x2 (T=1 runs use one of its GPUs).
+  # The single-GPU and T=2 figures in one call on nvidia-h200-x2 (T=1 runs use one of its GPUs).
   CFG1="--config configs/llama3-8b-dummy.yaml --disable-tqdm --precompile false"
   $BENCH throughput $CFG1 --num-prompts 1000 --input-len 1024 --output-len 256 \
     --output-json $OUT/throughput.json > $OUT/throughput.log 2>&1; tail -14 $OUT/throughput.log

@@ -106,7 +106,7 @@ case ${1:-flags} in
     run t2_loop $T2 ""
     ;;
   steady)  # traces of 10 steps under overlap (the engine's loop), T=1 and T=2: gaps on each GPU, skew
-    # NOTE: the profiler slows the host enough that these steps are host-bound (RESULTS, seventh session)
+    # NOTE: the profiler slows the host enough that these steps are host-bound (benchmarks/RESULTS.md)
     run t1s $T1 "" trace steady
     run t2s $T2 "" trace steady
     ;;

@@ -14,8 +14,9 @@ engine's StepStats (time.perf_counter()); only differences within one clock are 
 
 Roofline of a memory-bound decode step on one H200 (HBM copy bandwidth measured at 4.3e12 B/s):
     bytes per step     = W + B * C * kv_bytes_per_token
-    W                  = bytes of all weights (the embedding table included, as issue 5 counts them,
-                         though a step only gathers B of its rows: ~6% of W for the Llama-3-8B shape)
+    W                  = bytes of all weights (the embedding table included, as the decode targets
+                         count them, though a step only gathers B of its rows: ~6% of W for the
+                         Llama-3-8B shape)
     kv_bytes_per_token = num_layers * 2 (K and V) * num_kv_heads * head_dim * dtype bytes
     roofline tokens/s  = B / (bytes per step / 4.3e12)
 with B the decode rows per step and C the mean context (prompt + half the output) over the run.

@@ -47,8 +47,8 @@ def setup_all_reduce(tp: TensorParallel | None, mode: str, dtype="bfloat16"):
 
     one_shot (what `auto` picks for tensor parallelism over the GPUs of one process): the decode-sized
     all-reduces run pallas_kernels.all_reduce, which XLA captures in the step's CUDA graph; its own
-    one-shot all-reduce splits the graph at every call, and replaying ~65 pieces per step made the host,
-    not the GPUs, set the pace (benchmarks/RESULTS.md). xla: lax.psum everywhere (CPU, TPU, several
+    one-shot all-reduce splits the graph at every call, and replaying the pieces of a split step makes
+    the host, not the GPUs, set the pace (benchmarks/RESULTS.md). xla: lax.psum everywhere (CPU, TPU, several
     processes: the kernel reaches its peers through raw device pointers, which only one process holds).
     The kernel's workspace carries the model's dtype (`dtype`: bfloat16 or float32) for the activations
     and float32 for the logits' gather."""

@@ -19,7 +19,7 @@ step N's sampled-token array (prev_index), and a row reset in between drops its 
 Every jitted shape comes from core/buckets.py and all of them are compiled in `precompile()`.
 The forward reads and writes the same device buffers whenever a shape recurs (decode steps alternate
 between two twin executables, each keeping its own temporaries), so XLA replays its CUDA graph
-without updating it: an update costs ~2 us per graph node, most of a decode step's host time.
+without updating it: updating a graph's nodes would cost most of a decode step's host time (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -108,8 +108,8 @@ def _forward_step(params, cfg, batch: ModelBatch, kv_caches, logits_buffer, comm
 
 # XLA merges sibling matmuls that share an input into one (q/k/v; gate/up) only while the merged weights
 # stay under this size; its default (32 MB) leaves the 8B shape's gate/up (2 x 117 MB) as two launches.
-# Merged, the concatenation happens inside the GEMM's operand fetch (no copy): on the H200 batch-1 decode
-# went from 218.5 to 225.2 tokens/s and batch 64 from 6,589 to 6,760 (benchmarks/RESULTS.md).
+# Merged, the concatenation happens inside the GEMM's operand fetch (no copy), so a decode step reads each
+# weight pair with one launch and runs faster (benchmarks/RESULTS.md, the gate/up merge).
 GPU_COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 1024}
 # The decode step's twin executable (ModelRunner._run_forward): the same merges (no weight pair is near
 # 1 GB), a different option set, so XLA compiles (and the persistent cache keeps) a second executable.
@@ -420,12 +420,11 @@ class ModelRunner:
                      keep_logits: bool = True, prompt: prompt_logprobs.PromptRows | None = None):
         """Stage the step's inputs, run the forward -> (logits, greedy tokens of a decode-only step or
         None), plus prompt_logprobs.compute's arrays when `prompt` is given. Every device buffer the
-        forward reads or writes is
-        the same each time a shape recurs (staged inputs, caches, logits: all donated back in), so XLA
-        launches its CUDA graph as recorded: updating a graph's nodes and re-uploading it cost ~2 us a
-        node, most of a decode step's host time (benchmarks/RESULTS.md). `keep_logits=False`: the
-        logits get a buffer of their own (nothing will donate it), for a step whose logits are its
-        readiness marker."""
+        forward reads or writes is the same each time a shape recurs (staged inputs, caches, logits: all
+        donated back in), so XLA launches its CUDA graph as recorded: updating a graph's nodes and
+        re-uploading it would be most of a decode step's host time (benchmarks/RESULTS.md).
+        `keep_logits=False`: the logits get a buffer of their own (nothing will donate it), for a step
+        whose logits are its readiness marker."""
         t_pad, r_pad = batch.token_ids.shape[0], batch.seq_lens.shape[0]
         staged = self._staged.get((t_pad, r_pad))
         if staged is None:  # (precompile made those of every bucket)

@@ -168,8 +168,8 @@ def gumbel_noise(seeds: jax.Array, steps: jax.Array, vocab_size: int) -> jax.Arr
     """seeds [R, 2] u32, steps [R] i32 -> Gumbel(0, 1) noise [R, V], each row from its own key only.
 
     NOTE: a counter-based hash of (seed, step, token id) rather than jax.random's threefry: the
-    same per-row independence and batch invariance, and it compiles in a fraction of the time
-    (threefry made every sampler variant ~1.5 s slower to compile on the CPU).
+    same per-row independence and batch invariance, and it compiles in a fraction of threefry's time,
+    which every sampler variant would pay (benchmarks/RESULTS.md).
     """
     key = _mix32(seeds[:, 0] ^ _mix32(seeds[:, 1] ^ _mix32(steps.astype(jnp.uint32) + jnp.uint32(0x9E3779B9))))
     token = jnp.arange(vocab_size, dtype=jnp.uint32)

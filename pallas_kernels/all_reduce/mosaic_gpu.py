@@ -3,8 +3,8 @@ residual add and RMSNorm that follow it in a transformer layer: Mosaic GPU kerne
 
 Why: under tensor parallelism a decode step runs two all-reduces per layer. XLA's own one-shot
 all-reduce is an async fusion that its command buffers (CUDA graphs) do not capture, so each GPU's
-step falls apart into ~65 graph pieces, each updated and launched from the host (~80-90 us each,
-benchmarks/RESULTS.md): the host, not the GPU, sets the pace. These kernels are plain custom calls
+step falls apart into dozens of graph pieces, each updated and launched from the host
+(benchmarks/RESULTS.md): the host, not the GPU, sets the pace. These kernels are plain custom calls
 with no host-side work per execution, so the whole step stays one graph per GPU. At batch 1 an
 all-reduce is pure latency, so the protocol has no flags and no fences (the "Lamport" scheme):
 

@@ -30,17 +30,14 @@ to zero divides by one, so NaN in unused cache slots cannot reach the output.
 
 Split-K (flash-decoding) is chosen from static shapes only (`TuningConfig.decode_splits`): a
 request's tiles are dealt evenly to the splits by its own length, and one small kernel combines the
-splits (XLA made it two fusions plus a pad of the output: 3 kernel launches per layer at batch 1).
+splits (as XLA ops the combine is two fusions plus a pad of the output: 3 launches per layer).
 The general kernel's grid is the (request, query block) grid flattened the vLLM way: request r
 owns grid rows `query_start_loc[r] // BQ + r ...`, found by a binary search, so the grid is bounded
 by cdiv(T, BQ) + R instead of R * cdiv(T, BQ) and programs past a request's last block exit at once.
 
-Measured on one H200 (2026-11-30, `benchmarks/attention.py --section decode`): decode at 32 q /
-8 kv heads, head dim 128, page 16, bf16 reads K+V at 3.6 TB/s (B=64, ctx 2048), 4.2 (B=64, ctx
-8192) and 4.1 (B=8, ctx 32768), against 1.9 / 2.3 / 2.3 for JAX's Pallas `paged_attention`.
-A mixed batch (48 decode rows at ctx 4096 + 2 chunks of 512 over 4096, `--section mixed`) takes
-0.97x the time of its decode and prefill parts run alone: the two launches share one jit, and the
-parts alone each pay a near-empty launch of the other kernel.
+A mixed batch (decode rows and prefill chunks) costs no more than its parts run alone: the two
+launches share one jit. Bandwidth against JAX's Pallas `paged_attention` and the mixed-batch ratio
+(`benchmarks/attention.py`): benchmarks/RESULTS.md.
 
 NOTE: float32 dots run as TF32 on the GPU (Triton's reading of DEFAULT precision, like XLA's own
 float32 matmuls there); interpret mode on the CPU is exact.
@@ -153,8 +150,8 @@ def _attend(q, q_pos, bt_ref, k_ref, v_ref, req, seq_len, ranges, carry, *, sm_s
         # Pages past the request's last page are clamped to it: no new memory is touched and the
         # block table is never read past the request's pages.
         # NOTE: one page index per K/V row gives a [BK, H] gather that feeds the dot directly.
-        # Gathering [BK / S, S, H] per page and reshaping (as JAX's paged_attention does) ran at
-        # half the bandwidth on an H200 (2.1 vs 4.2 TB/s, benchmarks/attention.py).
+        # Gathering [BK / S, S, H] per page and reshaping (as JAX's paged_attention does) reads at
+        # about half the bandwidth on Hopper (benchmarks/RESULTS.md).
         row = lax.broadcasted_iota(jnp.int32, (block_kv,), 0)
         page_idx = jnp.minimum(tile * pages_per_tile + lax.div(row, page_size), last_page)
         pages, slots = bt_ref[req, page_idx], lax.rem(row, page_size)  # [BK]

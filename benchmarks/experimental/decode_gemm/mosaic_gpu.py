@@ -14,9 +14,8 @@ transposed), keeps two accumulators and applies SwiGLU in its epilogue, rounded 
 round (gate and up to the dtype first): XLA runs the gate/up GEMM and the product as two kernels.
 
 `interpret=True` runs them in GPU interpret mode on a CPU (tests/test_decode_gemv_mgpu.py).
-Measured on one H200 (`benchmarks/decode_gemv_mgpu.py`, benchmarks/RESULTS.md, seventh session): at
-the Llama-3-8B T=2 shapes with 16 rows, `gemv` is level with XLA's dot (gate/up 5% faster, down 4%
-slower, o 10.04 vs 9.90 us in place); `gate_up_swiglu` has not run on a GPU yet.
+`benchmarks/decode_gemv_mgpu.py` times both against XLA's dot at the Llama-3-8B shapes; the figures
+(and which kernels have run on a GPU) are in benchmarks/RESULTS.md.
 
 NOTE: sm_90a only (wgmma). Not wired into the engine.
 """

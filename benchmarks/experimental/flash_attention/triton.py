@@ -76,8 +76,7 @@ def default_config(head_dim: int, dtype=jnp.bfloat16) -> FlashAttentionConfig:
         return FlashAttentionConfig(block_q=64, block_k=32, num_warps=4, num_stages=2)
     if head_dim <= 64:
         return FlashAttentionConfig(block_q=128, block_k=64, num_warps=4, num_stages=3)
-    # NOTE: H200 2026-11-30, bf16, H=128, 32/8 heads: 128x128 w8 s3 ran 416 / 458 TFLOP/s at
-    # S=4096 / 16384, the best of a 6-config sweep (128x64 w8 s3: 400 / 435; 64x64 w4 s3: 377 / 402).
+    # NOTE: the best of a tile sweep for bf16, H=128 on Hopper (benchmarks/RESULTS.md, prefill attention).
     return FlashAttentionConfig(block_q=128, block_k=128, num_warps=8, num_stages=3)
 
 
