@@ -13,7 +13,7 @@ False: a fresh accumulator per step, added in registers) and releases a slot one
 transposed), keeps two accumulators and applies SwiGLU in its epilogue, rounded as the unfused ops
 round (gate and up to the dtype first): XLA runs the gate/up GEMM and the product as two kernels.
 
-`interpret=True` runs them in GPU interpret mode on a CPU (tests/test_decode_gemv_mgpu.py).
+`interpret=True` runs them in GPU interpret mode on a CPU (benchmarks/experimental/tests/test_decode_gemm_mgpu.py).
 `benchmarks/decode_gemv_mgpu.py` times both against XLA's dot at the Llama-3-8B shapes; the figures
 (and which kernels have run on a GPU) are in benchmarks/RESULTS.md.
 
