@@ -34,24 +34,14 @@ PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
 def _read_prompts(args: argparse.Namespace) -> list:
     if args.prompts_file is None:
         return list(args.prompt)
+    from jaxserve.bench.prompts import prompt_objects  # (numpy: loaded only when a file is read)
+
     prompts = []
-    with open(args.prompts_file, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{args.prompts_file}:{number}: not valid JSON: {err}") from None
-            if isinstance(item, str):
-                item = {"prompt": item}
-            if not isinstance(item, dict) or not ({"prompt", "prompt_token_ids"} & set(item)):
-                raise ValueError(f"{args.prompts_file}:{number}: expected an object with 'prompt' or 'prompt_token_ids'")
-            unknown = set(item) - set(PROMPT_KEYS)
-            if unknown:
-                raise ValueError(f"{args.prompts_file}:{number}: unknown key(s) {sorted(unknown)}; "
-                                 f"known: {list(PROMPT_KEYS)}")
-            prompts.append(item)
+    for where, item in prompt_objects(args.prompts_file, "--prompts-file", bare_strings=True):
+        unknown = set(item) - set(PROMPT_KEYS)
+        if unknown:
+            raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; known: {list(PROMPT_KEYS)}")
+        prompts.append(item)
     return prompts
 
 

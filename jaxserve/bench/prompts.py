@@ -46,29 +46,43 @@ def random_requests(seed: int, num_prompts: int, input_len: int, output_len: int
     return [BenchRequest(rng.choice(vocabulary, n).tolist(), int(m)) for n, m in zip(input_lens, output_lens)]
 
 
-def read_requests(path: Path, default_output_len: int) -> list[BenchRequest]:
-    """Every request of a JSON-lines file, in order (blank lines skipped); ValueError names a bad line."""
+def prompt_objects(path: str | Path, flag: str, bare_strings: bool = False) -> list[tuple[str, dict]]:
+    """The prompt objects of a JSON-lines file (`jaxserve generate --prompts-file` and the bench modes'
+    `--dataset-path`), in order, blank lines skipped: ("path:line", object with "prompt" or
+    "prompt_token_ids"). `bare_strings`: a line holding a JSON string is {"prompt": it}. A missing file
+    names `flag`; a bad line raises ValueError naming the file and line."""
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except FileNotFoundError:
-        raise FileNotFoundError(f"--dataset-path {path} not found") from None
-    requests = []
+        raise FileNotFoundError(f"{flag} {path} not found") from None
+    objects = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
+        where = f"{path}:{number}"
         try:
             item = json.loads(line)
         except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{number}: not valid JSON: {err}") from None
+            raise ValueError(f"{where}: not valid JSON: {err}") from None
+        if bare_strings and isinstance(item, str):
+            item = {"prompt": item}
         if not isinstance(item, dict) or not ({"prompt", "prompt_token_ids"} & set(item)):
-            raise ValueError(f"{path}:{number}: expected an object with 'prompt' or 'prompt_token_ids'")
+            raise ValueError(f"{where}: expected an object with 'prompt' or 'prompt_token_ids'")
+        objects.append((where, item))
+    return objects
+
+
+def read_requests(path: Path, default_output_len: int) -> list[BenchRequest]:
+    """Every request of a JSON-lines file, in order (blank lines skipped); ValueError names a bad line."""
+    requests = []
+    for where, item in prompt_objects(path, "--dataset-path"):
         prompt = item["prompt_token_ids"] if "prompt_token_ids" in item else item["prompt"]
         if not (isinstance(prompt, str) or isinstance(prompt, list)
                 and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
-            raise ValueError(f"{path}:{number}: 'prompt' must be a string and 'prompt_token_ids' a list of integers")
+            raise ValueError(f"{where}: 'prompt' must be a string and 'prompt_token_ids' a list of integers")
         output_len = item.get("output_len", item.get("max_tokens", default_output_len))
         if not isinstance(output_len, int) or isinstance(output_len, bool) or output_len < 1:
-            raise ValueError(f"{path}:{number}: output_len must be a positive integer, got {output_len!r}")
+            raise ValueError(f"{where}: output_len must be a positive integer, got {output_len!r}")
         requests.append(BenchRequest(prompt, output_len))
     if not requests:
         raise ValueError(f"--dataset-path {path} holds no requests")
