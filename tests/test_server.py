@@ -23,6 +23,7 @@ from tests.conftest import ROOT
 
 TINY_CONFIG = ROOT / "configs" / "tiny.yaml"
 KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 MODEL = "tiny-adder"
 
 
@@ -79,6 +80,7 @@ def live():
     server.stop()
 
 
+# `client` and `http` reach whichever module's `live` server requests them (test_server_conformance imports them).
 @pytest.fixture(scope="module")
 def client(live) -> openai.OpenAI:
     return openai.OpenAI(base_url=live.url + "/v1", api_key=KEY, max_retries=0, timeout=30)
@@ -86,7 +88,7 @@ def client(live) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def http(live):
-    with httpx.Client(base_url=live.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as session:
+    with httpx.Client(base_url=live.url, headers=AUTH, timeout=30) as session:
         yield session
 
 

@@ -9,13 +9,11 @@ from __future__ import annotations
 import json
 
 import httpx
-import openai
 import pytest
 
-from tests.test_server import KEY, MODEL, LiveServer, server_config
+from tests.test_server import AUTH, KEY, MODEL, LiveServer, client, http, server_config  # noqa: F401 (fixtures)
 
 MAX_REQUEST_TOKENS, MAX_REQUEST_LOGPROBS = 1000, 2000
-AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
@@ -24,17 +22,6 @@ def live():
                                       max_request_logprobs=MAX_REQUEST_LOGPROBS))
     yield server
     server.stop()
-
-
-@pytest.fixture(scope="module")
-def client(live) -> openai.OpenAI:
-    return openai.OpenAI(base_url=live.url + "/v1", api_key=KEY, max_retries=0, timeout=30)
-
-
-@pytest.fixture(scope="module")
-def http(live):
-    with httpx.Client(base_url=live.url, headers=AUTH, timeout=30) as session:
-        yield session
 
 
 def sse_chunks(http, path: str, body: dict) -> list[dict]:

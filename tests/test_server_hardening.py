@@ -117,13 +117,18 @@ def assert_not_stalled(url: str, bodies: list[tuple[str, bytes]]) -> list[httpx.
     pytest.fail(f"the server stalled in every try: {measured}")
 
 
+def completions_and_chats(text: str, count: int) -> list[tuple[str, bytes]]:
+    """`count` request bodies sending `text`, alternately as a chat message and as a completion prompt."""
+    return [("/v1/completions", json.dumps({"prompt": text}).encode()) if i % 2 else
+            ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": text}]}).encode())
+            for i in range(count)]
+
+
 def test_32_megabyte_prompts_are_refused_unread_without_stalling(server):
     """~1 MB prompts cannot fit 32 tokens of at most 20,000 characters: refused by their length (naming
     the limit) before anything is tokenized, the chats after their template is rendered (in a worker)."""
     text = "12+34=" * 166_000
-    bodies = [("/v1/completions", json.dumps({"prompt": text}).encode()) if i % 2 else
-              ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": text}]}).encode())
-              for i in range(32)]
+    bodies = completions_and_chats(text, 32)
     for response in assert_not_stalled(server.url, bodies):
         assert response.status_code == 400, response.text[:300]
         assert "max_model_len=32" in response.json()["error"]["message"]
@@ -133,9 +138,7 @@ def test_prompts_tokenized_in_workers_do_not_stall(server):
     """100,000-character prompts pass the length bound: a worker tokenizes each (about as long as the
     server would hold its GIL for them), then their token count refuses them."""
     text = "12+34=" * 16_667
-    bodies = [("/v1/completions", json.dumps({"prompt": text}).encode()) if i % 2 else
-              ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": text}]}).encode())
-              for i in range(6)]
+    bodies = completions_and_chats(text, 6)
     for response in assert_not_stalled(server.url, bodies):
         assert response.status_code == 400, response.text[:300]
         assert f"(length {len(text) + 1})" in response.json()["error"]["message"]  # tokenized: "<s>" + text
