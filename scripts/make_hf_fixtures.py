@@ -1,7 +1,8 @@
 """Generate tiny Hugging Face reference fixtures for the JAX model tests.
 
-Produces, under ``tests/fixtures/hf/<name>/`` for six tiny random-weight
-float32 models (Llama / Mistral / Qwen2 / Qwen3 variants):
+Produces, under ``tests/fixtures/hf/<name>/`` for nine tiny random-weight
+float32 models (Llama / Mistral / Qwen2 / Qwen3 variants, and the mixture-of-experts
+Mixtral / Qwen2-MoE / Qwen3-MoE):
 
 * ``config.json``, ``model.safetensors``, ``generation_config.json`` written by
   ``model.save_pretrained(..., safe_serialization=True)``; the generation
@@ -13,15 +14,24 @@ float32 models (Llama / Mistral / Qwen2 / Qwen3 variants):
 * ``logits.npz``: ``logits_<i>`` = float32 teacher-forced logits
   ``[len(prompt_i) + 40, vocab]`` over prompt + generated tokens.
 
-Every parameter is re-initialised from a seeded generator (2-D weights ~
-N(0, std), norm weights ~ 1 + U(-0.2, 0.2), biases ~ N(0, 0.1)), so the output
-is deterministic: running the script twice yields byte-identical files.
+Every parameter is re-initialised from a seeded generator (2-D weights and
+stacked expert weights ~ N(0, std), router weights ~ N(0, ROUTER_STD), norm
+weights ~ 1 + U(-0.2, 0.2), biases ~ N(0, 0.1)), so the output is
+deterministic: running the script twice yields byte-identical files.
 
-Usage: /tmp/venv311/bin/python scripts/make_hf_fixtures.py   (see README.md)
+MoE fixtures also require a clear top-k choice at every router: the gap between
+the k-th and (k+1)-th largest router logit, over every token of every prompt +
+generated sequence and every MoE layer, is at least MIN_ROUTER_GAP (prompts are
+redrawn otherwise), so float32 rounding cannot flip an expert choice between
+implementations. They run HF's reference (eager) expert loop.
+
+Usage: /tmp/venv311/bin/python scripts/make_hf_fixtures.py [NAME ...]   (see README.md)
+Without names every fixture is rewritten; with names only those directories are.
 """
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -33,10 +43,16 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 OUT_DIR = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "hf"
@@ -44,6 +60,8 @@ PROMPT_LENS = (5, 17, 33)
 NEW_TOKENS = 40
 MIN_MARGIN = 1e-3
 WEIGHT_STD = 0.15
+ROUTER_STD = 1.0  # larger than WEIGHT_STD so the top-k router choices are well separated
+MIN_ROUTER_GAP = 1e-3
 BOS_ID, EOS_ID, PAD_ID = 0, 1, 0
 
 COMMON = dict(
@@ -89,6 +107,20 @@ FIXTURES = [
     dict(name="qwen3_gqa4_tied", seed=6, model_cls=Qwen3ForCausalLM, config=Qwen3Config(
         **COMMON, num_attention_heads=8, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True,
         use_sliding_window=False, sliding_window=None, **rope(1000000.0))),
+    # Mixture of experts: HF's eager expert loop is the reference.
+    dict(name="mixtral_8x2_untied", seed=7, model_cls=MixtralForCausalLM, config=MixtralConfig(
+        **{**COMMON, "intermediate_size": 16}, num_attention_heads=8, num_key_value_heads=2, head_dim=8,
+        tie_word_embeddings=False, num_local_experts=8, num_experts_per_tok=2, sliding_window=24,
+        experts_implementation="eager", **rope(1000000.0))),
+    dict(name="qwen2_moe_8x4_shared", seed=8, model_cls=Qwen2MoeForCausalLM, config=Qwen2MoeConfig(
+        **COMMON, num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True, num_experts=8,
+        num_experts_per_tok=4, moe_intermediate_size=32, shared_expert_intermediate_size=48, norm_topk_prob=False,
+        decoder_sparse_step=1, mlp_only_layers=[1], use_sliding_window=False, experts_implementation="eager",
+        **rope(1000000.0))),
+    dict(name="qwen3_moe_8x2_sparse2", seed=9, model_cls=Qwen3MoeForCausalLM, config=Qwen3MoeConfig(
+        **COMMON, num_attention_heads=8, num_key_value_heads=2, head_dim=8, tie_word_embeddings=False,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+        decoder_sparse_step=2, use_sliding_window=False, experts_implementation="eager", **rope(1000000.0))),
 ]
 
 
@@ -101,7 +133,9 @@ def reinit_(model, seed):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
             elif "norm" in name and p.ndim == 1:
                 p.copy_(1.0 + (torch.rand(p.shape, generator=gen) * 0.4 - 0.2))
-            elif p.ndim == 2:
+            elif name.endswith("mlp.gate.weight"):  # an MoE router [experts, hidden]
+                p.copy_(torch.randn(p.shape, generator=gen) * ROUTER_STD)
+            elif p.ndim == 2 or (p.ndim == 3 and ".experts." in name):  # 3-D: stacked expert weights
                 p.copy_(torch.randn(p.shape, generator=gen) * WEIGHT_STD)
             else:
                 raise ValueError(f"unexpected parameter {name} {tuple(p.shape)}")
@@ -144,6 +178,20 @@ def margins(logits):
     return top2[:, 0] - top2[:, 1]
 
 
+def top_k(cfg):
+    return getattr(cfg, "num_experts_per_tok", None)
+
+
+@torch.no_grad()
+def router_gap(model, seq):
+    """Smallest gap between the k-th and (k+1)-th router logit over all tokens and MoE layers."""
+    out = model(torch.tensor([seq]), output_router_logits=True)
+    k = top_k(model.config)
+    gaps = [torch.topk(logits.float(), k + 1, dim=-1).values for logits in out.router_logits]
+    assert gaps, "an MoE model recorded no router logits"
+    return min((g[:, k - 1] - g[:, k]).min().item() for g in gaps)
+
+
 def make_reference(model, fx, vocab):
     prompts, generated, min_margins, logits_out, step_diffs = [], [], [], {}, []
     for i, plen in enumerate(PROMPT_LENS):
@@ -154,6 +202,10 @@ def make_reference(model, fx, vocab):
             logits = teacher_forced(model, prompt + new)
             pred = logits[plen - 1:-1]  # positions that predicted each generated token
             m = margins(pred).min().item()
+            gap = router_gap(model, prompt + new) if top_k(model.config) else None
+            if gap is not None and gap < MIN_ROUTER_GAP:
+                print(f"  prompt {i} attempt {attempt}: router top-k gap {gap:.2e} < {MIN_ROUTER_GAP}, redrawing")
+                continue
             if m >= MIN_MARGIN:
                 # Near-ties (checked above) are the only legitimate reason for the two HF paths to differ.
                 assert pred.argmax(-1).tolist() == new, f"{fx['name']}: cached generate != teacher-forced argmax"
@@ -167,7 +219,8 @@ def make_reference(model, fx, vocab):
         min_margins.append(m)
         logits_out[f"logits_{i}"] = logits.numpy().astype(np.float32)
         print(f"  prompt {i} (len {plen}, attempt {attempt}): min margin {m:.4f}, "
-              f"{len(set(new))} distinct generated tokens, max |cached-forward| logit diff {step_diffs[-1]:.2e}")
+              f"{len(set(new))} distinct generated tokens, max |cached-forward| logit diff {step_diffs[-1]:.2e}"
+              + (f", min router top-k gap {gap:.4f}" if gap is not None else ""))
     return prompts, generated, min_margins, logits_out, max(step_diffs)
 
 
@@ -188,11 +241,16 @@ def check_window_matters(fx, model, seq):
     """The sliding window must change the logits for this sequence length."""
     cfg = fx["model_cls"].config_class.from_dict({**fx["config"].to_dict(), "sliding_window": None})
     cfg._attn_implementation = "eager"
+    if top_k(cfg):
+        cfg._experts_implementation = "eager"
     full = fx["model_cls"](cfg).eval()
     full.load_state_dict(model.state_dict())
     a, b = teacher_forced(model, seq), teacher_forced(full, seq)
     w = fx["config"].sliding_window
-    assert torch.equal(a[:w], b[:w]), "positions inside the window should be identical"
+    # MoE experts multiply the rows routed to them together, so a row's rounding depends on the other
+    # rows of the sequence: there the positions inside the window agree closely, not bit for bit.
+    same = torch.allclose(a[:w], b[:w], rtol=0, atol=1e-5) if top_k(cfg) else torch.equal(a[:w], b[:w])
+    assert same, "positions inside the window should be identical"
     diff = (a[w:] - b[w:]).abs().max().item()
     print(f"  sliding window {w}: max logit diff vs no window beyond position {w}: {diff:.3e}")
     assert diff > 1e-3, "sliding window has no effect"
@@ -213,21 +271,37 @@ def notes_for(fx, cfg, step_diff):
         f"max |cached-step logits - teacher-forced logits| over all prompts = {step_diff:.2e}.",
         f"min_margins = min top1-top2 logit gap over the generated positions (required >= {MIN_MARGIN}).",
     ]
+    if top_k(cfg):
+        experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
+        expert_size = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+        moe = f"MoE: {experts} experts, top-{cfg.num_experts_per_tok}, expert intermediate={expert_size}"
+        if hasattr(cfg, "norm_topk_prob"):
+            moe += (f", norm_topk_prob={cfg.norm_topk_prob}, decoder_sparse_step={cfg.decoder_sparse_step}, "
+                    f"mlp_only_layers={cfg.mlp_only_layers}")
+        if getattr(cfg, "shared_expert_intermediate_size", None):
+            moe += f", shared expert intermediate={cfg.shared_expert_intermediate_size} with sigmoid gate"
+        parts.append(moe + f"; router weights ~ N(0, {ROUTER_STD}); every router's k-th vs (k+1)-th logit gap "
+                     f">= {MIN_ROUTER_GAP} on every sequence; HF eager expert loop.")
     if getattr(cfg, "sliding_window", None):
         parts.append(f"sliding_window={cfg.sliding_window}: query i attends keys j with i-{cfg.sliding_window} < j <= i "
                      "(HF semantics, window includes the query itself); sequences are longer than the window.")
     return " ".join(parts)
 
 
-def main():
+def main(names):
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
+    known = [fx["name"] for fx in FIXTURES]
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        raise SystemExit(f"unknown fixture names {unknown}; choose from {known}")
+    selected = [fx for fx in FIXTURES if not names or fx["name"] in names]
     if OUT_DIR.exists():
         for child in OUT_DIR.iterdir():
-            if child.is_dir():
+            if child.is_dir() and (not names or child.name in names):
                 shutil.rmtree(child)
     OUT_DIR.mkdir(parents=True, exist_ok=True)
-    for fx in FIXTURES:
+    for fx in selected:
         print(f"== {fx['name']}")
         model = build_model(fx)
         cfg = model.config
@@ -255,4 +329,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
