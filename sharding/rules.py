@@ -7,7 +7,7 @@ strategy, change the table.
 An axis that a rule shards but whose size the shards do not divide is laid out by its `uneven`
 policy, or refused:
     pad        zero entries appended up to a multiple of the shards (exact for vocabulary rows,
-               whose padded logits are cut off, and for MLP columns: silu(0) * 0 = 0)
+               whose padded logits are cut off, and for MLP and expert columns: silu(0) * 0 = 0)
     replicate  fewer entries than shards: entry i copied onto shards // size consecutive shards
                (GQA kv heads when num_kv_heads < parallel.model, so each shard holds its query heads' kv head)
 """
@@ -60,10 +60,13 @@ class AxisRules:
 
 
 # Megatron-style tensor parallelism: heads, kv heads, MLP columns and the vocabulary split over
-# "model"; the model width ("embed") and everything per head stays whole on every device.
+# "model"; the model width ("embed") and everything per head stays whole on every device. MoE
+# layers: every device holds every expert ("experts"), each with its share of the expert's
+# columns ("expert_mlp", and "shared_mlp" for the shared expert), like the dense MLP.
 TENSOR_PARALLEL = AxisRules(
     mapping=(("vocab", MODEL_AXIS), ("embed", None), ("heads", MODEL_AXIS), ("kv_heads", MODEL_AXIS),
              ("head_dim", None), ("mlp", MODEL_AXIS), ("pages", None), ("page_slots", None),
-             ("tp_shard", MODEL_AXIS)),
-    uneven=(("vocab", "pad"), ("mlp", "pad"), ("kv_heads", "replicate")),
+             ("tp_shard", MODEL_AXIS), ("experts", None), ("expert_mlp", MODEL_AXIS), ("shared_mlp", MODEL_AXIS)),
+    uneven=(("vocab", "pad"), ("mlp", "pad"), ("kv_heads", "replicate"), ("expert_mlp", "pad"),
+            ("shared_mlp", "pad")),
 )

@@ -10,7 +10,12 @@ the fields of `ModelConfig`; everything else about the model stays inside the fa
     to_hf_config(config, **extra) -> dict                       the inverse (writing a trained model)
     abstract(config) -> params pytree of jax.ShapeDtypeStruct   every parameter's shape and dtype
     param_init(leaf_name) -> "normal" | "ones" | "zeros"        how random params start (dummy weights, training)
-    hf_tensor_table(config) -> {HF tensor name: HFTensor}       where each checkpoint tensor goes in the params
+    hf_tensor_table(config, names=None) -> {HF tensor name: HFTensor}   where each checkpoint tensor goes in
+                                                                the params. `names`: the tensor names the
+                                                                checkpoint holds (the loader passes them), for a
+                                                                family whose checkpoints come in more than one
+                                                                layout to pick the one present; None (writing a
+                                                                checkpoint) gives the family's canonical layout
     param_placer(tp) -> place(path, array) -> jax.Array         each tensor straight into its tensor-parallel
                                                                 sharding (loader and checkpoint restore)
     forward(params, config, batch, kv_caches, attention_backend, tp, decode_only, comm, return_hidden=False)
@@ -53,15 +58,20 @@ class ModelConfig(Protocol):
 
 
 class HFTensor(NamedTuple):
-    """Where one checkpoint tensor goes. HF stores linear weights as [out, in]; our params are `x @ W`, so a
-    `transposed` tensor becomes its transpose, then is reshaped to the leaf's shape. With `stack_index`, the
-    tensor is slice `stack_index` of the leaf's first axis (e.g. one expert of a stacked expert weight):
-    the loader assembles the slices on the host and places the leaf once all of them are read."""
+    """Where one checkpoint tensor goes. HF stores linear weights as [out, in] (stacked ones, e.g. all experts
+    in one tensor, as [..., out, in]); our params are `x @ W`, so a `transposed` tensor has its last two axes
+    swapped, then is reshaped to the leaf's shape (or to the shape of its part of the leaf).
+
+    With `stack_index`, the tensor is only a part of the leaf: `leaf[stack_index]`, an int (a slice of the
+    leaf's first axis, e.g. one expert of a stacked expert weight) or a tuple of ints and slices (numpy
+    indexing, e.g. `(e, slice(None), 0)`: expert e's gate half of a fused gate|up weight [E, D, 2, F]). The
+    parts of one leaf cover it exactly once; the loader assembles them on the host and places the leaf once
+    all of them are read."""
 
     path: tuple  # the leaf's path in the params pytree, e.g. ("layers", 3, "wq")
     shape: tuple[int, ...]  # the tensor's shape in the checkpoint
     transposed: bool
-    stack_index: int | None = None
+    stack_index: int | tuple | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +83,7 @@ class ModelFamily:
     to_hf_config: Callable[..., dict[str, Any]]
     abstract: Callable[[Any], Any]
     param_init: Callable[[str], str]
-    hf_tensor_table: Callable[[Any], dict[str, HFTensor]]
+    hf_tensor_table: Callable[..., dict[str, HFTensor]]
     param_placer: Callable[[Any], Callable]
     forward: Callable[..., Any]
     head_logits: Callable[..., Any]

@@ -1,5 +1,8 @@
 """Llama-family decoder: Llama 2/3 (incl. llama3 rope scaling), Mistral, Qwen2 (qkv bias) and
 Qwen3 (per-head q/k RMSNorm), with GQA and tied or untied embeddings — one module, config switches.
+With `cfg.moe` the layers it names use the mixture-of-experts MLP of moe.py instead of the dense
+one (Mixtral, Qwen2-MoE, Qwen3-MoE; their HF side is moe_hf.py): a layer whose params hold a
+"router" is an MoE layer.
 
 Params are a pytree of nested dicts; weights are stored in `x @ W` orientation with heads split
 out (wq [D, N, H], wo [N, H, D]) so every matmul is an einsum in the dimension alphabet of
@@ -35,7 +38,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from jaxserve.models import layers
+from jaxserve.models import layers, moe
 from jaxserve.models.layers import ModelBatch
 from sharding import TensorParallel, all_gather, all_reduce_kernel, psum, sharded_lookup
 
@@ -65,6 +68,7 @@ class LlamaConfig:
     sliding_window: int | None = None  # Mistral
     dtype: str = "bfloat16"
     architecture: str = "LlamaForCausalLM"
+    moe: moe.MoeSpec | None = None  # mixture-of-experts MLP in the layers it names
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -76,6 +80,11 @@ class LlamaConfig:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.moe is not None and not set(self.moe.sparse_layers) <= set(range(self.num_layers)):
+            raise ValueError(f"MoE layers {list(self.moe.sparse_layers)} are not all among the "
+                             f"{self.num_layers} layers")
+        if self.moe is not None and self.mlp_bias:
+            raise ValueError("mlp_bias is not supported with a mixture-of-experts MLP")
 
     @property
     def jnp_dtype(self):
@@ -93,6 +102,7 @@ AXES: dict[str, tuple[str, ...]] = {
     "q_norm": ("head_dim",), "k_norm": ("head_dim",),
     "w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed"),
     "b_gate": ("mlp",), "b_up": ("mlp",), "b_down": ("embed",),
+    **moe.AXES,
 }
 COMM_AXES = ("tp_shard", None)  # the all-reduce kernel's state: one row per tensor-parallel device
 
@@ -114,7 +124,12 @@ def abstract(cfg: LlamaConfig) -> Params:
         layer |= s("b_gate", "b_up", "b_down")
     if cfg.qk_norm:
         layer |= s("q_norm", "k_norm")
-    params: Params = s("embed", "final_norm") | {"layers": [dict(layer) for _ in range(cfg.num_layers)]}
+    layer_params = [dict(layer) for _ in range(cfg.num_layers)]
+    for i in cfg.moe.sparse_layers if cfg.moe is not None else ():
+        for name in ("w_gate", "w_up", "w_down"):
+            del layer_params[i][name]
+        layer_params[i] |= moe.abstract(cfg.moe, cfg.hidden_size, cfg.jnp_dtype)
+    params: Params = s("embed", "final_norm") | {"layers": layer_params}
     if not cfg.tie_word_embeddings:
         params |= s("lm_head")
     return params
@@ -196,8 +211,11 @@ def _out_and_mlp(lp: Params, cfg: LlamaConfig, x: jax.Array, attn: jax.Array, ne
     num_heads, head_dim, width = lp["wo"].shape
     o = attn.reshape(-1, num_heads * head_dim) @ lp["wo"].reshape(num_heads * head_dim, width)
     h, x = _add_norm(x, o, lp["bo"] if cfg.o_bias else None, lp["mlp_norm"], cfg, tp, "heads", comm)
-    gate_up_biases = (lp["b_gate"], lp["b_up"]) if cfg.mlp_bias else None
-    down = layers.gated_mlp(h, lp["w_gate"], lp["w_up"], lp["w_down"], gate_up_biases)
+    if "router" in lp:
+        down = moe.moe_mlp(lp, h, cfg.moe)
+    else:
+        gate_up_biases = (lp["b_gate"], lp["b_up"]) if cfg.mlp_bias else None
+        down = layers.gated_mlp(h, lp["w_gate"], lp["w_up"], lp["w_down"], gate_up_biases)
     return _add_norm(x, down, lp["b_down"] if cfg.mlp_bias else None, next_norm, cfg, tp, "mlp", comm)
 
 

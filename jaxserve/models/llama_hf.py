@@ -29,6 +29,23 @@ def config_from_hf(hf: dict[str, Any], dtype: str = "auto", source: str = "confi
     """Map a parsed HF config.json of `architecture` (one of VARIANTS) onto LlamaConfig, refusing what we
     do not implement."""
     arch = architecture
+    if arch == "Qwen2ForCausalLM" and hf.get("use_sliding_window"):
+        raise UnsupportedModelError(f"{source}: use_sliding_window=true is not supported for Qwen2; set it to false")
+    if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") and hf.get("use_sliding_window") and hf.get("sliding_window"):
+        raise UnsupportedModelError(f"{source}: sliding-window attention is not supported for {arch}")
+    switches = dict(VARIANTS[arch])
+    if arch in ("LlamaForCausalLM", "MistralForCausalLM") and hf.get("attention_bias"):
+        switches |= {"qkv_bias": True, "o_bias": True}
+    if arch == "Qwen3ForCausalLM" and hf.get("attention_bias"):
+        switches["qkv_bias"] = True
+    sliding_window = hf.get("sliding_window") if arch == "MistralForCausalLM" else None
+    return llama_config(hf, dtype, source, arch, sliding_window=sliding_window, **switches)
+
+
+def llama_config(hf: dict[str, Any], dtype: str, source: str, arch: str, **switches: Any) -> LlamaConfig:
+    """The LlamaConfig of the fields every architecture run by llama.py shares (sizes, rope, norm, dtype,
+    tied head), plus `switches`: the LlamaConfig fields the architecture's own mapping decided. A
+    ValueError from the config's checks is refused as UnsupportedModelError naming `source`."""
     required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"]
     missing = [k for k in required if k not in hf]
     if missing:
@@ -37,10 +54,6 @@ def config_from_hf(hf: dict[str, Any], dtype: str = "auto", source: str = "confi
         raise UnsupportedModelError(f"{source}: unsupported hidden_act {hf['hidden_act']!r}; only 'silu' is implemented")
     if hf.get("quantization_config"):
         raise UnsupportedModelError(f"{source}: quantized checkpoints (quantization_config) are not supported yet")
-    if arch == "Qwen2ForCausalLM" and hf.get("use_sliding_window"):
-        raise UnsupportedModelError(f"{source}: use_sliding_window=true is not supported for Qwen2; set it to false")
-    if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") and hf.get("use_sliding_window") and hf.get("sliding_window"):
-        raise UnsupportedModelError(f"{source}: sliding-window attention is not supported for {arch}")
 
     if dtype == "auto":
         dtype = str(hf.get("torch_dtype") or hf.get("dtype") or "bfloat16")
@@ -49,12 +62,6 @@ def config_from_hf(hf: dict[str, Any], dtype: str = "auto", source: str = "confi
 
     num_heads = hf["num_attention_heads"]
     theta, scaling = rope_scaling(hf, source)
-    switches = dict(VARIANTS[arch])
-    if arch in ("LlamaForCausalLM", "MistralForCausalLM") and hf.get("attention_bias"):
-        switches |= {"qkv_bias": True, "o_bias": True}
-    if arch == "Qwen3ForCausalLM" and hf.get("attention_bias"):
-        switches["qkv_bias"] = True
-    sliding_window = hf.get("sliding_window") if arch == "MistralForCausalLM" else None
     try:
         return LlamaConfig(
             vocab_size=hf["vocab_size"],
@@ -70,7 +77,6 @@ def config_from_hf(hf: dict[str, Any], dtype: str = "auto", source: str = "confi
             rope_scaling=scaling,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            sliding_window=sliding_window,
             dtype=dtype,
             architecture=arch,
             **switches,
@@ -81,9 +87,14 @@ def config_from_hf(hf: dict[str, Any], dtype: str = "auto", source: str = "confi
 
 def to_hf_config(cfg: LlamaConfig, **extra: Any) -> dict[str, Any]:
     """The config.json describing `cfg` (the inverse of config_from_hf), e.g. for a trained model."""
-    hf: dict[str, Any] = {
+    return hf_fields(cfg, MODEL_TYPES[cfg.architecture]) | extra
+
+
+def hf_fields(cfg: LlamaConfig, model_type: str) -> dict[str, Any]:
+    """The config.json fields of what `llama_config` reads (the inverse of it)."""
+    return {
         "architectures": [cfg.architecture],
-        "model_type": MODEL_TYPES[cfg.architecture],
+        "model_type": model_type,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
@@ -100,12 +111,11 @@ def to_hf_config(cfg: LlamaConfig, **extra: Any) -> dict[str, Any]:
         "mlp_bias": cfg.mlp_bias,
         "hidden_act": "silu",
         "torch_dtype": cfg.dtype,
-    }
-    return hf | extra
+    } | ({"sliding_window": cfg.sliding_window} if cfg.sliding_window else {})
 
 
-def hf_tensor_table(cfg: LlamaConfig) -> dict[str, HFTensor]:
-    """HF tensor name -> where it goes in our params.
+def hf_tensor_table(cfg: LlamaConfig, names: frozenset[str] | None = None) -> dict[str, HFTensor]:
+    """HF tensor name -> where it goes in our params (one layout: `names` is not needed).
 
     Our layout is `x @ W` with heads split out, so a transposed HF weight [out, in] becomes
     W.T reshaped to our shape (e.g. q_proj [N*H, D] -> wq [D, N, H]); the rest only reshape.

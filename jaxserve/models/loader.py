@@ -4,7 +4,7 @@
     *.safetensors (+ model.safetensors.index.json) --safe_open(numpy), on the host--> checks
         (every expected tensor present exactly once, shape as expected, nothing unknown left over)
     --transpose to x @ W layout, cast--> `place` (one leaf at a time, with its sharding; a leaf stacked
-        from several tensors, e.g. experts, once all of its slices are read)
+        from several tensors, e.g. experts, once all of its parts are read)
 
     load_format="dummy" (vLLM's name; benchmarks without a download): config.json only
     --family.abstract--> every tensor made on the device by a jitted jax.random per shape
@@ -170,7 +170,7 @@ def load_params(model_dir: str | os.PathLike, cfg: Any,
     model_dir = Path(model_dir)
     family = registry.family_of(cfg)
     files = weight_files(model_dir)
-    table = family.hf_tensor_table(cfg)
+    table = family.hf_tensor_table(cfg, frozenset(files))
     ignorable = {n for n in files if n.endswith(IGNORED_SUFFIXES)}
     if getattr(cfg, "tie_word_embeddings", False):
         ignorable.add("lm_head.weight")  # some exporters write the tied head anyway
@@ -190,7 +190,7 @@ def load_params(model_dir: str | os.PathLike, cfg: Any,
     np_dtype = NP_DTYPES[cfg.dtype]
     shapes = family.abstract(cfg)
     params: Params = jax.tree.map(lambda _: None, shapes)
-    # Stacked leaves (HFTensor.stack_index) are assembled on the host: leaf path -> (buffer, slices left).
+    # Stacked leaves (HFTensor.stack_index) are assembled on the host: leaf path -> (buffer, parts left).
     stacks: dict[tuple, list] = {}
     for entry in table.values():
         if entry.stack_index is not None:
@@ -209,7 +209,7 @@ def load_params(model_dir: str | os.PathLike, cfg: Any,
                         f"from config.json"
                     )
                 array = f.get_tensor(name)
-                array = array.T if entry.transposed else array
+                array = np.swapaxes(array, -1, -2) if entry.transposed else array
                 leaf_shape = _get(shapes, entry.path).shape
                 if entry.stack_index is None:
                     _set(params, entry.path, place(entry.path, np.ascontiguousarray(
@@ -218,7 +218,7 @@ def load_params(model_dir: str | os.PathLike, cfg: Any,
                 stack = stacks[entry.path]
                 if stack[0] is None:
                     stack[0] = np.empty(leaf_shape, np_dtype)
-                stack[0][entry.stack_index] = array.reshape(leaf_shape[1:])
+                stack[0][entry.stack_index] = array.reshape(stack[0][entry.stack_index].shape)
                 stack[1] -= 1
                 if stack[1] == 0:
                     _set(params, entry.path, place(entry.path, stack[0]))
@@ -279,7 +279,8 @@ def save_safetensors(params: Params, cfg: Any, path: str | os.PathLike) -> None:
         array = np.asarray(_get(params, entry.path))
         if entry.stack_index is not None:
             array = array[entry.stack_index]
-        hf_shape = entry.shape
-        tensors[name] = np.ascontiguousarray(
-            array.reshape(hf_shape[::-1]).T if entry.transposed else array.reshape(hf_shape))
+        if entry.transposed:  # ours is HF's with the last two axes swapped
+            ours = (*entry.shape[:-2], entry.shape[-1], entry.shape[-2])
+            array = np.swapaxes(array.reshape(ours), -1, -2)
+        tensors[name] = np.ascontiguousarray(array.reshape(entry.shape))
     save_file(tensors, str(path), metadata={"format": "pt"})

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxserve.models import llama_hf
+from jaxserve.models import llama_hf, moe_hf
 from jaxserve.models.family import SUPPORTED_ROPE_TYPES, ModelFamily, UnsupportedModelError  # noqa: F401
 
 ARCHITECTURES: dict[str, ModelFamily] = {}
@@ -78,3 +78,5 @@ def to_hf_config(cfg: Any, **extra: Any) -> dict[str, Any]:
 
 for _arch in llama_hf.VARIANTS:
     register(_arch, llama_hf.FAMILY)
+for _arch in moe_hf.ARCHITECTURES:
+    register(_arch, moe_hf.FAMILY)
