@@ -207,3 +207,25 @@ def test_no_weights_at_all(ckpt):
 def test_pickle_beside_safetensors_is_ignored(ckpt):
     (ckpt / "pytorch_model.bin").write_bytes(b"\x80\x04garbage")
     assert loader.load_model(ckpt, "float32").config.architecture == "Qwen2ForCausalLM"
+
+
+def test_qwen3_attention_bias_covers_o_proj(tmp_path):
+    """transformers' Qwen3Attention gives q/k/v and o_proj a bias when attention_bias is set."""
+    path = tmp_path / "qwen3"
+    shutil.copytree(HF_FIXTURES / "qwen3_gqa4_tied", path)
+    edit_config(path, attention_bias=True)
+    cfg = loader.load_config(path)[0]
+    assert cfg.qkv_bias and cfg.o_bias
+    with pytest.raises(CheckpointError, match=r"missing tensors .*model\.layers\.0\.self_attn\.o_proj\.bias"):
+        loader.load_model(path)
+    rng = np.random.default_rng(0)
+    out = {proj: cfg.hidden_size if proj == "o" else (cfg.num_heads if proj == "q" else cfg.num_kv_heads) * cfg.head_dim
+           for proj in "qkvo"}
+    biases = {f"model.layers.{i}.self_attn.{proj}_proj.bias": rng.normal(size=size).astype(np.float32)
+              for i in range(cfg.num_layers) for proj, size in out.items()}
+    edit_tensors(path, lambda t: t.update(biases))
+    params = loader.load_model(path, "float32").params
+    for i in range(cfg.num_layers):
+        np.testing.assert_array_equal(np.asarray(params["layers"][i]["bo"]),
+                                      biases[f"model.layers.{i}.self_attn.o_proj.bias"])
+    assert registry.to_hf_config(cfg)["attention_bias"] is True

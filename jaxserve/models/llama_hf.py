@@ -34,10 +34,8 @@ def config_from_hf(hf: dict[str, Any], dtype: str = "auto", source: str = "confi
     if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") and hf.get("use_sliding_window") and hf.get("sliding_window"):
         raise UnsupportedModelError(f"{source}: sliding-window attention is not supported for {arch}")
     switches = dict(VARIANTS[arch])
-    if arch in ("LlamaForCausalLM", "MistralForCausalLM") and hf.get("attention_bias"):
+    if hf.get("attention_bias") and arch != "Qwen2ForCausalLM":  # HF: q/k/v and o_proj biases
         switches |= {"qkv_bias": True, "o_bias": True}
-    if arch == "Qwen3ForCausalLM" and hf.get("attention_bias"):
-        switches["qkv_bias"] = True
     sliding_window = hf.get("sliding_window") if arch == "MistralForCausalLM" else None
     return llama_config(hf, dtype, source, arch, sliding_window=sliding_window, **switches)
 
