@@ -17,6 +17,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 HF_FIXTURES = ROOT / "tests" / "fixtures" / "hf"
 HF_NAMES = sorted(p.name for p in HF_FIXTURES.iterdir() if (p / "config.json").exists())
+# The mixture-of-experts fixtures: the parity tests run fewer variants of them (their attention, cache
+# and scheduling paths are the dense fixtures').
+HF_MOE_NAMES = [name for name in HF_NAMES
+                if "num_experts_per_tok" in json.loads((HF_FIXTURES / name / "config.json").read_text())]
 TINY_MODEL = ROOT / "jaxserve" / "assets" / "tiny-adder"
 
 

@@ -2,7 +2,9 @@
 
 Every fixture: greedy tokens equal HF's for 40 new tokens and logits match at every position,
 whether prompts arrive whole or in chunks through the paged cache, with contiguous or shuffled
-(non-contiguous) block assignments and with several requests mixed in one batch.
+(non-contiguous) block assignments and with several requests mixed in one batch. The
+mixture-of-experts fixtures run one chunked variant: chunking and paging are the attention's
+business, which they share with the dense fixtures; their own MLP sees every variant's rows alike.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import pytest
 
 from jaxserve.models import llama
 from tests import reference_generate
+from tests.conftest import HF_MOE_NAMES, HF_NAMES
 
 ATOL = 1e-4  # float32; measured differences are ~1e-5
 NEW_TOKENS = 40
@@ -33,7 +36,13 @@ def test_whole_prompts_contiguous_blocks(hf_fixture):
     check(hf_fixture, result)
 
 
-@pytest.mark.parametrize("chunk_size,block_size,seed", [(1, 16, 0), (5, 4, 1), (16, 32, 2)])
+CHUNKINGS = [(1, 16, 0), (5, 4, 1), (16, 32, 2)]  # (chunk_size, block_size, shuffle seed)
+MOE_CHUNKING = (5, 4, 1)
+
+
+@pytest.mark.parametrize("hf_fixture,chunk_size,block_size,seed",
+                         [(name, *c) for name in HF_NAMES for c in CHUNKINGS if name not in HF_MOE_NAMES or c == MOE_CHUNKING],
+                         indirect=["hf_fixture"])
 def test_chunked_prefill_shuffled_blocks(hf_fixture, chunk_size, block_size, seed):
     m = hf_fixture.model
     result = reference_generate.greedy_generate(
@@ -46,10 +55,11 @@ def test_chunked_prefill_shuffled_blocks(hf_fixture, chunk_size, block_size, see
 def test_dense_training_forward_matches_hf(hf_fixture):
     """forward_dense (used to train the embedded model) agrees with HF too."""
     m = hf_fixture.model
-    for i, prompt in enumerate(hf_fixture.prompts):
-        full = prompt + hf_fixture.generated[i]
-        logits = np.asarray(llama.forward_dense(m.params, m.config, jnp.asarray([full])))[0]
-        np.testing.assert_allclose(logits, hf_fixture.logits[i], atol=ATOL, rtol=ATOL)
+    full = [prompt + generated for prompt, generated in zip(hf_fixture.prompts, hf_fixture.generated)]
+    width = max(map(len, full))  # one batch, each sequence padded at its end (causal: the padding is never seen)
+    logits = np.asarray(llama.forward_dense(m.params, m.config, jnp.asarray([s + [0] * (width - len(s)) for s in full])))
+    for i, sequence in enumerate(full):
+        np.testing.assert_allclose(logits[i, : len(sequence)], hf_fixture.logits[i], atol=ATOL, rtol=ATOL)
 
 
 def test_bfloat16_load_runs_close_to_float32():

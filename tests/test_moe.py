@@ -8,11 +8,13 @@ test_engine_parity.py (every fixture directory). Here:
   safetensors files, save_safetensors round trip, and refused inputs (missing expert tensor, router
   variants that are not implemented, contradicting fields);
 - tensor parallelism: each expert's columns sharded like the dense MLP (padded where uneven), the
-  step equal to the unsharded one with no extra collective, and engine tokens equal to HF's.
+  step equal to the unsharded one with no extra collective, and engine tokens equal to HF's;
+- to_hf_config: every fixture's config reads back unchanged; what config.json cannot express is refused.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -23,12 +25,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from jaxserve.models import llama, loader, moe
+from jaxserve.models import llama, loader, moe, registry
 from jaxserve.models.loader import CheckpointError
 from jaxserve.models.moe import MoeSpec
 from jaxserve.models.registry import UnsupportedModelError
 from tests import reference_generate
-from tests.conftest import HF_FIXTURES
+from tests.conftest import HF_FIXTURES, HF_NAMES
 from tests.test_sharding import STEP, hf_engine_tokens, place_params, small_batch, tp
 
 MIXTRAL, QWEN2_MOE, QWEN3_MOE = "mixtral_8x2_untied", "qwen2_moe_8x4_shared", "qwen3_moe_8x2_sparse2"
@@ -59,11 +61,26 @@ def reference_block(x, lp, spec: MoeSpec):
     return out
 
 
+def normal(seed, shape, dtype=jnp.float32, std=1.0):
+    # numpy's generator: jax.random compiles one program per shape, which costs more than these tests
+    return jnp.asarray(np.random.default_rng(seed).normal(0.0, std, shape).astype(np.float32), dtype)
+
+
 def random_block(spec: MoeSpec, width=16, seed=0):
     shapes = moe.abstract(spec, width, jnp.float32)
-    keys = jax.random.split(jax.random.key(seed), len(shapes))
-    return {name: jax.random.normal(key, s.shape, jnp.float32) * (1.0 if name == "router" else 0.3)
-            for (name, s), key in zip(sorted(shapes.items()), keys)}
+    return {name: normal((seed, i), s.shape, std=1.0 if name == "router" else 0.3)
+            for i, (name, s) in enumerate(sorted(shapes.items()))}
+
+
+def random_params(cfg: llama.LlamaConfig, std: float):
+    """llama.init_params' starts (norms 1, biases 0, weights normal), drawn by `normal`."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(llama.abstract(cfg))
+    out = []
+    for i, (path, leaf) in enumerate(leaves):
+        init = llama.param_init(path[-1].key)
+        out.append(jnp.ones(leaf.shape) if init == "ones" else jnp.zeros(leaf.shape) if init == "zeros"
+                   else normal(i, leaf.shape, std=std))
+    return jax.tree.unflatten(treedef, out)
 
 
 SPECS = {
@@ -79,7 +96,7 @@ SPECS = {
 def test_block_matches_dense_per_token_loop(name, tokens):
     spec = SPECS[name]
     lp = random_block(spec)
-    x = jax.random.normal(jax.random.key(tokens), (tokens, 16), jnp.float32)
+    x = normal(tokens, (tokens, 16))
     got = jax.jit(moe.moe_mlp, static_argnames="spec")(lp, x, spec)
     np.testing.assert_allclose(np.asarray(got), reference_block(np.asarray(x), lp, spec), atol=2e-5, rtol=2e-5)
 
@@ -97,7 +114,7 @@ def test_dispatch_groups_copies_by_expert_in_token_order_and_combine_inverts_it(
 def test_experts_ffn_zeroes_rows_past_the_groups():
     spec = SPECS["qwen3"]
     lp = random_block(spec)
-    rows = jax.random.normal(jax.random.key(1), (10, 16), jnp.float32)
+    rows = normal(1, (10, 16))
     sizes = jnp.zeros(spec.num_experts, jnp.int32).at[3].set(4).at[7].set(2)  # rows 6..9 belong to no group
     out = np.asarray(moe.experts_ffn(rows, sizes, lp["we_gate_up"], lp["we_down"]))
     assert np.all(out[6:] == 0) and np.all(np.abs(out[:6]).sum(-1) > 0)
@@ -106,7 +123,7 @@ def test_experts_ffn_zeroes_rows_past_the_groups():
 
 
 def test_routing_weight_dtypes_follow_each_family():
-    x = jax.random.normal(jax.random.key(0), (5, 16), jnp.bfloat16)
+    x = normal(0, (5, 16), jnp.bfloat16)
     for name, dtype in [("mixtral", jnp.float32), ("qwen3", jnp.bfloat16)]:
         router = random_block(SPECS[name])["router"].astype(jnp.bfloat16)
         weights, ids = moe.route(x, router, SPECS[name])
@@ -237,12 +254,13 @@ def test_qwen_moe_sliding_window_is_refused(tmp_path):
 
 def test_bfloat16_runs_close_to_float32():
     low = loader.load_model(HF_FIXTURES / QWEN2_MOE, dtype="bfloat16")
-    high = loader.load_model(HF_FIXTURES / QWEN2_MOE, dtype="float32")
-    prompt = [[5, 6, 7, 8, 9, 10, 11]]
-    a = reference_generate.greedy_generate(low.params, low.config, prompt, 1).logits[0]
-    b = reference_generate.greedy_generate(high.params, high.config, prompt, 1).logits[0]
-    assert np.isfinite(a).all()
-    np.testing.assert_allclose(a, b, atol=0.25)
+    reference = json.loads((HF_FIXTURES / QWEN2_MOE / "reference.json").read_text())["prompts"][0]
+    with np.load(HF_FIXTURES / QWEN2_MOE / "logits.npz") as data:
+        high = data["logits_0"][: len(reference)]  # HF's float32 logits over the prompt
+    got = reference_generate.greedy_generate(low.params, low.config, [reference], 1).logits[0]
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, high, atol=0.25)
+    assert not np.allclose(got, high, atol=1e-4), "the bfloat16 load did not change precision"
 
 
 # ---- tensor parallelism ----
@@ -257,33 +275,28 @@ needs_fake_devices = pytest.mark.usefixtures("fake_devices")
 
 
 @needs_fake_devices
-def test_sharded_step_matches_unsharded_with_padded_expert_columns(model=4):
-    # expert F = 6 and shared F = 10 divide by neither 4 nor (shared) 4: both padded with zero columns
+def test_sharded_step_matches_unsharded_with_padded_expert_columns_and_no_extra_collective(model=4):
+    # expert F = 6 and shared F = 10 divide by neither 4 nor (shared) 4: both padded with zero columns;
+    # layer 0 is dense, layer 1 MoE with a shared expert
     spec = MoeSpec(num_experts=4, top_k=2, intermediate_size=6, sparse_layers=(1,), norm_topk_prob=False,
                    shared_intermediate_size=10)
     cfg = llama.LlamaConfig(vocab_size=200, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=8,
                             num_kv_heads=4, head_dim=8, max_position_embeddings=64, dtype="float32", qkv_bias=True,
                             moe=spec)
-    params = llama.init_params(cfg, jax.random.key(0), std=0.2)
+    params = random_params(cfg, std=0.2)
     batch = small_batch()
     expected, _ = STEP(params, cfg, batch, llama.init_kv_caches(cfg, 9, 4))
     t = tp(model)
     placed = place_params(params, cfg, t)
     assert placed["layers"][1]["we_gate_up"].sharding.spec[3] == "model"
-    got, _ = STEP(placed, cfg, batch, llama.init_kv_caches(cfg, 9, 4, tp=t), tp=t)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=2e-5, rtol=2e-5)
-
-
-@needs_fake_devices
-def test_moe_step_adds_no_collective():
-    t = tp(2)
-    m = loader.load_model(HF_FIXTURES / QWEN2_MOE, dtype="float32", place=llama.param_placer(t))
-    caches = llama.init_kv_caches(m.config, 9, 4, tp=t)
-    hlo = STEP.lower(m.params, m.config, small_batch(), caches, tp=t).compile().as_text()
+    caches = llama.init_kv_caches(cfg, 9, 4, tp=t)
+    compiled = STEP.lower(placed, cfg, batch, caches, tp=t).compile()
     kinds = re.findall(r"= \w+\[[\d,]*\][^ ]* (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)"
-                       r"(?:-start)?\(", hlo)
+                       r"(?:-start)?\(", compiled.as_text())
     # o and down (dense MLP or MoE block) per layer, the embedding's; the logits' gather
-    assert sorted(kinds) == ["all-gather"] + ["all-reduce"] * (2 * m.config.num_layers + 1), kinds
+    assert sorted(kinds) == ["all-gather"] + ["all-reduce"] * (2 * cfg.num_layers + 1), kinds
+    got, _ = compiled(placed, batch, caches)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=2e-5, rtol=2e-5)
 
 
 @needs_fake_devices
@@ -291,3 +304,22 @@ def test_moe_step_adds_no_collective():
 def test_engine_tensor_parallel_tokens_equal_hf(name, model):
     reference = json.loads((HF_FIXTURES / name / "reference.json").read_text())["generated"]
     assert hf_engine_tokens(name, model) == reference
+
+
+@pytest.mark.parametrize("name", HF_NAMES)
+def test_to_hf_config_reads_back_as_the_same_config(name):
+    cfg = loader.load_config(HF_FIXTURES / name)[0]
+    hf = registry.to_hf_config(cfg, bos_token_id=0)
+    assert hf["bos_token_id"] == 0
+    assert registry.config_from_hf(hf, dtype=cfg.dtype) == cfg
+
+
+def test_to_hf_config_refuses_what_config_json_cannot_express():
+    qwen3 = loader.load_config(HF_FIXTURES / QWEN3_MOE)[0]
+    with_shared = dataclasses.replace(qwen3, moe=dataclasses.replace(qwen3.moe, shared_intermediate_size=16))
+    with pytest.raises(UnsupportedModelError, match=r"Qwen3MoeForCausalLM config.json cannot express.*: moe would"):
+        registry.to_hf_config(with_shared)
+    mixtral = loader.load_config(HF_FIXTURES / MIXTRAL)[0]
+    one_dense = dataclasses.replace(mixtral, moe=dataclasses.replace(mixtral.moe, sparse_layers=(1,)))
+    with pytest.raises(UnsupportedModelError, match="MixtralForCausalLM config.json cannot express"):
+        registry.to_hf_config(one_dense)
