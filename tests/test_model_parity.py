@@ -41,7 +41,8 @@ MOE_CHUNKING = (1, 16, 0)  # its step shape is the whole-prompt test's decode st
 
 
 @pytest.mark.parametrize("hf_fixture,chunk_size,block_size,seed",
-                         [(name, *c) for name in HF_NAMES for c in CHUNKINGS if name not in HF_MOE_NAMES or c == MOE_CHUNKING],
+                         [(name, *c) for name in HF_NAMES for c in CHUNKINGS
+                          if name not in HF_MOE_NAMES or c == MOE_CHUNKING],
                          indirect=["hf_fixture"])
 def test_chunked_prefill_shuffled_blocks(hf_fixture, chunk_size, block_size, seed):
     m = hf_fixture.model
@@ -57,7 +58,8 @@ def test_dense_training_forward_matches_hf(hf_fixture):
     m = hf_fixture.model
     full = [prompt + generated for prompt, generated in zip(hf_fixture.prompts, hf_fixture.generated)]
     width = max(map(len, full))  # one batch, each sequence padded at its end (causal: the padding is never seen)
-    logits = np.asarray(llama.forward_dense(m.params, m.config, jnp.asarray([s + [0] * (width - len(s)) for s in full])))
+    padded = jnp.asarray([sequence + [0] * (width - len(sequence)) for sequence in full])
+    logits = np.asarray(llama.forward_dense(m.params, m.config, padded))
     for i, sequence in enumerate(full):
         np.testing.assert_allclose(logits[i, : len(sequence)], hf_fixture.logits[i], atol=ATOL, rtol=ATOL)
 
