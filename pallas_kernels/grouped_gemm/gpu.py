@@ -50,13 +50,15 @@ class GpuConfig:
 
 
 def default_config(m: int, k: int, n: int, num_groups: int) -> GpuConfig:
-    """Row tiles sized to the mean rows per group: decode (a few rows per expert) streams 64-feature
-    weight tiles with many CTAs in flight; prefill takes 128 x 128 tiles."""
-    mean_rows = max(1, m // max(1, num_groups))
-    if mean_rows <= 16:
-        return GpuConfig(block_m=8 if mean_rows <= 8 else 16, block_n=64, block_k=128, stages=6,
-                         ctas=2 * NUM_SMS)
-    if mean_rows <= 64:
+    """Row tiles sized so a typical group fits one tile (its weights then stream once): a group of r
+    rows starting at r0 takes ceil((r0 % 8 + r) / block_m) tiles. Decode sizes stream 64-feature
+    weight tiles with two CTAs per SM; prefill sizes take 128 x 128 tiles (compute-bound)."""
+    mean_rows = m / max(1, num_groups)
+    if mean_rows <= 2:
+        return GpuConfig(block_m=16, block_n=64, block_k=128, stages=6, ctas=2 * NUM_SMS)
+    if mean_rows <= 12:
+        return GpuConfig(block_m=32, block_n=64, block_k=128, stages=6, ctas=2 * NUM_SMS)
+    if mean_rows <= 40:
         return GpuConfig(block_m=64, block_n=128, block_k=64, stages=4, ctas=NUM_SMS)
     return GpuConfig(block_m=128, block_n=128, block_k=64, stages=4, ctas=NUM_SMS)
 
