@@ -151,6 +151,6 @@ def test_mosaic_gpu_kernel_on_the_device(tokens, k, n):
     sizes = jnp.asarray(np.bincount(ids.ravel(), minlength=128), jnp.int32)
     m = tokens * 8 + 5  # 5 rows past the sum
     lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    rhs = jax.random.normal(jax.random.key(tokens), (128, k, n), jnp.bfloat16) / np.sqrt(k)
+    rhs = (jax.random.normal(jax.random.key(tokens), (128, k, n)) / np.sqrt(k)).astype(jnp.bfloat16)
     out = jax.jit(functools.partial(grouped_matmul, backend="pallas"))(lhs, rhs, sizes)
     _check(out, lhs, rhs, sizes, 1e-2)
