@@ -55,12 +55,15 @@ def default_config(m: int, k: int, n: int, num_groups: int) -> GpuConfig:
     weight tiles with two CTAs per SM; prefill sizes take 128 x 128 tiles (compute-bound)."""
     mean_rows = m / max(1, num_groups)
     if mean_rows <= 2:
-        return GpuConfig(block_m=16, block_n=64, block_k=128, stages=6, ctas=2 * NUM_SMS)
-    if mean_rows <= 12:
-        return GpuConfig(block_m=32, block_n=64, block_k=128, stages=6, ctas=2 * NUM_SMS)
-    if mean_rows <= 40:
-        return GpuConfig(block_m=64, block_n=128, block_k=64, stages=4, ctas=NUM_SMS)
-    return GpuConfig(block_m=128, block_n=128, block_k=64, stages=4, ctas=NUM_SMS)
+        cfg = GpuConfig(block_m=16, block_n=64, block_k=128, stages=6, ctas=2 * NUM_SMS)
+    elif mean_rows <= 12:
+        cfg = GpuConfig(block_m=32, block_n=64, block_k=128, stages=6, ctas=2 * NUM_SMS)
+    elif mean_rows <= 40:
+        cfg = GpuConfig(block_m=64, block_n=128, block_k=64, stages=4, ctas=NUM_SMS)
+    else:
+        cfg = GpuConfig(block_m=128, block_n=128, block_k=64, stages=4, ctas=NUM_SMS)
+    # no tile taller than M (rounded down to 8): M needs no padding rows when it is a multiple of 8
+    return dataclasses.replace(cfg, block_m=min(cfg.block_m, max(8, m // 8 * 8)))
 
 
 def _swizzled(minor: int, dtype):
