@@ -122,6 +122,19 @@ def test_experts_ffn_zeroes_rows_past_the_groups():
     np.testing.assert_allclose(out[:4], np.asarray(first @ lp["we_down"][3]), atol=1e-5, rtol=1e-5)
 
 
+def test_experts_ffn_through_the_pallas_grouped_gemm_equals_ragged_dot():
+    """The engine's expert FFN runs the Pallas grouped GEMM where it takes the shapes: the same numbers as
+    lax.ragged_dot (here the TPU kernel in interpret mode, the one that runs on a CPU host)."""
+    spec = SPECS["qwen3"]
+    lp = random_block(spec)
+    rows = normal(2, (12, 16))
+    sizes = jnp.zeros(spec.num_experts, jnp.int32).at[0].set(5).at[3].set(1).at[6].set(4)  # 2 rows past the groups
+    want = moe.experts_ffn(rows, sizes, lp["we_gate_up"], lp["we_down"], backend="reference")
+    got = moe.experts_ffn(rows, sizes, lp["we_gate_up"], lp["we_down"], backend="pallas", interpret=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+    assert np.all(np.asarray(got)[10:] == 0)
+
+
 def test_routing_weight_dtypes_follow_each_family():
     x = normal(0, (5, 16), jnp.bfloat16)
     for name, dtype in [("mixtral", jnp.float32), ("qwen3", jnp.bfloat16)]:

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.models import layers
+from pallas_kernels.grouped_gemm import grouped_matmul
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,15 +103,19 @@ def dispatch(x: jax.Array, ids: jax.Array, num_experts: int) -> tuple[jax.Array,
     return x[order // k], group_sizes, order
 
 
-def experts_ffn(x_sorted: jax.Array, group_sizes: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:
+def experts_ffn(x_sorted: jax.Array, group_sizes: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, *,
+                backend: str = "auto", interpret: bool = False) -> jax.Array:
     """The SwiGLU FFN of every expert on its group of rows: x_sorted [M, D] (rows of expert e after
     those of experts < e), group_sizes [E], w_gate_up [E, D, 2, F], w_down [E, F, D] -> [M, D].
 
-    Rows past sum(group_sizes) come out as zeros (lax.ragged_dot's contract)."""
+    Both projections are grouped GEMMs (pallas_kernels/grouped_gemm: the Pallas kernel where it takes the
+    shapes, on Hopper and TPU, else lax.ragged_dot; `backend`/`interpret` as grouped_matmul's). Rows past
+    sum(group_sizes) come out as zeros."""
     num_experts, width, _, ffn = w_gate_up.shape
-    gate_up = jax.lax.ragged_dot(x_sorted, w_gate_up.reshape(num_experts, width, 2 * ffn), group_sizes)
+    gate_up = grouped_matmul(x_sorted, w_gate_up.reshape(num_experts, width, 2 * ffn), group_sizes,
+                             backend=backend, interpret=interpret)
     hidden = jax.nn.silu(gate_up[:, :ffn]) * gate_up[:, ffn:]
-    return jax.lax.ragged_dot(hidden, w_down, group_sizes)
+    return grouped_matmul(hidden, w_down, group_sizes, backend=backend, interpret=interpret)
 
 
 def combine(y_sorted: jax.Array, order: jax.Array, weights: jax.Array, dtype) -> jax.Array:
