@@ -41,11 +41,21 @@ class HFFixture:
 _cache: dict[str, HFFixture] = {}
 
 
+def _fixture(name: str) -> HFFixture:
+    if name not in _cache:
+        _cache[name] = HFFixture(name)
+    return _cache[name]
+
+
 @pytest.fixture(scope="session", params=HF_NAMES)
 def hf_fixture(request) -> HFFixture:
-    if request.param not in _cache:
-        _cache[request.param] = HFFixture(request.param)
-    return _cache[request.param]
+    return _fixture(request.param)
+
+
+@pytest.fixture(scope="session")
+def hf_fixture_by_name():
+    """name -> HFFixture (loaded once per session), for tests that pick fixtures per parameter row."""
+    return _fixture
 
 
 @pytest.fixture(scope="session")
