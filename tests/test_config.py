@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import stat
 
 import pytest
@@ -82,17 +83,61 @@ def test_compilation_cache_dir_creates_missing_directories_private(tmp_path):
     assert private_directory(str(path)) == path and stat.S_IMODE(path.stat().st_mode) == 0o755
 
 
-def test_compilation_cache_dir_refuses_a_symlink_anywhere_on_the_path(tmp_path):
+def test_compilation_cache_dir_follows_a_symlink_only_root_or_this_user_controls(tmp_path):
+    """A link of this user's in a private directory (as a root-owned /home -> /data/home) is followed
+    to the real path."""
     from jaxserve.runner.device_setup import private_directory
 
     real = tmp_path / "real"
     real.mkdir(mode=0o700)
     (tmp_path / "link").symlink_to(real)
-    for directory in (tmp_path / "link", tmp_path / "link" / "xla"):
+    assert private_directory(str(tmp_path / "link")) == real
+    assert private_directory(str(tmp_path / "link" / "xla")) == real / "xla"
+    assert stat.S_IMODE((real / "xla").stat().st_mode) == 0o700
+
+
+def test_compilation_cache_dir_refuses_a_symlink_another_user_could_re_point(tmp_path, monkeypatch):
+    from jaxserve.runner import device_setup
+
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    shared = tmp_path / "shared"  # anyone may replace the link in it
+    shared.mkdir()
+    shared.chmod(0o777)
+    (shared / "link").symlink_to(real)
+    for directory in (shared / "link", shared / "link" / "xla"):
         with pytest.raises(ValueError, match=r"runner.compilation_cache_dir .*link.* is reached through a symbolic "
-                                             r"link.*use the real path"):
-            private_directory(str(directory))
+                                             r"link.*re-point: the directory it sits in.*is writable by group or "
+                                             r"others without the sticky bit.*set runner.compilation_cache_dir"):
+            device_setup.private_directory(str(directory))
     assert not (real / "xla").exists()  # refused before creating anything
+    # a link another user owns, even in a sticky directory (as /tmp)
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    (sticky / "link").symlink_to(real)
+    if os.geteuid() == 0:  # root's links are trusted: give this one to another user
+        os.lchown(sticky / "link", 4242, -1)
+    else:  # this process is someone else
+        monkeypatch.setattr(device_setup.os, "getuid", lambda: (sticky / "link").lstat().st_uid + 1)
+    owner = (sticky / "link").lstat().st_uid
+    with pytest.raises(ValueError, match=rf"symbolic link.*re-point: it is owned by uid {owner}, neither root nor "
+                                         r"this user.*use the real path"):
+        device_setup.private_directory(str(sticky / "link" / "xla"))
+
+
+def test_compilation_cache_dir_refuses_a_path_under_a_directory_others_control(tmp_path):
+    from jaxserve.runner.device_setup import private_directory
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    (shared / "mine").mkdir(mode=0o700)
+    with pytest.raises(ValueError, match=rf"lies under '{shared}', which is writable by group or others without "
+                                         r"the sticky bit.*set runner.compilation_cache_dir"):
+        private_directory(str(shared / "mine"))
+    shared.chmod(0o1777)  # sticky, as /tmp: others cannot replace what this user made in it
+    assert private_directory(str(shared / "mine")) == shared / "mine"
 
 
 def test_compilation_cache_dir_refuses_a_directory_others_can_write(tmp_path):
