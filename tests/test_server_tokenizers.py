@@ -1,5 +1,6 @@
 """The server's tokenization machinery: the characters-per-token bound (it must never refuse a prompt that
-fits) and the worker pool (results equal the in-process tokenizer's; a dead worker is replaced)."""
+fits) and the worker pool (results equal the in-process tokenizer's; a dead worker is
+replaced; nothing is imported from the working directory)."""
 
 from __future__ import annotations
 
@@ -91,3 +92,20 @@ def test_worker_pool_matches_the_tokenizer_and_replaces_a_dead_worker():
         assert all(w.process.poll() is not None for w in pool._workers)
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+def test_workers_do_not_import_from_the_servers_working_directory(tmp_path, monkeypatch):
+    (tmp_path / "json.py").write_text("import pathlib\npathlib.Path(__file__).with_name('imported').write_text('')\n")
+    monkeypatch.chdir(tmp_path)
+
+    async def scenario():
+        pool = TokenizerPool(str(TINY_MODEL), max_model_len=32, size=1)
+        await pool.start()
+        try:
+            assert (await pool.encode("1+1=", add_special_tokens=True)).count == 5
+        finally:
+            await pool.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert not (tmp_path / "imported").exists()
+

@@ -8,6 +8,9 @@ Encoding a long text holds the GIL for its whole length; in the serving process 
 engine thread and the event loop (every stream, /health). Here the event loop only moves bytes.
 A call holds its worker until the reply is read, even when the caller is cancelled (client gone), so
 replies never cross. A worker that dies or breaks the protocol fails its call (500) and is replaced.
+
+Workers run `python -P` from the filesystem root: neither the server's working directory nor the
+script's is on their import path (a json.py there must not be imported), only this package's root.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ class _Worker:
     async def spawn(cls, command: list[str], env: dict[str, str]) -> _Worker:
         # NOTE: subprocess.Popen (vfork + exec), not the event loop's subprocess support: uvloop forks,
         # which runs JAX's at-fork warning in a multithreaded process.
-        process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd="/")
         loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader()
         await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), process.stdout)
@@ -93,7 +96,7 @@ class _Worker:
 
 class TokenizerPool:
     def __init__(self, tokenizer_dir: str, max_model_len: int, size: int):
-        self.tokenizer_dir = tokenizer_dir
+        self.tokenizer_dir = os.path.abspath(tokenizer_dir)  # the workers run from "/"
         self.max_model_len = max_model_len
         self.size = size
         self.max_chars_per_token: int | None = None
@@ -122,7 +125,8 @@ class TokenizerPool:
     async def _spawn(self) -> _Worker:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_PACKAGE_ROOT,
                                                                           os.environ.get("PYTHONPATH")]))}
-        worker = await _Worker.spawn([sys.executable, "-m", "jaxserve.server.tokenizer_worker", "--tokenizer",
+        # -P: the working directory is not put on the import path (Python >= 3.11)
+        worker = await _Worker.spawn([sys.executable, "-P", "-m", "jaxserve.server.tokenizer_worker", "--tokenizer",
                                       self.tokenizer_dir, "--max-model-len", str(self.max_model_len)], env)
         self._workers.add(worker)
         try:
