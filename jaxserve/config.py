@@ -227,6 +227,7 @@ class ServerConfig:
     keep_alive_timeout_s: float = 60.0
     read_timeout_s: float = 30.0  # a request's head and body must arrive within this long of its first byte
     tokenizer_workers: int = 2  # processes that render chat templates and tokenize (off the serving process)
+    tokenizer_timeout_s: float = 60.0  # one tokenizing call longer than this: the worker is replaced, 500
     trust_request_chat_template: bool = False  # accept `chat_template` in requests
     access_log: bool = True
 
@@ -245,8 +246,9 @@ class ServerConfig:
             object.__setattr__(self, "tenant_header", self.tenant_header.lower())
         if self.drain_timeout_s < 0 or self.retry_after_s < 0:
             raise ValueError("server.drain_timeout_s and server.retry_after_s must be >= 0")
-        if self.keep_alive_timeout_s <= 0 or self.read_timeout_s <= 0:
-            raise ValueError("server.keep_alive_timeout_s and server.read_timeout_s must be > 0")
+        if self.keep_alive_timeout_s <= 0 or self.read_timeout_s <= 0 or self.tokenizer_timeout_s <= 0:
+            raise ValueError("server.keep_alive_timeout_s, server.read_timeout_s and server.tokenizer_timeout_s "
+                             "must be > 0")
 
 
 SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "runner": RunnerConfig,

@@ -231,7 +231,7 @@ class Serving:
         try:
             encoded = await self.tokens.encode(prompt, add_special_tokens)
         except TokenizeError as err:
-            raise _tokenize_error(err, "prompt") from None
+            raise _tokenize_error(err, "prompt", self.config.retry_after_s) from None
         return {"prompt": prompt, "prompt_token_ids": self._checked(encoded, "prompt")}
 
     async def _collect(self, request: Request, group: RequestGroup) -> dict[int, RequestOutput] | None:
@@ -313,7 +313,7 @@ class Serving:
         try:
             return await self.tokens.decode(prepared.prompt_token_ids, skip_special_tokens=False)
         except TokenizeError as err:
-            raise _tokenize_error(err, "prompt") from None
+            raise _tokenize_error(err, "prompt", self.config.retry_after_s) from None
 
     # ---- /v1/chat/completions ----
     async def _render(self, body: P.ChatCompletionRequest | P.TokenizeChatRequest) -> dict[str, Any]:
@@ -347,7 +347,7 @@ class Serving:
         try:
             encoded = await self.tokens.render_chat(**chat, add_special_tokens=bool(body.add_special_tokens))
         except TokenizeError as err:
-            raise _tokenize_error(err, "messages") from None
+            raise _tokenize_error(err, "messages", self.config.retry_after_s) from None
         item = {"prompt": encoded.prompt, "prompt_token_ids": self._checked(encoded, "messages")}
         response_id, internal_id = self._ids("chatcmpl", body)
         prepared = await self._prepare([item], params, body, request, internal_id, "messages",
@@ -387,7 +387,8 @@ class Serving:
                 result = await self.tokens.tokenize_body(body.prompt, None, add_special_tokens=body.add_special_tokens,
                                                          return_token_strs=body.return_token_strs)
         except TokenizeError as err:
-            raise _tokenize_error(err, "messages" if isinstance(body, P.TokenizeChatRequest) else "prompt") from None
+            param = "messages" if isinstance(body, P.TokenizeChatRequest) else "prompt"
+            raise _tokenize_error(err, param, self.config.retry_after_s) from None
         return Response(result, media_type="application/json")
 
     async def detokenize(self, request: Request) -> Response:
@@ -401,16 +402,18 @@ class Serving:
         try:
             text = await self.tokens.decode(body.tokens, skip_special_tokens=False)
         except TokenizeError as err:
-            raise _tokenize_error(err, "tokens") from None
+            raise _tokenize_error(err, "tokens", self.config.retry_after_s) from None
         return Response(json.dumps({"prompt": text}), media_type="application/json")
 
 
 # ---- helpers ---------------------------------------------------------------------------------------------------
-def _tokenize_error(err: TokenizeError, param: str) -> ApiError:
+def _tokenize_error(err: TokenizeError, param: str, retry_after_s: int) -> ApiError:
     if err.kind == "template":
         return ApiError(400, f"the chat template failed: {err}", "messages")
     if err.kind == "value":
         return ApiError(400, str(err), param)
+    if err.kind == "unavailable":
+        return ApiError(503, str(err), headers={"Retry-After": str(retry_after_s)})
     return ApiError(500, f"tokenization failed: {err}")
 
 
