@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from jaxserve.config import EngineConfig, load_config
-from tests.conftest import ROOT
+from tests.conftest import ROOT, TINY_MODEL
 
 TINY_CONFIG = ROOT / "configs" / "tiny.yaml"
 KEY = "test-key"
@@ -209,6 +209,21 @@ def test_echo_with_logprobs_scores_the_prompt(client, http):
     assert chat["prompt_logprobs"][0] is None and all(len(entry) == 1 for entry in chat["prompt_logprobs"][1:])
     plain = http.post("/v1/completions", json={"prompt": "1+1=", "max_tokens": 1}).json()
     assert plain["choices"][0]["prompt_logprobs"] is None
+
+
+def test_echo_of_a_request_aborted_before_its_prompt_was_scored():
+    """An abort (drain timeout, shutdown) can end an echo + logprobs request before its prompt log-probs
+    exist: its text comes back with null logprobs for the prompt's tokens, never an error."""
+    from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
+    from jaxserve.server.logprobs_format import echo_choice
+    from jaxserve.tokenizer import Tokenizer
+
+    generated = CompletionOutput(0, "4", [8], -0.1, [{8: Logprob(-0.1, 1, "4")}], finish_reason="abort")
+    output = RequestOutput("0", "1+1=", [1, 5, 14, 5, 15], [generated], finished=True)
+    text, logprobs = echo_choice("1+1=", output, generated, 5, 1, Tokenizer.from_dir(TINY_MODEL))
+    assert text == "1+1=4" and logprobs.tokens == ["<s>", "1", "+", "1", "=", "4"]
+    assert logprobs.token_logprobs == [None] * 5 + [-0.1] and logprobs.top_logprobs[:5] == [None] * 5
+    assert logprobs.text_offset == [0, 3, 4, 5, 6, 7]
 
 
 def test_models_health_metrics(live, http):
