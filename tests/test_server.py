@@ -144,6 +144,23 @@ def test_stream_ends_with_done(http):
     assert "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1]) == "15"
 
 
+def test_stream_with_prompt_logprobs_zero_scores_no_prompt(live, http):
+    """stream=true accepts prompt_logprobs=0 and sends none (as vLLM); the engine is not asked for them,
+    so the prompt is served from the prefix cache like any other (scoring it would bypass the cache)."""
+    body = {"prompt": "1234+5678=", "max_tokens": 2, "stream": True, "prompt_logprobs": 0, "cache_salt": "plp-0"}
+
+    def stream() -> list[str]:
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            return [line for line in response.iter_lines() if line]
+
+    assert "prompt_logprobs" not in "".join(stream())
+    live.wait_idle()
+    before = live.engine.stats().prefix_cache_hits
+    stream()
+    assert live.engine.stats().prefix_cache_hits - before >= 8  # "<s>1234+5678=": two whole blocks of 4
+
+
 def test_vllm_extra_fields(client):
     extra = {"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.0, "cache_salt": "tenant-a", "priority": 3,
              "skip_special_tokens": True, "spaces_between_special_tokens": True, "an_unknown_field": [1, 2]}
