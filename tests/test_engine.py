@@ -340,6 +340,22 @@ def test_engine_is_an_engine_client(llm):
     assert stats.prefix_cache_hits == engine.kv_cache.stats.hits > before.prefix_cache_hits
     assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0.0)
     assert engine.sampling_defaults == engine.model.generation.sampling
+    # one owner of the tokenizer: the input processor (the output processor is handed it per request)
+    assert engine.tokenizer is engine.input_processor.tokenizer and not hasattr(engine.output_processor, "tokenizer")
+
+
+def test_a_plain_list_of_ints_is_a_token_id_prompt(llm):
+    engine = llm.engine
+    as_list = engine.prepare_request([1, 5, 14, 5, 15], GREEDY)  # "<s>1+1="
+    assert as_list.prompt_token_ids == engine.prepare_request("1+1=", GREEDY).prompt_token_ids
+    assert as_list.prompt is None
+    request_id = engine.add_request([1, 5, 14, 5, 15], GREEDY)
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o for o in engine.step() if o.finished and o.request_id == request_id]
+    assert [o.outputs[0].text for o in finished] == ["2"]
+    with pytest.raises(ValueError, match="out of vocabulary"):
+        engine.prepare_request([1, 99], GREEDY)
 
 
 def test_one_priority_applies_to_every_prompt(llm, monkeypatch):
