@@ -196,7 +196,8 @@ def test_vllm_names_map_onto_the_config():
         max_num_batched_tokens=512, max_model_len=1024, seed=7, max_num_seqs=8, enable_prefix_caching=False,
         block_size=32, dtype="bfloat16", tokenizer="/tok", served_model_name="m", scheduling_policy="priority")
     assert (config.parallel.model, config.parallel.data) == (2, 3)
-    assert (config.cache.memory_fraction, config.cache.num_blocks, config.cache.block_size) == (0.5, 64, 32)
+    assert (config.cache.gpu_memory_utilization, config.cache.num_blocks, config.cache.block_size) == (0.5, 64, 32)
+    assert config.cache.memory_fraction is None  # vLLM's share of the whole device, not jaxserve's of the free memory
     assert not config.cache.enable_prefix_caching
     assert (config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs, config.scheduler.policy) == \
         (512, 8, "priority")
@@ -228,7 +229,7 @@ def test_unsupported_vllm_names_accept_their_defaults_only():
     ({"block_size": 16.0}, r"block_size must be an integer, got 16.0 \(float\)"),
     ({"enable_prefix_caching": "yes"}, r"enable_prefix_caching must be a boolean \(true or false\), got 'yes'"),
     ({"precompile": 1}, "precompile must be a boolean"),
-    ({"gpu_memory_utilization": "0.9"}, r"gpu_memory_utilization \(jaxserve's cache.memory_fraction\) must be a number"),
+    ({"gpu_memory_utilization": "0.9"}, r"gpu_memory_utilization must be a number or null"),
     ({"tensor_parallel_size": 2.0}, r"tensor_parallel_size \(jaxserve's parallel.model\) must be an integer"),
     ({"max_model_len": "1024"}, "max_model_len must be an integer or null"),
     ({"token_buckets": [16, "64"]}, "token_buckets must be a list of integers or null"),
@@ -242,9 +243,18 @@ def test_wrong_types_name_the_option_and_the_type(overrides, message):
         EngineConfig().with_overrides(**overrides)
 
 
+def test_memory_fraction_and_gpu_memory_utilization_exclude_each_other():
+    assert EngineConfig().cache.kv_memory_fraction == 0.9  # jaxserve's default when neither is set
+    assert EngineConfig().with_overrides(memory_fraction=0.5).cache.kv_memory_fraction == 0.5
+    with pytest.raises(ValueError, match="memory_fraction .* and cache.gpu_memory_utilization .* set only one"):
+        EngineConfig().with_overrides(memory_fraction=0.5, gpu_memory_utilization=0.9)
+    with pytest.raises(ValueError, match=r"cache.gpu_memory_utilization must be in \(0, 1\], got 1.5"):
+        EngineConfig().with_overrides(gpu_memory_utilization=1.5)
+
+
 def test_ints_are_accepted_as_floats_and_lists_as_tuples():
     config = EngineConfig().with_overrides(gpu_memory_utilization=1, drain_timeout_s=5, token_buckets=[16, 64])
-    assert config.cache.memory_fraction == 1.0 and isinstance(config.cache.memory_fraction, float)
+    assert config.cache.gpu_memory_utilization == 1.0 and isinstance(config.cache.gpu_memory_utilization, float)
     assert isinstance(config.server.drain_timeout_s, float) and config.runner.token_buckets == (16, 64)
     assert hash(config) == hash(EngineConfig().with_overrides(gpu_memory_utilization=1.0, drain_timeout_s=5.0,
                                                               token_buckets=(16, 64)))
@@ -298,7 +308,8 @@ def test_command_line_flags_take_vllm_names():
     config = parse("--tensor-parallel-size", "2", "--enable-prefix-caching", "--gpu-memory-utilization", "0.5",
                    "--num-gpu-blocks-override", "64", "--tokenizer", "null", "--served-model-name", "true",
                    "--api-key", "a", "--api-key", "b", "--trust-remote-code", "false", "--kv-cache-dtype", "auto")
-    assert (config.parallel.model, config.cache.enable_prefix_caching, config.cache.memory_fraction) == (2, True, 0.5)
+    assert (config.parallel.model, config.cache.enable_prefix_caching, config.cache.gpu_memory_utilization) == \
+        (2, True, 0.5)
     assert config.cache.num_blocks == 64 and config.model.tokenizer is None
     assert config.server.served_model_name == "true" and config.server.api_key == ("a", "b")  # strings stay text
     assert parse("--enable-prefix-caching", "false").cache.enable_prefix_caching is False

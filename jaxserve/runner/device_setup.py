@@ -194,12 +194,13 @@ def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype_bytes: int, tp: Tens
     return cfg.num_layers * 2 * block_size * kv_heads * cfg.head_dim * dtype_bytes
 
 
-def driver_free_bytes(device) -> int | None:
-    """What XLA may still allocate on a CUDA device, from the driver, or None off CUDA. For allocators
-    that keep no statistics, e.g. the VMM allocator that XLA_FLAGS=--xla_gpu_command_buffer_update_mode=
-    SKIP_TEMP selects: it maps memory as it is used, within a budget of XLA_CLIENT_MEM_FRACTION (or
-    XLA_PYTHON_CLIENT_MEM_FRACTION; default 0.75) of the device, so this is the driver's free memory
-    (cuMemGetInfo in the primary context XLA uses) less the part of the device outside that budget."""
+def driver_memory(device) -> tuple[int, int] | None:
+    """(limit, in_use) bytes of a CUDA device from the driver, or None off CUDA. For allocators that keep
+    no statistics, e.g. the VMM allocator that XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP
+    selects: it maps memory as it is used, within a budget of XLA_CLIENT_MEM_FRACTION (or
+    XLA_PYTHON_CLIENT_MEM_FRACTION; default 0.75) of the device. `limit` is that budget; `in_use` what
+    the device holds now (cuMemGetInfo in the primary context XLA uses), so limit - in_use is what XLA
+    may still allocate."""
     import ctypes
 
     if getattr(device, "platform", None) != "gpu":
@@ -225,14 +226,31 @@ def driver_free_bytes(device) -> int | None:
         cuda.cuDevicePrimaryCtxRelease_v2(handle)
     budget = next((float(v) for v in map(os.environ.get, ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION"))
                    if v), 0.75)  # (jaxlib reads the first name, then the older one)
-    return max(0, free.value - int((1 - budget) * total.value))
+    return int(budget * total.value), total.value - free.value
+
+
+def device_memory(device) -> tuple[int, int]:
+    """(limit, in_use): the bytes XLA may hold on `device` in all (memory_stats' bytes_limit, or the
+    driver's figures when the allocator keeps no statistics) and those in use now."""
+    stats = device.memory_stats()
+    if stats:
+        return stats.get("bytes_limit", 0), stats.get("bytes_in_use", 0)
+    memory = driver_memory(device)
+    if memory is None:
+        raise ValueError(f"cannot tell the free memory of {device} (its allocator keeps no statistics): "
+                         f"set cache.num_blocks")
+    return memory
 
 
 def kv_cache_num_blocks(cfg: ModelConfig, config: EngineConfig, max_model_len: int, dtype_bytes: int,
                        tp: TensorParallel | None = None, reserved_bytes: int = 0) -> int:
-    """Blocks that fit in the free memory of one of the engine's devices (or the configured count), after
-    `reserved_bytes` for buffers made later; over several processes, the fewest any process offers, so
-    that every process builds the same cache."""
+    """Blocks that fit on one of the engine's devices (or the configured count); over several processes,
+    the fewest any process offers, so that every process builds the same cache. `reserved_bytes`: buffers
+    made later (step inputs and outputs, temporaries).
+
+    memory_fraction (jaxserve's): that share of the memory free after the weights and `reserved_bytes`.
+    gpu_memory_utilization (vLLM's): the engine may hold that share of the device's memory (XLA's limit),
+    and the KV cache gets what the weights, whatever else is in use and `reserved_bytes` leave of it."""
     cache = config.cache
     per_block = kv_block_bytes(cfg, cache.block_size, dtype_bytes, tp)
     if cache.num_blocks is not None:
@@ -241,15 +259,20 @@ def kv_cache_num_blocks(cfg: ModelConfig, config: EngineConfig, max_model_len: i
         num_blocks = cache.cpu_num_blocks
     else:
         device = jax.devices()[0] if tp is None else tp.mesh.local_devices[0]
-        stats = device.memory_stats()
-        if stats:
-            free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
-        else:  # allocators without statistics (XLA's VMM allocator): ask the driver
-            free = driver_free_bytes(device)
-            if free is None:
-                raise ValueError(f"cannot tell the free memory of {device} (its allocator keeps no statistics): "
-                                 f"set cache.num_blocks")
-        num_blocks = int((free - reserved_bytes) * cache.memory_fraction) // per_block
+        limit, in_use = device_memory(device)  # in_use: the weights (and whatever else is loaded)
+        if cache.gpu_memory_utilization is None:
+            num_blocks = int((limit - in_use - reserved_bytes) * cache.kv_memory_fraction) // per_block
+        else:
+            allowed = int(limit * cache.gpu_memory_utilization)
+            if allowed - in_use - reserved_bytes <= 0:
+                gib = 2**30
+                raise ValueError(
+                    f"cache.gpu_memory_utilization={cache.gpu_memory_utilization} lets the engine use "
+                    f"{allowed / gib:.2f} GiB of the device's {limit / gib:.2f} GiB, but {in_use / gib:.2f} GiB are "
+                    f"in use after loading the weights and the step buffers need {reserved_bytes / gib:.2f} GiB "
+                    f"more ({(in_use + reserved_bytes) / gib:.2f} GiB): nothing is left for the KV cache; raise "
+                    f"gpu_memory_utilization, or spread the model over more devices")
+            num_blocks = (allowed - in_use - reserved_bytes) // per_block
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
@@ -260,6 +283,7 @@ def kv_cache_num_blocks(cfg: ModelConfig, config: EngineConfig, max_model_len: i
         raise ValueError(
             f"the KV cache has {num_blocks} blocks of {cache.block_size} tokens ({num_blocks * per_block / 2**30:.2f} "
             f"GiB) but one request of max_model_len={max_model_len} needs {needed} (with the null block); raise "
-            f"cache.num_blocks or cache.memory_fraction, or lower model.max_model_len"
+            f"cache.num_blocks, cache.memory_fraction or cache.gpu_memory_utilization, or lower "
+            f"model.max_model_len"
         )
     return num_blocks
