@@ -83,7 +83,8 @@ class Engine:
         self.kv_cache = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                        enable_caching=config.cache.enable_prefix_caching,
                                        hash_algo=config.cache.prefix_hash)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len,
+                                   max_prompt_logprob_rows=self.runner.max_prompt_logprob_rows)
         self.num_compiled = self.runner.precompile(progress) if config.runner.precompile else 0
         self.startup_seconds = time.monotonic() - start - self.runner.load_seconds  # compiling, not loading
         sched = config.scheduler
