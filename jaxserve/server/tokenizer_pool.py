@@ -292,7 +292,7 @@ class TokenizerPool:
     async def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
                           continue_final_message: bool, chat_template: str | None,
                           template_kwargs: dict[str, Any], add_special_tokens: bool) -> Encoded:
-        header, payload = await self.call(self._chat_header(messages, add_generation_prompt, continue_final_message,
+        header, payload = await self.call(*self._chat_frame(messages, add_generation_prompt, continue_final_message,
                                                             chat_template, template_kwargs, add_special_tokens))
         return Encoded(header["count"], bytes_to_ids(payload) if payload else None, header.get("prompt"))
 
@@ -300,8 +300,7 @@ class TokenizerPool:
                             add_special_tokens: bool, return_token_strs: bool, **chat: Any) -> bytes:
         """/tokenize's JSON response body {count, max_model_len, tokens, token_strs}, built by the worker."""
         if messages is not None:
-            header = self._chat_header(messages, add_special_tokens=add_special_tokens, **chat)
-            payload = b""
+            header, payload = self._chat_frame(messages, add_special_tokens=add_special_tokens, **chat)
         else:
             header = {"op": "encode", "add_special_tokens": add_special_tokens}
             payload = text.encode("utf-8", "surrogatepass")
@@ -314,8 +313,16 @@ class TokenizerPool:
         return payload.decode("utf-8", "surrogatepass")
 
     @staticmethod
-    def _chat_header(messages, add_generation_prompt, continue_final_message, chat_template, template_kwargs,
-                     add_special_tokens) -> dict[str, Any]:
-        return {"op": "encode", "messages": messages, "add_generation_prompt": add_generation_prompt,
-                "continue_final_message": continue_final_message, "chat_template": chat_template,
-                "template_kwargs": template_kwargs, "add_special_tokens": add_special_tokens}
+    def _chat_frame(messages, add_generation_prompt, continue_final_message, chat_template, template_kwargs,
+                    add_special_tokens) -> tuple[dict[str, Any], bytes]:
+        """A chat's header and payload: the messages' text contents travel as raw UTF-8 in the payload
+        (their byte lengths in "contents"), so the event loop never JSON-escapes a long message."""
+        contents = [m["content"].encode("utf-8", "surrogatepass") if isinstance(m.get("content"), str) else None
+                    for m in messages]
+        stripped = [{k: v for k, v in m.items() if k != "content"} if c is not None else m
+                    for m, c in zip(messages, contents)]
+        header = {"op": "encode", "messages": stripped, "contents": [-1 if c is None else len(c) for c in contents],
+                  "add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
+                  "chat_template": chat_template, "template_kwargs": template_kwargs,
+                  "add_special_tokens": add_special_tokens}
+        return header, b"".join(c for c in contents if c is not None)
