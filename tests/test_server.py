@@ -243,6 +243,31 @@ def test_echo_of_a_request_aborted_before_its_prompt_was_scored():
     assert logprobs.text_offset == [0, 3, 4, 5, 6, 7]
 
 
+def test_no_tokenizer_worker_answers_503_until_one_is_back(live, http, monkeypatch):
+    """Workers that die and cannot be re-spawned: their calls fail (500), then requests and /health answer
+    503 at once (no request waits forever); once a re-spawn succeeds the server serves again."""
+    pool = live.server.config.app.state.serving.tokens
+
+    async def cannot_start():
+        raise RuntimeError("no worker today")
+
+    monkeypatch.setattr(pool, "_spawn", cannot_start)
+    for worker in list(pool._workers):
+        worker.process.kill()
+    statuses = [http.post("/v1/completions", json={"prompt": "1+1="}).status_code for _ in range(3)]
+    assert statuses[-1] == 503 and set(statuses) <= {500, 503}, statuses
+    unavailable = http.post("/v1/completions", json={"prompt": "1+1="})
+    assert unavailable.status_code == 503 and "no tokenizer worker is running" in unavailable.json()["error"]["message"]
+    assert unavailable.headers["retry-after"] == "1"
+    assert httpx.get(live.url + "/health").status_code == 503
+    monkeypatch.undo()  # the next retries start workers
+    deadline = time.monotonic() + 20
+    while httpx.get(live.url + "/health").status_code != 200:
+        assert time.monotonic() < deadline, "no tokenizer worker came back"
+        time.sleep(0.05)
+    assert http.post("/v1/completions", json={"prompt": "1+1=", "temperature": 0}).json()["choices"][0]["text"] == "2"
+
+
 def test_models_health_metrics(live, http):
     models = http.get("/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL] and models["data"][0]["max_model_len"] == 32
