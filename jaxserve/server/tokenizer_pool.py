@@ -61,10 +61,12 @@ class Encoded:
 class _Worker:
     """One worker process and the event loop's ends of its pipes."""
 
-    def __init__(self, process: subprocess.Popen, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+    def __init__(self, process: subprocess.Popen, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 read_transport: asyncio.ReadTransport):
         self.process = process
         self.reader = reader
         self.writer = writer
+        self.read_transport = read_transport
 
     @classmethod
     async def spawn(cls, command: list[str], env: dict[str, str]) -> _Worker:
@@ -73,9 +75,9 @@ class _Worker:
         process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd="/")
         loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader()
-        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), process.stdout)
+        read_transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), process.stdout)
         transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, process.stdin)
-        return cls(process, reader, asyncio.StreamWriter(transport, protocol, None, loop))
+        return cls(process, reader, asyncio.StreamWriter(transport, protocol, None, loop), read_transport)
 
     async def call(self, header: dict[str, Any], payload: bytes, timeout_s: float) -> tuple[dict[str, Any], bytes]:
         """One request and its reply; past `timeout_s` the worker is killed (TimeoutError)."""
@@ -108,7 +110,10 @@ class _Worker:
             await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, self.process.wait), timeout)
         except TimeoutError:
             self.kill()
-        self.process.stdout.close()
+        # NOTE: through its transport, which unregisters the descriptor before closing it: closing the
+        # pipe under a live transport lets the descriptor's number, reused by a client's socket, be read
+        # by this transport.
+        self.read_transport.close()
 
     def kill(self) -> None:
         if self.process.poll() is None:
