@@ -105,8 +105,13 @@ class ModelConfig:
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
-    num_blocks: int | None = None  # exact size; else memory_fraction on accelerators, cpu_num_blocks on CPU
-    memory_fraction: float = 0.9  # share of free accelerator memory given to the KV cache
+    num_blocks: int | None = None  # exact size; else sized from the memory on accelerators, cpu_num_blocks on CPU
+    # The KV cache's share of the accelerator memory left free once the weights are loaded (and the step
+    # buffers reserved); null: 0.9, unless gpu_memory_utilization is set.
+    memory_fraction: float | None = None
+    # vLLM's meaning: the share of the device's memory the whole engine may use (weights, step buffers and
+    # KV cache); the KV cache gets what is left of it. Set this or memory_fraction, not both.
+    gpu_memory_utilization: float | None = None
     cpu_num_blocks: int = 512
     enable_prefix_caching: bool = True
     prefix_hash: str = "sha256"  # sha256 | builtin (fast, keyed per process; single-tenant use)
@@ -117,10 +122,21 @@ class CacheConfig:
             raise ValueError(f"cache.block_size must be a power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ValueError(f"cache.num_blocks must be >= 2 (block 0 is the null block), got {self.num_blocks}")
-        if not 0.0 < self.memory_fraction <= 1.0:
-            raise ValueError(f"cache.memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        for name in ("memory_fraction", "gpu_memory_utilization"):
+            value = getattr(self, name)
+            if value is not None and not 0.0 < value <= 1.0:
+                raise ValueError(f"cache.{name} must be in (0, 1], got {value}")
+        if self.memory_fraction is not None and self.gpu_memory_utilization is not None:
+            raise ValueError("cache.memory_fraction (the KV cache's share of the memory free after the weights) and "
+                             "cache.gpu_memory_utilization (vLLM's: the whole engine's share of the device) both size "
+                             "the KV cache; set only one")
         if self.prefix_hash not in ("sha256", "builtin"):
             raise ValueError(f"cache.prefix_hash must be sha256 or builtin, got {self.prefix_hash!r}")
+
+    @property
+    def kv_memory_fraction(self) -> float:
+        """memory_fraction, or its default."""
+        return 0.9 if self.memory_fraction is None else self.memory_fraction
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,6 +243,7 @@ class ServerConfig:
     keep_alive_timeout_s: float = 60.0
     read_timeout_s: float = 30.0  # a request's head and body must arrive within this long of its first byte
     tokenizer_workers: int = 2  # processes that render chat templates and tokenize (off the serving process)
+    tokenizer_timeout_s: float = 60.0  # one tokenizing call longer than this: the worker is replaced, 500
     trust_request_chat_template: bool = False  # accept `chat_template` in requests
     access_log: bool = True
 
@@ -245,8 +262,9 @@ class ServerConfig:
             object.__setattr__(self, "tenant_header", self.tenant_header.lower())
         if self.drain_timeout_s < 0 or self.retry_after_s < 0:
             raise ValueError("server.drain_timeout_s and server.retry_after_s must be >= 0")
-        if self.keep_alive_timeout_s <= 0 or self.read_timeout_s <= 0:
-            raise ValueError("server.keep_alive_timeout_s and server.read_timeout_s must be > 0")
+        if self.keep_alive_timeout_s <= 0 or self.read_timeout_s <= 0 or self.tokenizer_timeout_s <= 0:
+            raise ValueError("server.keep_alive_timeout_s, server.read_timeout_s and server.tokenizer_timeout_s "
+                             "must be > 0")
 
 
 SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "runner": RunnerConfig,
@@ -254,11 +272,11 @@ SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerCo
 
 # vLLM's engine-argument names (`LLM(...)` keywords, `vllm serve` flags) for fields jaxserve names otherwise.
 # vLLM names equal to a field's name (max_num_seqs, max_num_batched_tokens, max_model_len, seed, block_size,
-# enable_prefix_caching, enable_chunked_prefill, dtype, tokenizer, served_model_name, load_format, ...) need none.
+# enable_prefix_caching, enable_chunked_prefill, dtype, tokenizer, served_model_name, load_format,
+# gpu_memory_utilization, ...) need none.
 VLLM_NAMES = {
     "tensor_parallel_size": ("parallel", "model"),
     "data_parallel_size": ("parallel", "data"),
-    "gpu_memory_utilization": ("cache", "memory_fraction"),
     "num_gpu_blocks_override": ("cache", "num_blocks"),
     "scheduling_policy": ("scheduler", "policy"),
 }

@@ -25,6 +25,7 @@ from jaxserve.engine import Engine
 from jaxserve.engine_client import EngineStats, PreparedRequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.tokenizer import Tokenizer
 from sharding import make_mesh, replica_meshes
 
 MAX_PREFIX_BLOCKS = 64  # blocks of a prompt's prefix the distributor compares
@@ -84,7 +85,7 @@ class DataParallelEngine:
         meshes = replica_meshes(make_mesh(parallel.data, parallel.model))
         self.engines = [Engine(config, progress, mesh=mesh) for mesh in meshes]
         first = self.engines[0]
-        self.config, self.model, self.tokenizer = config, first.model, first.tokenizer
+        self.config, self.model = config, first.model
         self.max_model_len, self.vocab_size = first.max_model_len, first.vocab_size
         self.sampling_defaults = first.sampling_defaults
         self.eos_token_ids = first.eos_token_ids
@@ -93,6 +94,11 @@ class DataParallelEngine:
         self._owners: dict[str, tuple[int, int]] = {}  # request id -> (replica, cost)
         self._ids = itertools.count()
         self._pool = ThreadPoolExecutor(len(self.engines), thread_name_prefix="jaxserve-replica")
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        """The replicas' tokenizer (the first one's prepares every request)."""
+        return self.engines[0].tokenizer
 
     def new_request_id(self) -> str:
         return str(next(self._ids))

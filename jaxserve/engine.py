@@ -69,29 +69,30 @@ class Engine:
         self.config = config
         self.tp = distributed.engine_devices(config.parallel, mesh)
         # The tokenizer first: a missing one fails before the weights are loaded.
-        self.tokenizer = None if config.model.skip_tokenizer_init else _load_tokenizer(config.model)
+        tokenizer = None if config.model.skip_tokenizer_init else _load_tokenizer(config.model)
         start = time.monotonic()
         self.runner = ModelRunner(config, self.tp)  # loads the model
         model = self.runner.model
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = model.config.vocab_size
         self.sampling_defaults: dict[str, Any] = dict(model.generation.sampling)
-        tokenizer_eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        tokenizer_eos = tokenizer.eos_token_id if tokenizer is not None else None
         self.eos_token_ids = model.generation.eos_token_ids or ((tokenizer_eos,) if tokenizer_eos is not None else ())
         if config.parallel.num_processes > 1:
             self.runner = distributed.connect(self.runner, config.parallel)
         self.kv_cache = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                        enable_caching=config.cache.enable_prefix_caching,
                                        hash_algo=config.cache.prefix_hash)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len,
+                                   max_prompt_logprob_rows=self.runner.max_prompt_logprob_rows)
         self.num_compiled = self.runner.precompile(progress) if config.runner.precompile else 0
         self.startup_seconds = time.monotonic() - start - self.runner.load_seconds  # compiling, not loading
         sched = config.scheduler
         self.input_processor = InputProcessor(
-            self.tokenizer, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
+            tokenizer, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
             eos_token_ids=self.eos_token_ids, max_n=sched.max_n, max_logprobs=sched.max_logprobs,
             max_banned=MAX_BANNED, seed=config.model.seed)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor()
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
         self.async_scheduling = sched.async_scheduling
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None  # dispatched, not yet processed
@@ -99,6 +100,12 @@ class Engine:
         self.step_recorder = StepStatsRecorder() if record_step_stats else None
         if self.step_recorder is not None:
             self.add_observer(self.step_recorder)
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        """The served tokenizer (None with model.skip_tokenizer_init), owned by the input processor; the
+        output processor is handed it with each request."""
+        return self.input_processor.tokenizer
 
     @property
     def model(self):
@@ -141,7 +148,7 @@ class Engine:
                               seed=(prepared.seed + index) % 2**63, tenant=prepared.tenant)
             self.scheduler.add_request(request)
             requests.append(request)
-        self.output_processor.add(prepared, requests)
+        self.output_processor.add(prepared, requests, self.tokenizer)
 
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None, **kwargs: Any) -> str:
         prepared = self.prepare_request(prompt, params, **kwargs)

@@ -1,7 +1,7 @@
 """Input processing: a prompt and its SamplingParams -> a validated, tokenized PreparedRequest
 (host-only; no JAX).
 
-    prompt (str | {"prompt_token_ids": [...]} | {"prompt": str}) + SamplingParams
+    prompt (str | {"prompt_token_ids": [...]} | {"prompt": str} | [token ids]) + SamplingParams
     --verify against the engine's limits, tokenize, check ids and lengths, resolve max_tokens and seed-->
     PreparedRequest (queues nothing; the engine's `enqueue` fans it out into n child requests)
 
@@ -70,7 +70,7 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         params.verify_against_engine(max_n=self.max_n, max_logprobs=self.max_logprobs, vocab_size=self.vocab_size)
-        if self.tokenizer is None and (params.stop or not isinstance(prompt, dict)):
+        if self.tokenizer is None and (params.stop or isinstance(prompt, str)):
             raise ValueError("this engine runs without a tokenizer (skip_tokenizer_init): pass prompts as "
                              "{'prompt_token_ids': [...]} and no stop strings")
         text, token_ids = self._tokenize(prompt)
@@ -107,6 +107,8 @@ class InputProcessor:
                                priority, cache_salt, time.monotonic(), tenant)
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, list):  # token ids, as {"prompt_token_ids": prompt} (checked by the caller)
+            return None, list(prompt)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
@@ -117,7 +119,11 @@ class InputProcessor:
                 if not isinstance(ids, (list, tuple)):
                     raise ValueError("prompt_token_ids must be a list of integers")
                 return prompt.get("prompt"), list(ids)
-            if "prompt" in prompt and isinstance(prompt["prompt"], str) and self.tokenizer is not None:
+            if "prompt" in prompt and isinstance(prompt["prompt"], str):
+                if self.tokenizer is None:
+                    raise ValueError("this engine runs without a tokenizer (skip_tokenizer_init): pass prompts as "
+                                     "{'prompt_token_ids': [...]} and no stop strings")
                 return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
             raise ValueError("a prompt dict needs 'prompt' (str) or 'prompt_token_ids' (list of int)")
-        raise ValueError(f"prompt must be a string or a dict with prompt_token_ids, got {type(prompt).__name__}")
+        raise ValueError(f"prompt must be a string, a list of token ids or a dict with prompt_token_ids, "
+                         f"got {type(prompt).__name__}")

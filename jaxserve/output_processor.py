@@ -1,6 +1,6 @@
 """Output processing: the scheduler's per-step token updates -> RequestOutputs (host-only; no JAX).
 
-    enqueue:  add(prepared, child requests) -> one OutputStream per child (detokenizer, stop strings)
+    enqueue:  add(prepared, child requests, tokenizer) -> one OutputStream per child (detokenizer, stop strings)
     step:     process(updates) -> per child: OutputStream.append (text delta, stop strings, logprobs)
               -> finish on eos / stop token / length / a completed stop string
               -> one RequestOutput per request that changed (its n children together)
@@ -36,8 +36,7 @@ class _Parent:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer | None):
-        self.tokenizer = tokenizer
+    def __init__(self):
         self._parents: dict[str, _Parent] = {}
         self._child_to_parent: dict[str, tuple[str, int]] = {}
 
@@ -55,18 +54,18 @@ class OutputProcessor:
         parent = self._parents.get(request_id)
         return list(parent.child_ids) if parent is not None else []
 
-    def add(self, prepared: PreparedRequest, requests: list[Request]) -> None:
-        """Track `prepared`, whose children (in order) are `requests`."""
-        params = prepared.params if self.tokenizer is not None else dataclasses.replace(prepared.params,
-                                                                                      detokenize=False)
-        streams = [OutputStream(self.tokenizer, params, prepared.prompt_token_ids, index)
+    def add(self, prepared: PreparedRequest, requests: list[Request], tokenizer: Tokenizer | None) -> None:
+        """Track `prepared`, whose children (in order) are `requests`, detokenized with `tokenizer` (None:
+        token ids only)."""
+        params = prepared.params if tokenizer is not None else dataclasses.replace(prepared.params, detokenize=False)
+        streams = [OutputStream(tokenizer, params, prepared.prompt_token_ids, index)
                    for index in range(len(requests))]
         child_ids = [request.request_id for request in requests]
         for index, child_id in enumerate(child_ids):
             self._child_to_parent[child_id] = (prepared.request_id, index)
         prompt_logprobs = None
         if prepared.params.prompt_logprobs is not None:
-            prompt_logprobs = PromptLogprobsStream(self.tokenizer if params.detokenize else None,
+            prompt_logprobs = PromptLogprobsStream(tokenizer if params.detokenize else None,
                                                    prepared.prompt_token_ids)
         self._parents[prepared.request_id] = _Parent(prepared, child_ids, requests, streams,
                                                      RequestMetrics(prepared.arrival_time), prompt_logprobs=prompt_logprobs)

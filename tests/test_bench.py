@@ -185,6 +185,19 @@ def test_bench_latency_on_the_embedded_model(tmp_path, tiny_model):
     check_roofline(report["roofline"], tiny_model, batch=2, mean_context=4 + 3 / 2)
 
 
+def test_a_batch_run_leaves_no_step_in_flight():
+    """Requests that end on eos leave the step dispatched meanwhile in flight (overlap); run_batch
+    processes it, so each run's step records are complete and none spills into the next run."""
+    engine, _ = common.make_engine(load_config(TINY_CONFIG, precompile=False), progress=False)
+    params = [SamplingParams(temperature=0, max_tokens=10)] * 2
+    runs = [common.run_batch(engine, ["12+34=", "1+1="], params, progress=False) for _ in range(2)]
+    assert [o.outputs[0].finish_reason for run in runs for o in run.outputs] == ["stop"] * 4
+    for run in runs:
+        assert run.steps and all(s.t_end > 0 for s in run.steps)
+    assert max(s.step for s in runs[0].steps) < min(s.step for s in runs[1].steps)
+    assert not engine.step_recorder._by_step  # no step waits to be processed
+
+
 def test_bench_rejects_bad_flags(tmp_path, capsys):
     assert cli_main(["bench", "latency", "--config", str(TINY_CONFIG), "--batch-size", "0"]) == 2
     assert "--batch-size must be >= 1" in capsys.readouterr().err

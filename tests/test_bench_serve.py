@@ -131,8 +131,7 @@ def test_bench_serve_fails_clearly_when_the_server_streams_no_text(dummy_server,
 
     dummy_server.wait_idle()
     # As model.skip_tokenizer_init: the server takes token ids and streams token ids only.
-    monkeypatch.setattr(dummy_server.engine, "tokenizer", None)
-    monkeypatch.setattr(dummy_server.engine.output_processor, "tokenizer", None)
+    monkeypatch.setattr(dummy_server.engine.input_processor, "tokenizer", None)  # engine.tokenizer reads it
     assert jaxserve_main(["bench", "serve", "--base-url", dummy_server.url, "--tokenizer", str(tiny_tokenizer_dir),
                           "--num-prompts", "2", "--random-input-len", "5", "--random-output-len", "3",
                           "--ignore-eos", "--disable-tqdm"]) == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import stat
 
 import pytest
@@ -82,17 +83,61 @@ def test_compilation_cache_dir_creates_missing_directories_private(tmp_path):
     assert private_directory(str(path)) == path and stat.S_IMODE(path.stat().st_mode) == 0o755
 
 
-def test_compilation_cache_dir_refuses_a_symlink_anywhere_on_the_path(tmp_path):
+def test_compilation_cache_dir_follows_a_symlink_only_root_or_this_user_controls(tmp_path):
+    """A link of this user's in a private directory (as a root-owned /home -> /data/home) is followed
+    to the real path."""
     from jaxserve.runner.device_setup import private_directory
 
     real = tmp_path / "real"
     real.mkdir(mode=0o700)
     (tmp_path / "link").symlink_to(real)
-    for directory in (tmp_path / "link", tmp_path / "link" / "xla"):
+    assert private_directory(str(tmp_path / "link")) == real
+    assert private_directory(str(tmp_path / "link" / "xla")) == real / "xla"
+    assert stat.S_IMODE((real / "xla").stat().st_mode) == 0o700
+
+
+def test_compilation_cache_dir_refuses_a_symlink_another_user_could_re_point(tmp_path, monkeypatch):
+    from jaxserve.runner import device_setup
+
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    shared = tmp_path / "shared"  # anyone may replace the link in it
+    shared.mkdir()
+    shared.chmod(0o777)
+    (shared / "link").symlink_to(real)
+    for directory in (shared / "link", shared / "link" / "xla"):
         with pytest.raises(ValueError, match=r"runner.compilation_cache_dir .*link.* is reached through a symbolic "
-                                             r"link.*use the real path"):
-            private_directory(str(directory))
+                                             r"link.*re-point: the directory it sits in.*is writable by group or "
+                                             r"others without the sticky bit.*set runner.compilation_cache_dir"):
+            device_setup.private_directory(str(directory))
     assert not (real / "xla").exists()  # refused before creating anything
+    # a link another user owns, even in a sticky directory (as /tmp)
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    (sticky / "link").symlink_to(real)
+    if os.geteuid() == 0:  # root's links are trusted: give this one to another user
+        os.lchown(sticky / "link", 4242, -1)
+    else:  # this process is someone else
+        monkeypatch.setattr(device_setup.os, "getuid", lambda: (sticky / "link").lstat().st_uid + 1)
+    owner = (sticky / "link").lstat().st_uid
+    with pytest.raises(ValueError, match=rf"symbolic link.*re-point: it is owned by uid {owner}, neither root nor "
+                                         r"this user.*use the real path"):
+        device_setup.private_directory(str(sticky / "link" / "xla"))
+
+
+def test_compilation_cache_dir_refuses_a_path_under_a_directory_others_control(tmp_path):
+    from jaxserve.runner.device_setup import private_directory
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    (shared / "mine").mkdir(mode=0o700)
+    with pytest.raises(ValueError, match=rf"lies under '{shared}', which is writable by group or others without "
+                                         r"the sticky bit.*set runner.compilation_cache_dir"):
+        private_directory(str(shared / "mine"))
+    shared.chmod(0o1777)  # sticky, as /tmp: others cannot replace what this user made in it
+    assert private_directory(str(shared / "mine")) == shared / "mine"
 
 
 def test_compilation_cache_dir_refuses_a_directory_others_can_write(tmp_path):
@@ -151,7 +196,8 @@ def test_vllm_names_map_onto_the_config():
         max_num_batched_tokens=512, max_model_len=1024, seed=7, max_num_seqs=8, enable_prefix_caching=False,
         block_size=32, dtype="bfloat16", tokenizer="/tok", served_model_name="m", scheduling_policy="priority")
     assert (config.parallel.model, config.parallel.data) == (2, 3)
-    assert (config.cache.memory_fraction, config.cache.num_blocks, config.cache.block_size) == (0.5, 64, 32)
+    assert (config.cache.gpu_memory_utilization, config.cache.num_blocks, config.cache.block_size) == (0.5, 64, 32)
+    assert config.cache.memory_fraction is None  # vLLM's share of the whole device, not jaxserve's of the free memory
     assert not config.cache.enable_prefix_caching
     assert (config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs, config.scheduler.policy) == \
         (512, 8, "priority")
@@ -183,7 +229,7 @@ def test_unsupported_vllm_names_accept_their_defaults_only():
     ({"block_size": 16.0}, r"block_size must be an integer, got 16.0 \(float\)"),
     ({"enable_prefix_caching": "yes"}, r"enable_prefix_caching must be a boolean \(true or false\), got 'yes'"),
     ({"precompile": 1}, "precompile must be a boolean"),
-    ({"gpu_memory_utilization": "0.9"}, r"gpu_memory_utilization \(jaxserve's cache.memory_fraction\) must be a number"),
+    ({"gpu_memory_utilization": "0.9"}, r"gpu_memory_utilization must be a number or null"),
     ({"tensor_parallel_size": 2.0}, r"tensor_parallel_size \(jaxserve's parallel.model\) must be an integer"),
     ({"max_model_len": "1024"}, "max_model_len must be an integer or null"),
     ({"token_buckets": [16, "64"]}, "token_buckets must be a list of integers or null"),
@@ -197,9 +243,18 @@ def test_wrong_types_name_the_option_and_the_type(overrides, message):
         EngineConfig().with_overrides(**overrides)
 
 
+def test_memory_fraction_and_gpu_memory_utilization_exclude_each_other():
+    assert EngineConfig().cache.kv_memory_fraction == 0.9  # jaxserve's default when neither is set
+    assert EngineConfig().with_overrides(memory_fraction=0.5).cache.kv_memory_fraction == 0.5
+    with pytest.raises(ValueError, match="memory_fraction .* and cache.gpu_memory_utilization .* set only one"):
+        EngineConfig().with_overrides(memory_fraction=0.5, gpu_memory_utilization=0.9)
+    with pytest.raises(ValueError, match=r"cache.gpu_memory_utilization must be in \(0, 1\], got 1.5"):
+        EngineConfig().with_overrides(gpu_memory_utilization=1.5)
+
+
 def test_ints_are_accepted_as_floats_and_lists_as_tuples():
     config = EngineConfig().with_overrides(gpu_memory_utilization=1, drain_timeout_s=5, token_buckets=[16, 64])
-    assert config.cache.memory_fraction == 1.0 and isinstance(config.cache.memory_fraction, float)
+    assert config.cache.gpu_memory_utilization == 1.0 and isinstance(config.cache.gpu_memory_utilization, float)
     assert isinstance(config.server.drain_timeout_s, float) and config.runner.token_buckets == (16, 64)
     assert hash(config) == hash(EngineConfig().with_overrides(gpu_memory_utilization=1.0, drain_timeout_s=5.0,
                                                               token_buckets=(16, 64)))
@@ -253,7 +308,8 @@ def test_command_line_flags_take_vllm_names():
     config = parse("--tensor-parallel-size", "2", "--enable-prefix-caching", "--gpu-memory-utilization", "0.5",
                    "--num-gpu-blocks-override", "64", "--tokenizer", "null", "--served-model-name", "true",
                    "--api-key", "a", "--api-key", "b", "--trust-remote-code", "false", "--kv-cache-dtype", "auto")
-    assert (config.parallel.model, config.cache.enable_prefix_caching, config.cache.memory_fraction) == (2, True, 0.5)
+    assert (config.parallel.model, config.cache.enable_prefix_caching, config.cache.gpu_memory_utilization) == \
+        (2, True, 0.5)
     assert config.cache.num_blocks == 64 and config.model.tokenizer is None
     assert config.server.served_model_name == "true" and config.server.api_key == ("a", "b")  # strings stay text
     assert parse("--enable-prefix-caching", "false").cache.enable_prefix_caching is False

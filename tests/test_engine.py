@@ -340,6 +340,22 @@ def test_engine_is_an_engine_client(llm):
     assert stats.prefix_cache_hits == engine.kv_cache.stats.hits > before.prefix_cache_hits
     assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0.0)
     assert engine.sampling_defaults == engine.model.generation.sampling
+    # one owner of the tokenizer: the input processor (the output processor is handed it per request)
+    assert engine.tokenizer is engine.input_processor.tokenizer and not hasattr(engine.output_processor, "tokenizer")
+
+
+def test_a_plain_list_of_ints_is_a_token_id_prompt(llm):
+    engine = llm.engine
+    as_list = engine.prepare_request([1, 5, 14, 5, 15], GREEDY)  # "<s>1+1="
+    assert as_list.prompt_token_ids == engine.prepare_request("1+1=", GREEDY).prompt_token_ids
+    assert as_list.prompt is None
+    request_id = engine.add_request([1, 5, 14, 5, 15], GREEDY)
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o for o in engine.step() if o.finished and o.request_id == request_id]
+    assert [o.outputs[0].text for o in finished] == ["2"]
+    with pytest.raises(ValueError, match="out of vocabulary"):
+        engine.prepare_request([1, 99], GREEDY)
 
 
 def test_one_priority_applies_to_every_prompt(llm, monkeypatch):
@@ -371,13 +387,16 @@ def test_sampling_params_validation(kwargs, match):
 
 def test_kv_cache_sizing_leaves_room_for_the_step_buffers(monkeypatch):
     """On an accelerator the cache takes memory_fraction of what is free after the buffers the runner
-    makes later (staged step inputs, logits); the exact count when cache.num_blocks is set."""
+    makes later (staged step inputs, logits); with gpu_memory_utilization (vLLM's) what the weights and
+    those buffers leave of that share of the device; the exact count when cache.num_blocks is set."""
     from jaxserve.models.llama import LlamaConfig
     from jaxserve.runner import device_setup as mr
 
     class Device:
+        in_use = 0  # the weights
+
         def memory_stats(self):
-            return {"bytes_limit": 1 << 30, "bytes_in_use": 0}
+            return {"bytes_limit": 1 << 30, "bytes_in_use": self.in_use}
 
     engine_config = load_config(ROOT / "configs" / "tiny.yaml", num_blocks=None)
     llm_cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
@@ -385,18 +404,30 @@ def test_kv_cache_sizing_leaves_room_for_the_step_buffers(monkeypatch):
     monkeypatch.setattr(mr.jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(mr.jax, "devices", lambda: [Device()])
     per_block = mr.kv_block_bytes(llm_cfg, engine_config.cache.block_size, 4)
-    fraction = engine_config.cache.memory_fraction
+    fraction = engine_config.cache.kv_memory_fraction
     full = mr.kv_cache_num_blocks(llm_cfg, engine_config, 32, 4)
     assert full == int((1 << 30) * fraction) // per_block
     reserved = mr.kv_cache_num_blocks(llm_cfg, engine_config, 32, 4, reserved_bytes=1 << 28)
     assert reserved == int(((1 << 30) - (1 << 28)) * fraction) // per_block
     exact = load_config(ROOT / "configs" / "tiny.yaml", num_blocks=77)
     assert mr.kv_cache_num_blocks(llm_cfg, exact, 32, 4, reserved_bytes=1 << 28) == 77
-    # an allocator without statistics (XLA's VMM allocator): the driver's free memory, else a clear error
+    # vLLM's gpu_memory_utilization: 0.75 of the 1 GiB for everything; 256 MiB of weights, 64 MiB reserved
+    Device.in_use = 1 << 28
+    vllm_style = load_config(ROOT / "configs" / "tiny.yaml", num_blocks=None, gpu_memory_utilization=0.75)
+    assert mr.kv_cache_num_blocks(llm_cfg, vllm_style, 32, 4, reserved_bytes=1 << 26) == \
+        (3 * (1 << 28) - (1 << 28) - (1 << 26)) // per_block
+    assert mr.kv_cache_num_blocks(llm_cfg, engine_config, 32, 4, reserved_bytes=1 << 26) == \
+        int(((1 << 30) - (1 << 28) - (1 << 26)) * fraction) // per_block  # jaxserve's: of the free memory
+    Device.in_use = 3 * (1 << 28) - (1 << 26)  # the weights alone leave less than the step buffers need
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.75 lets the engine use 0.75 GiB of the device's "
+                                         r"1.00 GiB, but 0.69 GiB are in use .* need 0.06 GiB more \(0.75 GiB\)"):
+        mr.kv_cache_num_blocks(llm_cfg, vllm_style, 32, 4, reserved_bytes=1 << 26)
+    Device.in_use = 0
+    # an allocator without statistics (XLA's VMM allocator): the driver's figures, else a clear error
     Device.memory_stats = lambda self: None
-    monkeypatch.setattr(mr, "driver_free_bytes", lambda device: 1 << 29)
+    monkeypatch.setattr(mr, "driver_memory", lambda device: (1 << 30, 1 << 29))
     assert mr.kv_cache_num_blocks(llm_cfg, engine_config, 32, 4) == int((1 << 29) * fraction) // per_block
-    monkeypatch.setattr(mr, "driver_free_bytes", lambda device: None)
+    monkeypatch.setattr(mr, "driver_memory", lambda device: None)
     with pytest.raises(ValueError, match="set cache.num_blocks"):
         mr.kv_cache_num_blocks(llm_cfg, engine_config, 32, 4)
 

@@ -133,9 +133,9 @@ class FakeRunner:
 
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_model_len: int = 128, caching: bool = True,
-                   **config) -> Scheduler:
+                   max_prompt_logprob_rows: int = 512, **config) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, enable_caching=caching, hash_seed=SEED)
-    return Scheduler(SchedulerConfig(**config), kv, max_model_len)
+    return Scheduler(SchedulerConfig(**config), kv, max_model_len, max_prompt_logprob_rows=max_prompt_logprob_rows)
 
 
 _arrivals = itertools.count()
@@ -282,6 +282,20 @@ def test_long_prefill_token_threshold_caps_a_chunk():
     driver.add(make_request("a", 10), make_request("b", 2))
     chunks = [scheduled_tokens(driver.step())["a"] for _ in range(5)]
     assert chunks == [3, 3, 3, 1, 1]  # then decodes
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_prompt_positions_scored_per_step_fit_the_runner_rows(chunked):
+    """Requests asking for prompt logprobs share max_prompt_logprob_rows scored positions per step (every
+    prompt position but the last scores one), chunked prefill or not; plain requests fill the rest."""
+    driver = Driver(make_scheduler(max_num_batched_tokens=32, max_prompt_logprob_rows=5, enable_chunked_prefill=chunked,
+                                   max_model_len=32))
+    driver.add(make_request("a", 12, prompt_logprobs=1), make_request("c", 20), make_request("b", 4, prompt_logprobs=0))
+    assert scheduled_tokens(driver.step()) == {"a": 5, "c": 20}  # "b" waits: no row is left for it
+    assert scheduled_tokens(driver.step()) == {"a": 5, "c": 1}
+    assert scheduled_tokens(driver.step()) == {"a": 2, "c": 1, "b": 4}  # a scores 1 (its last scores none), b 3
+    driver.run()
+    assert set(driver.finished) == {"a", "b", "c"}
 
 
 def test_non_chunked_config_with_budget_below_max_model_len_is_rejected():

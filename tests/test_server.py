@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from jaxserve.config import EngineConfig, load_config
-from tests.conftest import ROOT
+from tests.conftest import ROOT, TINY_MODEL
 
 TINY_CONFIG = ROOT / "configs" / "tiny.yaml"
 KEY = "test-key"
@@ -144,6 +144,23 @@ def test_stream_ends_with_done(http):
     assert "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1]) == "15"
 
 
+def test_stream_with_prompt_logprobs_zero_scores_no_prompt(live, http):
+    """stream=true accepts prompt_logprobs=0 and sends none (as vLLM); the engine is not asked for them,
+    so the prompt is served from the prefix cache like any other (scoring it would bypass the cache)."""
+    body = {"prompt": "1234+5678=", "max_tokens": 2, "stream": True, "prompt_logprobs": 0, "cache_salt": "plp-0"}
+
+    def stream() -> list[str]:
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            return [line for line in response.iter_lines() if line]
+
+    assert "prompt_logprobs" not in "".join(stream())
+    live.wait_idle()
+    before = live.engine.stats().prefix_cache_hits
+    stream()
+    assert live.engine.stats().prefix_cache_hits - before >= 8  # "<s>1234+5678=": two whole blocks of 4
+
+
 def test_vllm_extra_fields(client):
     extra = {"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.0, "cache_salt": "tenant-a", "priority": 3,
              "skip_special_tokens": True, "spaces_between_special_tokens": True, "an_unknown_field": [1, 2]}
@@ -209,6 +226,46 @@ def test_echo_with_logprobs_scores_the_prompt(client, http):
     assert chat["prompt_logprobs"][0] is None and all(len(entry) == 1 for entry in chat["prompt_logprobs"][1:])
     plain = http.post("/v1/completions", json={"prompt": "1+1=", "max_tokens": 1}).json()
     assert plain["choices"][0]["prompt_logprobs"] is None
+
+
+def test_echo_of_a_request_aborted_before_its_prompt_was_scored():
+    """An abort (drain timeout, shutdown) can end an echo + logprobs request before its prompt log-probs
+    exist: its text comes back with null logprobs for the prompt's tokens, never an error."""
+    from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
+    from jaxserve.server.logprobs_format import echo_choice
+    from jaxserve.tokenizer import Tokenizer
+
+    generated = CompletionOutput(0, "4", [8], -0.1, [{8: Logprob(-0.1, 1, "4")}], finish_reason="abort")
+    output = RequestOutput("0", "1+1=", [1, 5, 14, 5, 15], [generated], finished=True)
+    text, logprobs = echo_choice("1+1=", output, generated, 5, 1, Tokenizer.from_dir(TINY_MODEL))
+    assert text == "1+1=4" and logprobs.tokens == ["<s>", "1", "+", "1", "=", "4"]
+    assert logprobs.token_logprobs == [None] * 5 + [-0.1] and logprobs.top_logprobs[:5] == [None] * 5
+    assert logprobs.text_offset == [0, 3, 4, 5, 6, 7]
+
+
+def test_no_tokenizer_worker_answers_503_until_one_is_back(live, http, monkeypatch):
+    """Workers that die and cannot be re-spawned: their calls fail (500), then requests and /health answer
+    503 at once (no request waits forever); once a re-spawn succeeds the server serves again."""
+    pool = live.server.config.app.state.serving.tokens
+
+    async def cannot_start():
+        raise RuntimeError("no worker today")
+
+    monkeypatch.setattr(pool, "_spawn", cannot_start)
+    for worker in list(pool._workers):
+        worker.process.kill()
+    statuses = [http.post("/v1/completions", json={"prompt": "1+1="}).status_code for _ in range(3)]
+    assert statuses[-1] == 503 and set(statuses) <= {500, 503}, statuses
+    unavailable = http.post("/v1/completions", json={"prompt": "1+1="})
+    assert unavailable.status_code == 503 and "no tokenizer worker is running" in unavailable.json()["error"]["message"]
+    assert unavailable.headers["retry-after"] == "1"
+    assert httpx.get(live.url + "/health").status_code == 503
+    monkeypatch.undo()  # the next retries start workers
+    deadline = time.monotonic() + 20
+    while httpx.get(live.url + "/health").status_code != 200:
+        assert time.monotonic() < deadline, "no tokenizer worker came back"
+        time.sleep(0.05)
+    assert http.post("/v1/completions", json={"prompt": "1+1=", "temperature": 0}).json()["choices"][0]["text"] == "2"
 
 
 def test_models_health_metrics(live, http):

@@ -19,7 +19,7 @@ MAX_REQUEST_TOKENS, MAX_REQUEST_LOGPROBS = 1000, 2000
 @pytest.fixture(scope="module")
 def live():
     server = LiveServer(server_config(api_key=KEY, max_request_tokens=MAX_REQUEST_TOKENS,
-                                      max_request_logprobs=MAX_REQUEST_LOGPROBS))
+                                      max_request_logprobs=MAX_REQUEST_LOGPROBS, max_logprobs=-1))
     yield server
     server.stop()
 
@@ -158,15 +158,51 @@ def test_request_volume_is_capped(http):
     many = http.post("/v1/completions", json={"prompt": ["1+1="] * 8, "n": 8, "max_tokens": 20, "temperature": 1})
     assert many.status_code == 400 and many.json()["error"]["param"] == "max_tokens"
     assert f"server.max_request_tokens={MAX_REQUEST_TOKENS}" in many.json()["error"]["message"]
-    # A chat without max_tokens may fill the context: n=64 x (32 - 5 prompt tokens) tokens.
-    chat = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "1+1"}], "n": 64,
-                                                   "temperature": 1})
+    # The same n x max_tokens sent explicitly: n=40 x 27 (the context left after the 5 prompt tokens).
+    chat = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "1+1"}], "n": 40,
+                                                   "temperature": 1, "max_tokens": 27})
     assert chat.status_code == 400 and "max_request_tokens" in chat.json()["error"]["message"]
     body = {"prompt": ["1+1="] * 4, "n": 4, "max_tokens": 20, "temperature": 1}  # 320 tokens
     assert http.post("/v1/completions", json={**body, "logprobs": 5}).status_code == 200  # 320 x 6 entries
     logprobs = http.post("/v1/completions", json={**body, "logprobs": 6})  # 320 x 7 = 2240
     assert logprobs.status_code == 400 and logprobs.json()["error"]["param"] == "logprobs"
     assert f"server.max_request_logprobs={MAX_REQUEST_LOGPROBS}" in logprobs.json()["error"]["message"]
+
+
+def test_volume_counts_the_whole_vocabulary_and_prompt_logprobs(http):
+    """logprobs=-1 is vocab_size + 1 entries per token; prompt log-probs count (prompt tokens - 1) x
+    (prompt_logprobs + 1), also when echo with logprobs turns them on."""
+    def refused(body: dict, param: str) -> None:
+        response = http.post("/v1/completions", json={"temperature": 1, **body})
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+        assert f"server.max_request_logprobs={MAX_REQUEST_LOGPROBS}" in response.json()["error"]["message"]
+
+    # 4 prompts x n=4 x 20 tokens x (16 + 1) = 5440 entries
+    refused({"prompt": ["1+1="] * 4, "n": 4, "max_tokens": 20, "logprobs": -1}, "logprobs")
+    long_prompts = [[1] + [5] * 29] * 8  # 8 x 29 scored prompt tokens
+    refused({"prompt": long_prompts, "max_tokens": 1, "prompt_logprobs": -1}, "prompt_logprobs")  # 8 x 29 x 17
+    refused({"prompt": long_prompts * 2, "max_tokens": 1, "echo": True, "logprobs": 4}, "logprobs")  # 16 x 29 x 5
+    fits = http.post("/v1/completions", json={"prompt": long_prompts[:2], "max_tokens": 1, "prompt_logprobs": -1})
+    assert fits.status_code == 200 and len(fits.json()["choices"][0]["prompt_logprobs"]) == 30
+
+
+def test_implicit_max_tokens_is_lowered_to_fit(http):
+    """Without max_tokens the request is not refused: its implicit max_tokens (a chat's: the 27 tokens
+    left of the context) is lowered so the request fits the caps, and its choices end with "length"."""
+    messages = [{"role": "user", "content": "1+1"}]
+    chat = http.post("/v1/chat/completions", json={"messages": messages, "n": 40, "temperature": 1,
+                                                   "ignore_eos": True})  # 40 x 27 > 1000 tokens
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["usage"]["completion_tokens"] == 40 * (MAX_REQUEST_TOKENS // 40)
+    assert {c["finish_reason"] for c in chat.json()["choices"]} == {"length"}
+    # 5 x 27 x (15 + 1) > 2000 logprob entries: 2000 // (5 x 16) = 25 tokens each
+    top = http.post("/v1/chat/completions", json={"messages": messages, "n": 5, "temperature": 1, "ignore_eos": True,
+                                                  "logprobs": True, "top_logprobs": 15})
+    assert top.status_code == 200, top.text
+    assert [len(c["logprobs"]["content"]) for c in top.json()["choices"]] == [MAX_REQUEST_LOGPROBS // (5 * 16)] * 5
+    # A completion's implicit 16 too: 64 prompts x n=2 x 16 > 1000
+    many = http.post("/v1/completions", json={"prompt": ["1+1="] * 64, "n": 2, "temperature": 1, "ignore_eos": True})
+    assert many.status_code == 200 and many.json()["usage"]["completion_tokens"] == 128 * (MAX_REQUEST_TOKENS // 128)
 
 
 # ---- routes -------------------------------------------------------------------------------------------------------

@@ -9,7 +9,6 @@ tokenized (in the worker processes) before their token count refuses them.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import shutil
 import socket
@@ -83,28 +82,41 @@ def watch(url: str, stop: threading.Event) -> dict:
     return seen
 
 
-def flood(url: str, bodies: list[tuple[str, bytes]]) -> list[httpx.Response]:
-    async def run():
-        limits = httpx.Limits(max_connections=len(bodies))
-        async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as session:
-            return await asyncio.gather(*(session.post(path, content=body,
-                                                       headers={"content-type": "application/json"})
-                                          for path, body in bodies))
+def flood(port: int, requests: list[bytes]) -> list[tuple[int, dict]]:
+    """Every pre-encoded request at once, each on its own connection; (status, JSON body) of each. Raw
+    sockets in threads: sendall and recv run without the GIL, so the client's own work never delays the
+    watchers' timestamps (they share this process)."""
+    results: list[tuple[int, dict] | None] = [None] * len(requests)
 
-    return asyncio.run(run())
+    def send(index: int, request: bytes) -> None:
+        with socket.create_connection(("127.0.0.1", port), timeout=120) as sock:
+            sock.sendall(request)
+            data, _ = read_until_closed(sock, 120)
+        head, _, body = data.partition(b"\r\n\r\n")
+        results[index] = int(head.split()[1]), json.loads(body)
+
+    threads = [threading.Thread(target=send, args=item) for item in enumerate(requests)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    return results
 
 
-def assert_not_stalled(url: str, bodies: list[tuple[str, bytes]]) -> list[httpx.Response]:
-    """Every stream gap and /health answer under 100 ms while `bodies` are served: a hard bound from the
+def assert_not_stalled(server, requests: list[bytes]) -> list[tuple[int, dict]]:
+    """Every stream gap and /health answer under 100 ms while `requests` are served: a hard bound from the
     issue (a server that tokenizes in its own process stalls for seconds here), not a speed measure. Up to
     three tries: a busy moment on a shared 2-core machine can slow one, while a stalling server fails all."""
     measured = []
     for _ in range(3):
         stop = threading.Event()
-        seen = watch(url, stop)
+        seen = watch(server.url, stop)
         time.sleep(0.3)  # the watchers are running
         try:
-            responses = flood(url, bodies)
+            responses = flood(server.port, requests)
+            deadline = time.monotonic() + 10  # enough samples, also when the flood was quickly done
+            while (len(seen["gaps"]) < 5 or len(seen["health"]) < 5) and time.monotonic() < deadline:
+                time.sleep(0.01)
         finally:
             stop.set()
             for thread in seen["threads"]:
@@ -117,31 +129,33 @@ def assert_not_stalled(url: str, bodies: list[tuple[str, bytes]]) -> list[httpx.
     pytest.fail(f"the server stalled in every try: {measured}")
 
 
-def completions_and_chats(text: str, count: int) -> list[tuple[str, bytes]]:
-    """`count` request bodies sending `text`, alternately as a chat message and as a completion prompt."""
-    return [("/v1/completions", json.dumps({"prompt": text}).encode()) if i % 2 else
-            ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": text}]}).encode())
-            for i in range(count)]
+def completions_and_chats(text: str, count: int) -> list[bytes]:
+    """`count` whole HTTP requests sending `text`, alternately as a chat message and as a completion
+    prompt (each encoded once)."""
+    def request(path: str, body: dict) -> bytes:
+        data = json.dumps(body).encode()
+        return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                f"Content-Length: {len(data)}\r\n\r\n").encode() + data
+
+    chat = request("/v1/chat/completions", {"messages": [{"role": "user", "content": text}]})
+    completion = request("/v1/completions", {"prompt": text})
+    return [completion if i % 2 else chat for i in range(count)]
 
 
 def test_32_megabyte_prompts_are_refused_unread_without_stalling(server):
     """~1 MB prompts cannot fit 32 tokens of at most 20,000 characters: refused by their length (naming
     the limit) before anything is tokenized, the chats after their template is rendered (in a worker)."""
     text = "12+34=" * 166_000
-    bodies = completions_and_chats(text, 32)
-    for response in assert_not_stalled(server.url, bodies):
-        assert response.status_code == 400, response.text[:300]
-        assert "max_model_len=32" in response.json()["error"]["message"]
+    for status, body in assert_not_stalled(server, completions_and_chats(text, 32)):
+        assert status == 400 and "max_model_len=32" in body["error"]["message"], body
 
 
 def test_prompts_tokenized_in_workers_do_not_stall(server):
     """100,000-character prompts pass the length bound: a worker tokenizes each (about as long as the
     server would hold its GIL for them), then their token count refuses them."""
     text = "12+34=" * 16_667
-    bodies = completions_and_chats(text, 6)
-    for response in assert_not_stalled(server.url, bodies):
-        assert response.status_code == 400, response.text[:300]
-        assert f"(length {len(text) + 1})" in response.json()["error"]["message"]  # tokenized: "<s>" + text
+    for status, body in assert_not_stalled(server, completions_and_chats(text, 6)):
+        assert status == 400 and f"(length {len(text) + 1})" in body["error"]["message"], body  # "<s>" + text
 
 
 # ---- connections --------------------------------------------------------------------------------------------------

@@ -1,10 +1,13 @@
 """The server's tokenization machinery: the characters-per-token bound (it must never refuse a prompt that
-fits) and the worker pool (results equal the in-process tokenizer's; a dead worker is replaced)."""
+fits) and the worker pool (results equal the in-process tokenizer's; a dead, hung or garbling worker is
+replaced; no worker at all answers at once; nothing is imported from the working directory)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 
 import pytest
 import tokenizers
@@ -89,5 +92,67 @@ def test_worker_pool_matches_the_tokenizer_and_replaces_a_dead_worker():
         finally:
             await pool.close()
         assert all(w.process.poll() is not None for w in pool._workers)
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+def test_workers_do_not_import_from_the_servers_working_directory(tmp_path, monkeypatch):
+    (tmp_path / "json.py").write_text("import pathlib\npathlib.Path(__file__).with_name('imported').write_text('')\n")
+    monkeypatch.chdir(tmp_path)
+
+    async def scenario():
+        pool = TokenizerPool(str(TINY_MODEL), max_model_len=32, size=1)
+        await pool.start()
+        try:
+            assert (await pool.encode("1+1=", add_special_tokens=True)).count == 5
+        finally:
+            await pool.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert not (tmp_path / "imported").exists()
+
+
+def test_worker_pool_times_out_hung_workers_and_fails_fast_without_workers(monkeypatch):
+    """A worker that hangs is killed after timeout_s and replaced; a malformed reply fails its call; while
+    no worker runs and none is starting, calls fail at once ("unavailable") until a re-spawn succeeds."""
+    from jaxserve.server.tokenizer_worker import FRAME_HEAD
+
+    async def scenario():
+        pool = TokenizerPool(str(TINY_MODEL), max_model_len=32, size=1, timeout_s=1.0)
+        await pool.start()
+        try:
+            hung = next(iter(pool._workers))
+            os.kill(hung.process.pid, signal.SIGSTOP)
+            with pytest.raises(TokenizeError) as timed_out:
+                await pool.encode("1+1=", add_special_tokens=True)
+            assert timed_out.value.kind == "timeout" and "server.tokenizer_timeout_s=1 s" in str(timed_out.value)
+            assert (await pool.encode("1+1=", add_special_tokens=True)).count == 5  # its replacement
+            assert hung.process.poll() is not None
+
+            garbled = next(iter(pool._workers))
+            garbled.reader.feed_data(FRAME_HEAD.pack(5, 0) + b"{oops")  # read before the real reply
+            with pytest.raises(TokenizeError) as malformed:
+                await pool.encode("1+1=", add_special_tokens=True)
+            assert malformed.value.kind == "internal" and "malformed reply header" in str(malformed.value)
+            assert (await pool.encode("1+1=", add_special_tokens=True)).count == 5
+
+            async def cannot_start():
+                raise RuntimeError("no worker today")
+
+            monkeypatch.setattr(pool, "_spawn", cannot_start)
+            next(iter(pool._workers)).process.kill()
+            with pytest.raises(TokenizeError):
+                await pool.encode("1+1=", add_special_tokens=True)  # the call the worker died under
+            with pytest.raises(TokenizeError) as unavailable:
+                await asyncio.wait_for(pool.encode("1+1=", add_special_tokens=True), 5)
+            assert unavailable.value.kind == "unavailable" and not pool.available
+            monkeypatch.undo()  # the next retry starts one
+            for _ in range(100):
+                if pool.available:
+                    break
+                await asyncio.sleep(0.05)
+            assert (await pool.encode("1+1=", add_special_tokens=True)).count == 5
+        finally:
+            await pool.close()
 
     asyncio.run(asyncio.wait_for(scenario(), 60))

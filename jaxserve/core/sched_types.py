@@ -91,6 +91,12 @@ class Logprobs:
     top_logprobs: list[float]
 
 
+# The most prompt positions one step scores for prompt_logprobs (the runner's arrays for them hold this
+# many rows at most, whatever the step's token count); the scheduler shortens such requests' prefill
+# chunks to fit.
+MAX_PROMPT_LOGPROB_ROWS = 512
+
+
 @dataclasses.dataclass(slots=True)
 class PromptLogprobs:
     """Prompt log-probabilities of one request's prefill chunk: entries `start` .. `start + n - 1` of its

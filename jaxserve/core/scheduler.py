@@ -13,7 +13,9 @@ step gives it up to `num_tokens + num_pending - num_computed_tokens` new tokens 
 When blocks run out, the running request with the lowest priority (then the latest arrival) is
 preempted by recompute: its blocks are freed, it keeps its generated tokens and waits again.
 The waiting queue orders FCFS, by priority, or per-tenant fair (core/fairness.py: each step charges
-every tenant the tokens computed for it).
+every tenant the tokens computed for it). Requests asking for prompt logprobs share at most
+`max_prompt_logprob_rows` scored prompt positions per step: their prefill chunks are shortened to fit
+(chunked prefill disabled or not), which bounds the runner's prompt-logprob arrays.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ import heapq
 from jaxserve.config import SchedulerConfig
 from jaxserve.core.fairness import FairWaitingQueue
 from jaxserve.core.kv_cache_manager import KVCacheManager
-from jaxserve.core.sched_types import (Logprobs, NewRequestData, RunnerOutput, ScheduledRequest,
-                                       SchedulerOutput)
+from jaxserve.core.sched_types import (MAX_PROMPT_LOGPROB_ROWS, Logprobs, NewRequestData, RunnerOutput,
+                                       ScheduledRequest, SchedulerOutput)
 from jaxserve.request import Request, RequestStatus
 
 
@@ -101,7 +103,10 @@ class WaitingQueue:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int):
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int,
+                 max_prompt_logprob_rows: int = MAX_PROMPT_LOGPROB_ROWS):
+        """`max_prompt_logprob_rows`: prompt positions one step may score for prompt_logprobs (the
+        runner's bound); prefill chunks of requests asking for them are shortened to fit."""
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({config.max_num_batched_tokens}) is smaller than max_model_len "
@@ -110,6 +115,7 @@ class Scheduler:
         self.config = config
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
+        self.max_prompt_logprob_rows = max_prompt_logprob_rows
         self.requests: dict[str, Request] = {}
         self._fair = config.policy == "fair"
         self.waiting = FairWaitingQueue() if self._fair else WaitingQueue(config.policy)
@@ -177,6 +183,15 @@ class Scheduler:
         self._finished_ids.add(request.request_id)
         self.waiting.push(request, front=True)
 
+    @staticmethod
+    def _fit_prompt_rows(request: Request, computed: int, num_new: int, rows_left: int) -> tuple[int, int]:
+        """(num_new, rows it scores): the chunk of a request asking for prompt logprobs shortened so that
+        the prompt positions it scores (every one but the prompt's last) fit the step's `rows_left`."""
+        if request.sampling_params.prompt_logprobs is None:
+            return num_new, 0
+        scored = max(0, min(computed + num_new, request.num_prompt_tokens - 1) - computed)
+        return (num_new, scored) if scored <= rows_left else (rows_left, rows_left)
+
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         num_new = request.num_tokens - request.num_computed_tokens
         if self.config.long_prefill_token_threshold > 0:
@@ -196,6 +211,7 @@ class Scheduler:
         decode_blocks: dict[str, tuple[int, list[int]]] = {}
         scheduled: list[tuple[Request, ScheduledRequest]] = []
         preempted = False
+        prompt_rows_left = self.max_prompt_logprob_rows
 
         # Running requests first, in order (over a copy: preemption takes requests out of `running`).
         running = self.running
@@ -223,6 +239,7 @@ class Scheduler:
             num_new = min(remaining, budget)
             if 0 < threshold < num_new:
                 num_new = threshold
+            num_new, prompt_rows = self._fit_prompt_rows(request, computed, num_new, prompt_rows_left)
             if num_new <= 0:
                 continue
             while (new_blocks := allocate(request, num_new)) is None:
@@ -236,6 +253,7 @@ class Scheduler:
                     break
             if new_blocks is None:
                 continue  # `request` itself was preempted
+            prompt_rows_left -= prompt_rows
             if remaining == 1:
                 if new_blocks:
                     decode_blocks[request.request_id] = (len(decode), new_blocks)
@@ -258,11 +276,13 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and request.num_tokens - num_hit > budget:
                 break
             request.num_computed_tokens = num_hit
-            num_new = self._num_new_tokens(request, budget)
-            new_blocks = allocate(request, num_new, computed_ids)
+            num_new, prompt_rows = self._fit_prompt_rows(request, num_hit, self._num_new_tokens(request, budget),
+                                                         prompt_rows_left)
+            new_blocks = allocate(request, num_new, computed_ids) if num_new > 0 else None
             if new_blocks is None:
                 request.num_computed_tokens = 0
                 break
+            prompt_rows_left -= prompt_rows
             self.waiting.pop()
             self.running.append(request)
             request.status = RequestStatus.RUNNING

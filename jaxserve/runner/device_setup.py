@@ -9,6 +9,7 @@ import dataclasses
 import logging
 import math
 import os
+import stat
 from pathlib import Path
 
 import jax
@@ -74,36 +75,85 @@ def setup_all_reduce(tp: TensorParallel | None, mode: str, dtype="bfloat16"):
     return tp, workspace.table(tp.mesh, MODEL_AXIS), workspace
 
 
+def _untrusted(info: os.stat_result, directory: bool) -> str | None:
+    """Why another user could change what this entry holds or points to (None: only root or this user
+    can): it is owned by someone else, or it is a directory that group or others can write without the
+    sticky bit (which keeps them from renaming or removing entries they do not own)."""
+    if info.st_uid not in (0, os.getuid()):
+        return f"is owned by uid {info.st_uid}, neither root nor this user (uid {os.getuid()})"
+    if directory and info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+        return f"is writable by group or others without the sticky bit (mode {oct(info.st_mode & 0o7777)})"
+    return None
+
+
+def _check_ancestors(directory: Path, path: Path, option: str, fix: str) -> None:
+    """`directory` (a real path) and every directory above it that exists: none may let another user
+    replace its entries."""
+    for ancestor in (directory, *directory.parents):
+        if ancestor.exists():
+            reason = _untrusted(ancestor.stat(), directory=True)
+            if reason is not None:
+                raise ValueError(f"{option} {str(path)!r} lies under {str(ancestor)!r}, which {reason}, so another "
+                                 f"user could replace what it holds; {fix}")
+
+
 def private_directory(directory: str, option: str = "runner.compilation_cache_dir") -> Path:
-    """`directory` (~ expanded), made sure to be this user's alone; missing directories are created 0700.
+    """`directory` (~ expanded) as its real path, made sure to be this user's alone; missing directories
+    are created 0700.
 
     Whoever can write the compilation cache chooses the code this process runs, so, like ssh's StrictModes,
-    refuse a directory reached through a symbolic link (any component: a link can be re-pointed), one owned
-    by another user, or one that group or others can write. An existing directory's mode is left as it is."""
+    refuse a path another user can redirect: a symbolic link on it owned by neither root nor this user,
+    or in a directory group or others can write (without the sticky bit); a real path with a directory
+    above it owned by another user, or writable by group or others without the sticky bit; and a cache
+    directory not owned by this user or writable by group or others. Links owned by root or this user
+    in directories only they can change (/home -> /data/home) are followed. An existing directory's mode
+    is left as it is."""
     path = Path(os.path.expanduser(directory)).absolute()
     fix = f"set {option} to a directory of your own (or null to disable the persistent cache)"
     current = Path(path.anchor)
     for part in path.parts[1:]:
         current = current / part
         if current.is_symlink():
-            raise ValueError(f"{option} {str(path)!r} is reached through a symbolic link, {str(current)!r} -> "
-                             f"{os.readlink(current)!r}; use the real path ({os.path.realpath(path)!r}) or {fix}")
+            container = Path(os.path.realpath(current.parent))
+            link_reason = _untrusted(current.lstat(), directory=False)
+            reason = link_reason or _untrusted(container.stat(), directory=True)
+            if reason is not None:
+                where = "it" if link_reason else f"the directory it sits in, {str(container)!r},"
+                raise ValueError(f"{option} {str(path)!r} is reached through a symbolic link, {str(current)!r} -> "
+                                 f"{os.readlink(current)!r}, that another user could re-point: {where} {reason}; "
+                                 f"use the real path ({os.path.realpath(path)!r}) if it is yours, or {fix}")
+            _check_ancestors(container, path, option, fix)
+        elif not current.exists():
+            break  # the rest is created below, on the real path
+    real = Path(os.path.realpath(path))
+    if real.exists():
+        _check_directory(real, path, option, fix)
+    _check_ancestors(real.parent, path, option, fix)
+    current = Path(real.anchor)
+    for part in real.parts[1:]:
+        current = current / part
         if not current.exists():
             try:
                 current.mkdir(mode=0o700)
                 os.chmod(current, 0o700)  # exactly 0700, whatever the umask
             except OSError as err:
                 raise ValueError(f"{option} {str(path)!r}: cannot create {str(current)!r} ({err}); {fix}") from None
-    info = path.stat()
-    if not path.is_dir():
-        raise ValueError(f"{option} {str(path)!r} exists and is not a directory; {fix}")
+    _check_directory(real, path, option, fix)
+    return real
+
+
+def _check_directory(real: Path, path: Path, option: str, fix: str) -> None:
+    """The cache directory itself: a directory, this user's, writable by no one else."""
+    named = repr(str(path)) if real == path else f"{str(path)!r} (really {str(real)!r})"
+    info = real.stat()
+    if not real.is_dir():
+        raise ValueError(f"{option} {named} exists and is not a directory; {fix}")
     if info.st_uid != os.getuid():
-        raise ValueError(f"{option} {str(path)!r} is owned by uid {info.st_uid}, not by this user (uid "
+        raise ValueError(f"{option} {named} is owned by uid {info.st_uid}, not by this user (uid "
                          f"{os.getuid()}); {fix}")
     if info.st_mode & 0o022:
-        raise ValueError(f"{option} {str(path)!r} is writable by group or others (mode "
-                         f"{oct(info.st_mode & 0o777)}); run chmod 700 {str(path)!r} or {fix}")
-    return path
+        raise ValueError(f"{option} {named} is writable by group or others (mode "
+                         f"{oct(info.st_mode & 0o777)}); run chmod 700 {str(real)!r} or {fix}")
 
 
 def enable_compilation_cache(directory: str | None) -> None:
@@ -144,12 +194,13 @@ def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype_bytes: int, tp: Tens
     return cfg.num_layers * 2 * block_size * kv_heads * cfg.head_dim * dtype_bytes
 
 
-def driver_free_bytes(device) -> int | None:
-    """What XLA may still allocate on a CUDA device, from the driver, or None off CUDA. For allocators
-    that keep no statistics, e.g. the VMM allocator that XLA_FLAGS=--xla_gpu_command_buffer_update_mode=
-    SKIP_TEMP selects: it maps memory as it is used, within a budget of XLA_CLIENT_MEM_FRACTION (or
-    XLA_PYTHON_CLIENT_MEM_FRACTION; default 0.75) of the device, so this is the driver's free memory
-    (cuMemGetInfo in the primary context XLA uses) less the part of the device outside that budget."""
+def driver_memory(device) -> tuple[int, int] | None:
+    """(limit, in_use) bytes of a CUDA device from the driver, or None off CUDA. For allocators that keep
+    no statistics, e.g. the VMM allocator that XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP
+    selects: it maps memory as it is used, within a budget of XLA_CLIENT_MEM_FRACTION (or
+    XLA_PYTHON_CLIENT_MEM_FRACTION; default 0.75) of the device. `limit` is that budget; `in_use` what
+    the device holds now (cuMemGetInfo in the primary context XLA uses), so limit - in_use is what XLA
+    may still allocate."""
     import ctypes
 
     if getattr(device, "platform", None) != "gpu":
@@ -175,14 +226,31 @@ def driver_free_bytes(device) -> int | None:
         cuda.cuDevicePrimaryCtxRelease_v2(handle)
     budget = next((float(v) for v in map(os.environ.get, ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION"))
                    if v), 0.75)  # (jaxlib reads the first name, then the older one)
-    return max(0, free.value - int((1 - budget) * total.value))
+    return int(budget * total.value), total.value - free.value
+
+
+def device_memory(device) -> tuple[int, int]:
+    """(limit, in_use): the bytes XLA may hold on `device` in all (memory_stats' bytes_limit, or the
+    driver's figures when the allocator keeps no statistics) and those in use now."""
+    stats = device.memory_stats()
+    if stats:
+        return stats.get("bytes_limit", 0), stats.get("bytes_in_use", 0)
+    memory = driver_memory(device)
+    if memory is None:
+        raise ValueError(f"cannot tell the free memory of {device} (its allocator keeps no statistics): "
+                         f"set cache.num_blocks")
+    return memory
 
 
 def kv_cache_num_blocks(cfg: ModelConfig, config: EngineConfig, max_model_len: int, dtype_bytes: int,
                        tp: TensorParallel | None = None, reserved_bytes: int = 0) -> int:
-    """Blocks that fit in the free memory of one of the engine's devices (or the configured count), after
-    `reserved_bytes` for buffers made later; over several processes, the fewest any process offers, so
-    that every process builds the same cache."""
+    """Blocks that fit on one of the engine's devices (or the configured count); over several processes,
+    the fewest any process offers, so that every process builds the same cache. `reserved_bytes`: buffers
+    made later (step inputs and outputs, temporaries).
+
+    memory_fraction (jaxserve's): that share of the memory free after the weights and `reserved_bytes`.
+    gpu_memory_utilization (vLLM's): the engine may hold that share of the device's memory (XLA's limit),
+    and the KV cache gets what the weights, whatever else is in use and `reserved_bytes` leave of it."""
     cache = config.cache
     per_block = kv_block_bytes(cfg, cache.block_size, dtype_bytes, tp)
     if cache.num_blocks is not None:
@@ -191,15 +259,20 @@ def kv_cache_num_blocks(cfg: ModelConfig, config: EngineConfig, max_model_len: i
         num_blocks = cache.cpu_num_blocks
     else:
         device = jax.devices()[0] if tp is None else tp.mesh.local_devices[0]
-        stats = device.memory_stats()
-        if stats:
-            free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
-        else:  # allocators without statistics (XLA's VMM allocator): ask the driver
-            free = driver_free_bytes(device)
-            if free is None:
-                raise ValueError(f"cannot tell the free memory of {device} (its allocator keeps no statistics): "
-                                 f"set cache.num_blocks")
-        num_blocks = int((free - reserved_bytes) * cache.memory_fraction) // per_block
+        limit, in_use = device_memory(device)  # in_use: the weights (and whatever else is loaded)
+        if cache.gpu_memory_utilization is None:
+            num_blocks = int((limit - in_use - reserved_bytes) * cache.kv_memory_fraction) // per_block
+        else:
+            allowed = int(limit * cache.gpu_memory_utilization)
+            if allowed - in_use - reserved_bytes <= 0:
+                gib = 2**30
+                raise ValueError(
+                    f"cache.gpu_memory_utilization={cache.gpu_memory_utilization} lets the engine use "
+                    f"{allowed / gib:.2f} GiB of the device's {limit / gib:.2f} GiB, but {in_use / gib:.2f} GiB are "
+                    f"in use after loading the weights and the step buffers need {reserved_bytes / gib:.2f} GiB "
+                    f"more ({(in_use + reserved_bytes) / gib:.2f} GiB): nothing is left for the KV cache; raise "
+                    f"gpu_memory_utilization, or spread the model over more devices")
+            num_blocks = (allowed - in_use - reserved_bytes) // per_block
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
@@ -210,6 +283,7 @@ def kv_cache_num_blocks(cfg: ModelConfig, config: EngineConfig, max_model_len: i
         raise ValueError(
             f"the KV cache has {num_blocks} blocks of {cache.block_size} tokens ({num_blocks * per_block / 2**30:.2f} "
             f"GiB) but one request of max_model_len={max_model_len} needs {needed} (with the null block); raise "
-            f"cache.num_blocks or cache.memory_fraction, or lower model.max_model_len"
+            f"cache.num_blocks, cache.memory_fraction or cache.gpu_memory_utilization, or lower "
+            f"model.max_model_len"
         )
     return num_blocks

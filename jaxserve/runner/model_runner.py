@@ -40,7 +40,8 @@ from tqdm import tqdm
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.buckets import BucketLadders
-from jaxserve.core.sched_types import Logprobs, NewRequestData, RunnerOutput, SchedulerOutput
+from jaxserve.core.sched_types import (MAX_PROMPT_LOGPROB_ROWS, Logprobs, NewRequestData, RunnerOutput,
+                                       SchedulerOutput)
 from jaxserve.models import registry
 from jaxserve.models.layers import ModelBatch
 from jaxserve.models.loader import LoadedModel
@@ -190,14 +191,19 @@ class ModelRunner:
         dtype = self.cfg.jnp_dtype
         # the step buffers precompile() makes (_run_forward): staged inputs per shape, f32 logits per R
         self._step_shapes = sorted(set(self.buckets.precompile_plan()) | set(self.buckets.decode_plan()))
+        self.max_logprobs = self.cfg.vocab_size if sched.max_logprobs == -1 else min(sched.max_logprobs,
+                                                                                     self.cfg.vocab_size)
+        # prompt positions one step scores at most (the scheduler keeps to it: engine.py passes it on)
+        self.max_prompt_logprob_rows = MAX_PROMPT_LOGPROB_ROWS
+        # ... and the largest prompt-logprob variant's outputs and temporaries
         reserved = (sum(a.nbytes for t, r in self._step_shapes for a in self._host_batch(t, r))
-                    + 4 * sum(self.buckets.request_buckets) * self.cfg.vocab_size)
+                    + 4 * sum(self.buckets.request_buckets) * self.cfg.vocab_size
+                    + max(prompt_logprobs.device_bytes(t, self.max_prompt_logprob_rows, self.cfg.vocab_size,
+                                                       self.max_logprobs) for t in self.buckets.token_buckets))
         self.num_blocks = kv_cache_num_blocks(self.cfg, config, max_model_len, np.dtype(dtype).itemsize, tp,
                                               reserved)
         self.kv_caches = registry.family_of(self.cfg).init_kv_caches(self.cfg, self.num_blocks, self.block_size,
                                                                      self.attention_backend, tp=tp)
-        self.max_logprobs = self.cfg.vocab_size if sched.max_logprobs == -1 else min(sched.max_logprobs,
-                                                                                     self.cfg.vocab_size)
 
         # Per-row state (rows are assigned by the scheduler), so a step gathers rows with fancy indexing
         # instead of per-request Python.
@@ -324,7 +330,8 @@ class ModelRunner:
         prompt = None
         if items and self.row_prompt_logprobs[rows[num_decode:]].any():
             prompt = prompt_logprobs.gather(items, (ends - counts)[num_decode:], self.row_prompt_logprobs,
-                                            self.token_buf, self.row_num_prompt, self.row_generation, t_pad)
+                                            self.token_buf, self.row_num_prompt, self.row_generation,
+                                            prompt_logprobs.num_rows(t_pad, self.max_prompt_logprob_rows))
             if prompt is not None:  # the variant: compiled for this T with its largest request bucket
                 r_pad, decode_only = self._prompt_requests[t_pad], False
 
@@ -522,7 +529,8 @@ class ModelRunner:
             logits = jax.ShapeDtypeStruct((r_pad, self.cfg.vocab_size), jnp.float32, sharding=on_device)
             extra = {}
             if prompt:
-                rows = jax.ShapeDtypeStruct((prompt_logprobs.num_rows(t_pad)[0],), jnp.int32, sharding=on_device)
+                num_rows = prompt_logprobs.num_rows(t_pad, self.max_prompt_logprob_rows)
+                rows = jax.ShapeDtypeStruct((num_rows,), jnp.int32, sharding=on_device)
                 extra = {"prompt": (rows, rows), "num_prompt_logprobs": self.max_logprobs}
             lowered = self.forward_fn.lower(self.model.params, self.cfg, device_batch(t_pad, r_pad), self.kv_caches,
                                             logits, self.comm, attention_backend=self.attention_backend, tp=self.tp,

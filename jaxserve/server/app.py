@@ -5,7 +5,8 @@
         POST /v1/chat/completions    serving.chat
         POST /tokenize, /detokenize  serving.tokenize / detokenize (vLLM's shapes)
         GET  /v1/models              the served model (vLLM's card); /v1/models/{id}: it, or 404
-        GET|HEAD /health             200; 503 while draining or after an engine failure (no key needed)
+        GET|HEAD /health             200; 503 while draining, after an engine failure, or while no tokenizer
+                                     worker runs (no key needed)
         GET|POST /ping               the same as /health (no key needed)
         GET  /version                {"version": jaxserve's} (no key needed)
         GET  /metrics                Prometheus text format (no key needed)
@@ -65,7 +66,7 @@ def build_app(engine: EngineClient, config: EngineConfig) -> FastAPI:
     bridge = EngineBridge(engine, metrics, server_config.max_queued_requests)
     tokens = (None if engine.tokenizer is None else
               TokenizerPool(config.model.tokenizer or config.model.path, engine.max_model_len,
-                            server_config.tokenizer_workers))
+                            server_config.tokenizer_workers, server_config.tokenizer_timeout_s))
     serving = Serving(engine, bridge, server_config, model_name, tokens)
     retry_after = {"Retry-After": str(server_config.retry_after_s)}
     card = P.ModelCard(id=model_name, created=serving.created, root=str(config.model.path),
@@ -137,6 +138,8 @@ def build_app(engine: EngineClient, config: EngineConfig) -> FastAPI:
             return _error(503, f"the engine failed: {bridge.dead!r}")
         if bridge.draining:
             return _error(503, "the server is draining before shutdown", headers=retry_after)
+        if tokens is not None and not tokens.available:
+            return _error(503, "no tokenizer worker is running (the server log says why)", headers=retry_after)
         return JSONResponse({})
 
     @app.api_route("/ping", methods=["GET", "POST"])

@@ -5,7 +5,8 @@
     echo=true --echo_choice--> the choice's text and legacy `logprobs` block: the prompt first, then the
         generated tokens (with max_tokens=0 the prompt alone, as vLLM, which generates one token and
         shows none); with logprobs=N the block covers the prompt tokens too, the first one's logprob and
-        top_logprobs null (nothing scores it), text_offset running on from 0 through both
+        top_logprobs null (nothing scores it), text_offset running on from 0 through both; a request
+        aborted before its prompt was scored has null there for every prompt token
 
 As vLLM, a logprob of -inf is written as -9999.0 (JSON has no infinity), and each token of the block is
 its own decoded text; the top_logprobs of a position hold its chosen token and the top-N.
@@ -39,10 +40,13 @@ def echo_choice(echo: str, output: RequestOutput, completion: CompletionOutput, 
     text = echo if prompt_only else echo + completion.text
     if num_logprobs is None:
         return text, None
-    if output.prompt_logprobs is None:  # (the engine returns them once the whole prompt is scored)
-        raise RuntimeError(f"request {output.request_id} finished without its prompt logprobs")
     token_ids = list(output.prompt_token_ids)
-    entries: list[dict[int, Logprob] | None] = list(output.prompt_logprobs)
+    if output.prompt_logprobs is not None:
+        entries: list[dict[int, Logprob] | None] = list(output.prompt_logprobs)
+    elif completion.finish_reason == "abort":  # aborted before its whole prompt was scored
+        entries = [None] * len(token_ids)
+    else:  # (the engine returns them once the whole prompt is scored, before any token)
+        raise RuntimeError(f"request {output.request_id} finished without its prompt logprobs")
     if not prompt_only:
         token_ids += completion.token_ids
         entries += completion.logprobs or []

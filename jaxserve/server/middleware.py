@@ -100,7 +100,7 @@ class Guard:
             return
         # NOTE: a body a little past the limit is read to its end (and dropped) before the 413, so the
         # client gets the answer rather than a connection reset by unread data.
-        body = bytearray()
+        chunks = []
         received = 0
         while True:
             message = await receive()
@@ -109,12 +109,13 @@ class Guard:
             chunk = message.get("body", b"")
             received += len(chunk)
             if received <= limit:
-                body += chunk
+                chunks.append(chunk)
             if not message.get("more_body", False) or received > _DRAIN_FACTOR * limit:
                 break
         if received > limit:
             await _reply(send, 413, too_large)
             return
+        body = b"".join(chunks)  # one copy (none for a body that came in one piece)
         replayed = False
 
         async def replay():
@@ -122,7 +123,7 @@ class Guard:
             if replayed:
                 return await receive()  # after the body: http.disconnect when the client goes away
             replayed = True
-            return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return {"type": "http.request", "body": body, "more_body": False}
 
         await self.app(scope, replay, send)
 

@@ -136,6 +136,8 @@ class OpenAIRequest(BaseModel):
         raises ValueError naming the field (vLLM's ranges)."""
         values = dict(defaults)
         values.update({name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None})
+        if self.stream:  # a stream never carries prompt log-probs (as vLLM's): scoring them (and skipping
+            prompt_logprobs = None  # the prefix cache to do so) would be wasted
         return SamplingParams(**values, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     @property

@@ -125,9 +125,23 @@ class Serving:
         except ValueError as err:
             raise ApiError(400, str(err), param_of(str(err), _KNOWN_PARAMS)) from None
 
-    def _check_volume(self, num_prompts: int, max_tokens: int, params: SamplingParams) -> None:
+    def _entries_per_token(self, num_logprobs: int | None) -> int:
+        """Logprob entries of one scored token for logprobs / prompt_logprobs = `num_logprobs`: the chosen
+        token and the top-N (-1: the whole vocabulary); 0 when off."""
+        if num_logprobs is None:
+            return 0
+        return (self.engine.vocab_size if num_logprobs == -1 else num_logprobs) + 1
+
+    def _prompt_entries(self, prepared: list[PreparedRequest], params: SamplingParams, copies: int) -> int:
+        """Prompt log-prob entries of a request: every prompt token but the first is scored, and the
+        response carries them `copies` times (each /v1/completions choice has its prompt's)."""
+        per_token = self._entries_per_token(params.prompt_logprobs)
+        return copies * per_token * sum(len(p.prompt_token_ids) - 1 for p in prepared)
+
+    def _check_volume(self, num_prompts: int, max_tokens: int, params: SamplingParams, prompt_entries: int = 0,
+                      prompt_param: str = "prompt_logprobs") -> None:
         """Refuse a request whose generated tokens (prompts x n x max_tokens, `max_tokens` summed over its
-        prompts) or logprob entries (that x (logprobs + 1)) pass the server's caps."""
+        prompts) or logprob entries (that x (logprobs + 1), plus `prompt_entries`) pass the server's caps."""
         config = self.config
         tokens = max_tokens * params.n
         shape = f"{num_prompts} prompt(s) x n={params.n} x max_tokens"
@@ -135,10 +149,37 @@ class Serving:
             raise ApiError(400, f"the request may generate {tokens} tokens ({shape}), more than "
                                 f"server.max_request_tokens={config.max_request_tokens}; lower n, max_tokens or the "
                                 f"number of prompts", "max_tokens")
-        if params.logprobs is not None and tokens * (params.logprobs + 1) > config.max_request_logprobs:
-            raise ApiError(400, f"the request may return {tokens * (params.logprobs + 1)} logprob entries ({shape} x "
-                                f"(logprobs={params.logprobs} + 1)), more than server.max_request_logprobs="
-                                f"{config.max_request_logprobs}; lower logprobs, n or max_tokens", "logprobs")
+        per_token = self._entries_per_token(params.logprobs)
+        entries = tokens * per_token + prompt_entries
+        if entries <= config.max_request_logprobs:
+            return
+        parts = []
+        if per_token:
+            parts.append(f"{tokens * per_token} for the generated tokens ({shape} x (logprobs={params.logprobs}"
+                         f"{' (the whole vocabulary)' if params.logprobs == -1 else ''} + 1))")
+        if prompt_entries:
+            parts.append(f"{prompt_entries} for the prompt tokens ((prompt tokens - 1) x (prompt_logprobs="
+                         f"{params.prompt_logprobs}{' (the whole vocabulary)' if params.prompt_logprobs == -1 else ''}"
+                         f" + 1))")
+        param = prompt_param if prompt_entries > config.max_request_logprobs or not per_token else "logprobs"
+        raise ApiError(400, f"the request may return {entries} logprob entries ({' + '.join(parts)}), more than "
+                            f"server.max_request_logprobs={config.max_request_logprobs}; lower {param}, n, "
+                            f"max_tokens or the prompts", param)
+
+    def _fit_implicit_max_tokens(self, prepared: list[PreparedRequest], params: SamplingParams,
+                                 prompt_entries: int) -> None:
+        """max_tokens not sent: lower each prompt's implicit max_tokens (the context left, or completions'
+        16) so the request fits the caps; those prompts end with finish_reason "length" there. Only a
+        request that passes them even at max(1, min_tokens) tokens per sequence is refused."""
+        config = self.config
+        sequences = len(prepared) * params.n
+        limit = config.max_request_tokens // sequences
+        per_token = self._entries_per_token(params.logprobs)
+        if per_token:
+            limit = min(limit, (config.max_request_logprobs - prompt_entries) // (sequences * per_token))
+        limit = max(limit, 1, params.min_tokens)  # past the caps even so: _check_volume refuses it
+        for p in prepared:
+            p.max_tokens = min(p.max_tokens, limit)
 
     def _check_prompt_chars(self, text: str, param: str) -> None:
         limit = self.tokens.max_prompt_chars if self.tokens is not None else None
@@ -154,8 +195,9 @@ class Serving:
         return encoded.token_ids
 
     async def _prepare(self, items: list[dict], params: SamplingParams, body: P.OpenAIRequest, request: Request,
-                       request_id: str, param: str) -> list[PreparedRequest]:
-        """engine.prepare_request for each tokenized prompt, in the thread pool; then the volume check."""
+                       request_id: str, param: str, implicit_max_tokens: bool) -> list[PreparedRequest]:
+        """engine.prepare_request for each tokenized prompt, in the thread pool; then the volume check
+        (`implicit_max_tokens`: the client sent none, so it is lowered to fit instead of refused)."""
         tenant = request.scope.get("jaxserve.tenant")
 
         def work() -> list[PreparedRequest]:
@@ -170,7 +212,13 @@ class Serving:
                 raise ApiError(400, message, "prompt" if found == "prompt_token_ids" else found) from None
 
         prepared = await asyncio.get_running_loop().run_in_executor(self.pool, work)
-        self._check_volume(len(prepared), sum(p.max_tokens for p in prepared), params)
+        # Each /v1/completions choice carries its prompt's log-probs; a chat response carries them once.
+        copies = params.n if param == "prompt" else 1
+        prompt_entries = self._prompt_entries(prepared, params, copies)
+        if implicit_max_tokens:
+            self._fit_implicit_max_tokens(prepared, params, prompt_entries)
+        self._check_volume(len(prepared), sum(p.max_tokens for p in prepared), params, prompt_entries,
+                           "prompt_logprobs" if body.prompt_logprobs is not None else "logprobs")
         return prepared
 
     async def _encode(self, prompt: str | list[int], add_special_tokens: bool) -> dict:
@@ -183,7 +231,7 @@ class Serving:
         try:
             encoded = await self.tokens.encode(prompt, add_special_tokens)
         except TokenizeError as err:
-            raise _tokenize_error(err, "prompt") from None
+            raise _tokenize_error(err, "prompt", self.config.retry_after_s) from None
         return {"prompt": prompt, "prompt_token_ids": self._checked(encoded, "prompt")}
 
     async def _collect(self, request: Request, group: RequestGroup) -> dict[int, RequestOutput] | None:
@@ -224,12 +272,14 @@ class Serving:
         prompts = body.prompts()
         self.bridge.check_admission(len(prompts))
         params = self._sampling_params(body)
-        self._check_volume(len(prompts), len(prompts) * params.max_tokens, params)  # before any tokenizing
+        if body.max_tokens is not None:  # before any tokenizing; else the implicit 16 is lowered to fit
+            self._check_volume(len(prompts), len(prompts) * params.max_tokens, params)
         add_special = body.add_special_tokens if body.add_special_tokens is not None else True
         items = await asyncio.gather(*(self._encode(p if isinstance(p, str) else p["prompt_token_ids"], add_special)
                                        for p in prompts))
         response_id, internal_id = self._ids("cmpl", body)
-        prepared = await self._prepare(list(items), params, body, request, internal_id, "prompt")
+        prepared = await self._prepare(list(items), params, body, request, internal_id, "prompt",
+                                       implicit_max_tokens=body.max_tokens is None)
         echoes = [await self._echo_text(p) for p in prepared] if body.echo else None
         group = self.bridge.submit(prepared)
         if body.stream:
@@ -263,7 +313,7 @@ class Serving:
         try:
             return await self.tokens.decode(prepared.prompt_token_ids, skip_special_tokens=False)
         except TokenizeError as err:
-            raise _tokenize_error(err, "prompt") from None
+            raise _tokenize_error(err, "prompt", self.config.retry_after_s) from None
 
     # ---- /v1/chat/completions ----
     async def _render(self, body: P.ChatCompletionRequest | P.TokenizeChatRequest) -> dict[str, Any]:
@@ -297,10 +347,11 @@ class Serving:
         try:
             encoded = await self.tokens.render_chat(**chat, add_special_tokens=bool(body.add_special_tokens))
         except TokenizeError as err:
-            raise _tokenize_error(err, "messages") from None
+            raise _tokenize_error(err, "messages", self.config.retry_after_s) from None
         item = {"prompt": encoded.prompt, "prompt_token_ids": self._checked(encoded, "messages")}
         response_id, internal_id = self._ids("chatcmpl", body)
-        prepared = await self._prepare([item], params, body, request, internal_id, "messages")
+        prepared = await self._prepare([item], params, body, request, internal_id, "messages",
+                                       implicit_max_tokens=params.max_tokens is None)
         group = self.bridge.submit(prepared)
         top_n = body.top_logprobs or 0
         if body.stream:
@@ -336,7 +387,8 @@ class Serving:
                 result = await self.tokens.tokenize_body(body.prompt, None, add_special_tokens=body.add_special_tokens,
                                                          return_token_strs=body.return_token_strs)
         except TokenizeError as err:
-            raise _tokenize_error(err, "messages" if isinstance(body, P.TokenizeChatRequest) else "prompt") from None
+            param = "messages" if isinstance(body, P.TokenizeChatRequest) else "prompt"
+            raise _tokenize_error(err, param, self.config.retry_after_s) from None
         return Response(result, media_type="application/json")
 
     async def detokenize(self, request: Request) -> Response:
@@ -350,16 +402,18 @@ class Serving:
         try:
             text = await self.tokens.decode(body.tokens, skip_special_tokens=False)
         except TokenizeError as err:
-            raise _tokenize_error(err, "tokens") from None
+            raise _tokenize_error(err, "tokens", self.config.retry_after_s) from None
         return Response(json.dumps({"prompt": text}), media_type="application/json")
 
 
 # ---- helpers ---------------------------------------------------------------------------------------------------
-def _tokenize_error(err: TokenizeError, param: str) -> ApiError:
+def _tokenize_error(err: TokenizeError, param: str, retry_after_s: int) -> ApiError:
     if err.kind == "template":
         return ApiError(400, f"the chat template failed: {err}", "messages")
     if err.kind == "value":
         return ApiError(400, str(err), param)
+    if err.kind == "unavailable":
+        return ApiError(503, str(err), headers={"Retry-After": str(retry_after_s)})
     return ApiError(500, f"tokenization failed: {err}")
 
 

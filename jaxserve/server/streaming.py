@@ -104,9 +104,8 @@ async def completion_stream(spec: StreamSpec, group: RequestGroup, echoes: list[
                         continue
                     text, new_logprobs = new
                     logprobs = None
-                    if new_logprobs is not None:
-                        start = offsets.get(index, len(echoes[prompt_index]) if echoes is not None else 0)
-                        logprobs, offsets[index] = completion_logprobs(new_logprobs, start,
+                    if new_logprobs is not None:  # (never with echo: protocol.py refuses stream + echo + logprobs)
+                        logprobs, offsets[index] = completion_logprobs(new_logprobs, offsets.get(index, 0),
                                                                        spec.token_ids_as_tokens)
                     yield chunk(P.CompletionChoice(index=index, text=text, logprobs=logprobs,
                                                    finish_reason=c.finish_reason, stop_reason=c.stop_reason),

@@ -8,9 +8,10 @@
 Frame (both directions): 8 bytes big-endian (header length, payload length), a UTF-8 JSON header, then
 the raw payload: UTF-8 text, or token ids as little-endian int32. JSON and raw bytes only, never pickle.
 
-encode: the text is the payload, or a chat rendered from header["messages"]. A text longer than
-max_model_len x L characters is refused unread ("value"); a prompt of max_model_len tokens or more comes
-back as its count alone, so the server never holds ids it would refuse. With reply "tokenize" the
+encode: the text is the payload, or a chat rendered from header["messages"], whose text contents are
+the payload's UTF-8 runs of header["contents"] bytes each (-1: the message keeps its own). A text
+longer than max_model_len x L characters is refused unread ("value"); a prompt of max_model_len tokens
+or more comes back as its count alone, so the server never holds ids it would refuse. With reply "tokenize" the
 payload is /tokenize's finished JSON body (every id), so the server does not serialise a long list.
 The worker ends when stdin closes (the server exited or closed the pool); it ignores SIGINT, which a
 terminal sends to the whole process group, and runs at a lower priority than the serving process.
@@ -82,8 +83,13 @@ class Worker:
             raise ValueError(f"unknown op {header['op']!r}")
         chat = "messages" in header
         if chat:
+            messages, offset = header["messages"], 0
+            for message, size in zip(messages, header["contents"], strict=True):
+                if size >= 0:
+                    message["content"] = payload[offset: offset + size].decode("utf-8", "surrogatepass")
+                    offset += size
             text = self.tokenizer.apply_chat_template(
-                header["messages"], add_generation_prompt=header["add_generation_prompt"],
+                messages, add_generation_prompt=header["add_generation_prompt"],
                 chat_template=header.get("chat_template"), continue_final_message=header["continue_final_message"],
                 **header.get("template_kwargs", {}))
         else:
