@@ -1,0 +1,193 @@
+"""The scheduler tests' harness: a fake runner that keeps the runner's side of the contract in
+`sched_types.py` (per-request state added on `new`, dropped on `finished_request_ids`, append-only
+block tables) and models the KV cache contents: each slot it writes holds (cache_salt, token prefix),
+and every position a scheduled request attends to must hold that request's own (salt, prefix). So a
+prefix-cache hit on a block whose K/V was never written, or a block reused while still in use, fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import zlib
+
+from jaxserve.config import SchedulerConfig
+from jaxserve.core.kv_cache_manager import NULL_BLOCK_ID, KVCacheManager
+from jaxserve.core.sched_types import RunnerOutput, SchedulerOutput
+from jaxserve.core.scheduler import RequestUpdate, Scheduler
+from jaxserve.request import Request, RequestStatus
+from jaxserve.sampling_params import SamplingParams
+
+SEED = b"\x05" * 32
+EOS = 2
+STOP_ID = 5
+TOKEN = 7  # a token that stops nothing
+
+
+def token_at(request_id: str, tokens: list[int]) -> int:
+    """A deterministic 'model': the next token depends only on the request and its position."""
+    return 10 + (zlib.crc32(request_id.encode()) + 3 * len(tokens)) % 50
+
+
+# ---------------------------------------------------------------- fake runner
+
+
+@dataclasses.dataclass
+class _RunnerState:
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    cache_salt: str | None
+
+
+class FakeRunner:
+    """The runner's side of the contract, with a model of what each KV slot holds."""
+
+    def __init__(self, scheduler: Scheduler, token_fn=token_at):
+        self.scheduler = scheduler
+        self.kv = scheduler.kv_cache
+        self.block_size = self.kv.block_size
+        self.token_fn = token_fn
+        self.states: dict[str, _RunnerState] = {}
+        self.slots: dict[int, tuple] = {}  # slot -> (salt, tuple(token prefix through that position))
+        self.row_owner: dict[int, str] = {}
+
+    def _slot(self, state: _RunnerState, position: int) -> int:
+        block_id = state.block_ids[position // self.block_size]
+        assert block_id != NULL_BLOCK_ID, "a request's block table holds the null block"
+        return block_id * self.block_size + position % self.block_size
+
+    @staticmethod
+    def _content(state: _RunnerState, position: int) -> tuple:
+        return state.cache_salt, tuple(state.token_ids[: position + 1])
+
+    def execute(self, out: SchedulerOutput, tokens=None) -> RunnerOutput:
+        """Runs one step; `tokens` (a list) gives the sampled tokens in order, else token_fn decides."""
+        for request_id in out.finished_request_ids:
+            self.states.pop(request_id, None)
+        rows = out.all_rows()
+        assert len({item.request_id for item in rows}) == len(rows), "a request scheduled twice"
+        assert len({item.row for item in rows}) == len(rows), "two requests share a runner row"
+        assert out.num_scheduled_tokens == sum(item.num_new_tokens for item in rows)
+        steps = []
+        for item in rows:
+            request = self.scheduler.requests[item.request_id]
+            assert item.row == request.row and 0 <= item.row < self.scheduler.config.max_num_seqs
+            if item.new is not None:
+                self.row_owner[item.row] = item.request_id
+            assert self.row_owner.get(item.row) == item.request_id, f"row {item.row} changed owner without `new`"
+            state = self.states.get(item.request_id)
+            if state is None:
+                assert item.new is not None, f"{item.request_id}: runner has no state but `new` is not set"
+                assert item.new.all_token_ids == request.all_token_ids
+                assert item.new.num_prompt_tokens == request.num_prompt_tokens
+                assert item.num_computed_tokens % self.block_size == 0, "prefix hits are whole blocks"
+                state = _RunnerState(list(item.new.all_token_ids), [], item.num_computed_tokens, request.cache_salt)
+                self.states[item.request_id] = state
+            else:
+                assert item.new is None, f"{item.request_id}: `new` sent again without a preemption"
+                assert item.num_computed_tokens == state.num_computed_tokens, (
+                    f"{item.request_id}: scheduled from position {item.num_computed_tokens}, runner is at "
+                    f"{state.num_computed_tokens}")
+            state.block_ids += item.new_block_ids
+            assert state.block_ids == self.kv.get_block_ids(item.request_id), "block table is not append-only"
+            end = item.num_computed_tokens + item.num_new_tokens
+            assert item.num_new_tokens >= 1
+            assert end <= len(state.token_ids), "scheduled past the known tokens"
+            assert len(state.block_ids) * self.block_size >= end, "too few blocks for the step's tokens"
+            assert item.samples == (end == len(state.token_ids))
+            steps.append((item, state, end))
+        for item, state, end in steps:  # every K/V write of the step lands before any read (as in the model)
+            for position in range(item.num_computed_tokens, end):
+                self.slots[self._slot(state, position)] = self._content(state, position)
+        for item, state, end in steps:
+            for position in range(end):
+                held = self.slots.get(self._slot(state, position))
+                assert held == self._content(state, position), (
+                    f"{item.request_id} reads position {position} from block "
+                    f"{state.block_ids[position // self.block_size]}, which holds "
+                    f"{'nothing (never written)' if held is None else 'another sequence'}")
+            state.num_computed_tokens = end
+        request_ids, sampled = [], []
+        for item, state, _ in steps:
+            if item.samples:
+                token = tokens[len(sampled) % len(tokens)] if tokens else self.token_fn(item.request_id,
+                                                                                           state.token_ids)
+                state.token_ids.append(token)
+                request_ids.append(item.request_id)
+                sampled.append(token)
+        return RunnerOutput(request_ids, sampled)
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_model_len: int = 128, caching: bool = True,
+                   max_prompt_logprob_rows: int = 512, **config) -> Scheduler:
+    kv = KVCacheManager(num_blocks, block_size, enable_caching=caching, hash_seed=SEED)
+    return Scheduler(SchedulerConfig(**config), kv, max_model_len, max_prompt_logprob_rows=max_prompt_logprob_rows)
+
+
+_arrivals = itertools.count()
+_prompt_starts = itertools.count(1000, 1000)  # int prompts never share a prefix by accident
+
+
+def make_request(request_id: str, prompt, *, max_tokens: int = 8, priority: int = 0, arrival: float | None = None,
+                 cache_salt: str | None = None, eos=(EOS,), **params) -> Request:
+    if isinstance(prompt, int):
+        start = next(_prompt_starts)
+        prompt = list(range(start, start + prompt))
+    prompt = list(prompt)
+    return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, **params), eos_token_ids=eos,
+                   max_tokens=max_tokens, arrival_time=float(next(_arrivals) if arrival is None else arrival),
+                   priority=priority, cache_salt=cache_salt)
+
+
+class Driver:
+    """Scheduler + fake runner; step() is what the engine does (non-overlap)."""
+
+    def __init__(self, scheduler: Scheduler, token_fn=token_at):
+        self.scheduler = scheduler
+        self.runner = FakeRunner(scheduler, token_fn)
+        self.outputs: list[SchedulerOutput] = []
+        self.finished: dict[str, RequestUpdate] = {}
+
+    def add(self, *requests: Request) -> None:
+        for request in requests:
+            self.scheduler.add_request(request)
+
+    def step(self) -> SchedulerOutput:
+        out = self.scheduler.schedule()
+        for item in out.all_rows():
+            assert self.scheduler.requests[item.request_id].status == RequestStatus.RUNNING
+        updates = self.scheduler.update_from_output(out, self.runner.execute(out))
+        for update in updates:
+            if update.finish_status is not None:
+                assert update.request_id not in self.finished
+                self.finished[update.request_id] = update
+        self.outputs.append(out)
+        return out
+
+    def step_while(self, condition, max_steps: int = 50) -> SchedulerOutput | None:
+        """Steps while condition() holds (at most max_steps); returns the last step's output."""
+        out = None
+        for _ in range(max_steps):
+            if not condition():
+                return out
+            out = self.step()
+        raise AssertionError(f"still {condition.__doc__ or 'going'} after {max_steps} steps: {self.scheduler.requests}")
+
+    def run(self, max_steps: int = 500) -> None:
+        for _ in range(max_steps):
+            if not self.scheduler.has_unfinished_requests():
+                return
+            self.step()
+        raise AssertionError(f"requests still unfinished after {max_steps} steps: {self.scheduler.requests}")
+
+
+def scheduled_tokens(out: SchedulerOutput) -> dict[str, int]:
+    return {item.request_id: item.num_new_tokens for item in out.all_rows()}
+
+
+def item_of(out: SchedulerOutput, request_id: str):
+    return next(item for item in out.all_rows() if item.request_id == request_id)
