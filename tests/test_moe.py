@@ -32,6 +32,7 @@ from jaxserve.models.registry import UnsupportedModelError
 from tests import reference_generate
 from tests.conftest import HF_FIXTURES, HF_NAMES
 from tests.test_sharding import STEP, hf_engine_tokens, place_params, small_batch, tp
+from tests.test_loader import assert_params_equal, edit_config, edit_tensors
 
 MIXTRAL, QWEN2_MOE, QWEN3_MOE = "mixtral_8x2_untied", "qwen2_moe_8x4_shared", "qwen3_moe_8x2_sparse2"
 
@@ -149,24 +150,6 @@ def copy_fixture(tmp_path, name=MIXTRAL):
     dst = tmp_path / name
     shutil.copytree(HF_FIXTURES / name, dst)
     return dst
-
-
-def edit_config(path, **changes):
-    cfg = json.loads((path / "config.json").read_text())
-    cfg.update(changes)
-    (path / "config.json").write_text(json.dumps(cfg))
-
-
-def edit_tensors(path, fn):
-    tensors = load_file(path / "model.safetensors")
-    fn(tensors)
-    save_file(tensors, path / "model.safetensors")
-
-
-def assert_params_equal(a, b):
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def fuse_experts(tensors: dict, cfg: llama.LlamaConfig) -> None:
