@@ -9,6 +9,7 @@ tokenized (in the worker processes) before their token count refuses them.
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 import socket
@@ -108,6 +109,20 @@ def assert_not_stalled(server, requests: list[bytes]) -> list[tuple[int, dict]]:
     issue (a server that tokenizes in its own process stalls for seconds here), not a speed measure. Up to
     three tries: a busy moment on a shared 2-core machine can slow one, while a stalling server fails all."""
     measured = []
+    # The watchers run in this test process, whose heap holds every earlier test's objects: a garbage
+    # collection there would pause them and show up as a server stall. Freeze the heap and collect
+    # nothing while they watch.
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        return _watched(server, requests, measured)
+    finally:
+        gc.enable()
+        gc.unfreeze()
+
+
+def _watched(server, requests: list[bytes], measured: list[str]) -> list[tuple[int, dict]]:
     for _ in range(3):
         stop = threading.Event()
         seen = watch(server.url, stop)
