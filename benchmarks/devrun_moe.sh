@@ -1,19 +1,21 @@
-# Mixture-of-experts figures in one call on an H200 (under 9 minutes); the table is printed last.
-#   bash benchmarks/devrun_moe.sh                          on the device
-#   SMOKE=1 PYTHON=/path/to/python bash benchmarks/devrun_moe.sh    the same plumbing on a CPU: the tiny
-#       Qwen3-MoE fixture (tests/fixtures/hf/qwen3_moe_8x2_sparse2) and a dense Qwen3 fixture, float32,
-#       a few tokens; the grouped GEMM step only imports its script
-# Steps, each with its own timeout and never past DEADLINE (default 565 s), logged under $OUT/work:
-#   1. `jaxserve bench latency`, --precompile false (only the shapes a run uses compile, on first use),
-#      MoE (configs/qwen3-30b-a3b-dummy.yaml) then its dense peer of equal active parameters
-#      (configs/qwen3-30b-a3b-dense-peer-dummy.yaml): batch 1 (128 in, 128 out) and batch 64 (512 in,
-#      64 out). Each model's later runs find the earlier ones' executables in the persistent cache.
-#   2. benchmarks/grouped_gemm.py (no dense einsum): the down projection at 1, 64, 4096 and 8 tokens,
-#      then gate/up at 4096 (each line is printed as it is measured: a timeout keeps what ran)
-#   3. `jaxserve bench throughput` on both, TPUT_N prompts (default 200) of 1024 in / 256 out, dense
-#      peer first; skipped when less than 120 s is left
-#   4. the table (benchmarks/moe_summary.py) to stdout and $OUT/summary.txt, $OUT/summary.json; every
-#      log and report in $OUT/moe_logs.tar.gz (the device tool returns at most 8 files)
+# Mixture-of-experts figures on an H200, each mode one call under 9 minutes; the table is printed last.
+#   bash benchmarks/devrun_moe.sh [latency|gemm|throughput]     on the device (default: latency)
+#   SMOKE=1 PYTHON=/path/to/python bash benchmarks/devrun_moe.sh [MODE]    the same plumbing on a CPU: the
+#       tiny Qwen3-MoE fixture (tests/fixtures/hf/qwen3_moe_8x2_sparse2) and a dense Qwen3 fixture,
+#       float32, a few tokens; the grouped GEMM step only imports its script
+# Modes (steps logged under $OUT/work, each under its own timeout and never past DEADLINE, 565 s):
+#   latency     `jaxserve bench latency --precompile false` (only the shapes a run uses compile, on
+#               first use; each model's later runs find them in the persistent cache), the MoE
+#               (configs/qwen3-30b-a3b-dummy.yaml) then its dense peer of equal active parameters
+#               (configs/qwen3-30b-a3b-dense-peer-dummy.yaml): batch 1 (128 in, 128 out), batch 64
+#               (512 in, 64 out); about 6 minutes, most of it compiling the 48-layer MoE's shapes;
+#               then the down projection's decode shapes (grouped GEMM, 1 and 64 tokens) if time is left
+#   gemm        benchmarks/grouped_gemm.py without the dense einsum: both projections at 4096 tokens
+#               (about 3 minutes, XLA's ragged_dot compiles slowly there), then down at 1, 8, 64 tokens
+#   throughput  `jaxserve bench throughput`, TPUT_N prompts (default 200) of 1024 in / 256 out, dense
+#               peer first (the MoE compiles ~8 shapes of ~25 s each on a cold cache)
+# Then the table (benchmarks/moe_summary.py) to stdout and $OUT/summary.txt, $OUT/summary.json, and every
+# log and report in $OUT/moe_logs.tar.gz (the device tool returns at most 8 files).
 set -o pipefail
 OUT=${OUT:-/tmp/devrun_moe}
 PY=${PYTHON:-python3}
@@ -51,25 +53,38 @@ run() {
   grep -E "^Decode:|^steady decode|^roofline|^experts:|^Throughput|^compiled|^(down|gate_up) +T=" "$W/$name.log" | sed 's/^/   /'
 }
 
-run moe_b1 150 300 $BENCH latency $MOE $COMMON --batch-size 1 $B1 --num-iters-warmup 1 --num-iters 2 \
-  --output-json $W/moe_b1.json
-run dense_b1 60 10 $BENCH latency $DENSE $COMMON --batch-size 1 $B1 --num-iters-warmup 1 --num-iters 2 \
-  --output-json $W/dense_b1.json
-run moe_b64 170 10 $BENCH latency $MOE $COMMON $B64 --num-iters-warmup 1 --num-iters 1 --output-json $W/moe_b64.json
-run dense_b64 60 10 $BENCH latency $DENSE $COMMON $B64 --num-iters-warmup 1 --num-iters 1 \
-  --output-json $W/dense_b64.json
-if [ -n "${SMOKE:-}" ]; then
-  run gemm_down 60 0 $PY -c "import benchmarks.grouped_gemm as g; print(g.PROJ, 'gate_up' in g.PROJ and 'down' in g.PROJ)"
-else
-  run gemm_down 75 10 $PY benchmarks/grouped_gemm.py --proj down --tokens 1 64 4096 8 --no-dense
-  run gemm_gate_up 45 10 $PY benchmarks/grouped_gemm.py --proj gate_up --tokens 4096 --no-dense
-fi
-if [ "$(left)" -ge 120 ]; then
-  run dense_tput 60 60 $BENCH throughput $DENSE $COMMON --num-prompts $TPUT_N $TPUT --output-json $W/dense_tput.json
-  run moe_tput 240 5 $BENCH throughput $MOE $COMMON --num-prompts $TPUT_N $TPUT --output-json $W/moe_tput.json
-else
-  echo "== ${SECONDS}s: throughput skipped ($(left) s left, 120 needed)"
-fi
+gemm() {  # NAME MAX_S ARGS...: benchmarks/grouped_gemm.py (only imported in SMOKE mode)
+  local name=$1 max=$2; shift 2
+  if [ -n "${SMOKE:-}" ]; then
+    run "$name" 60 0 $PY -c "import benchmarks.grouped_gemm as g; assert {'gate_up', 'down'} <= set(g.PROJ)"
+  else
+    run "$name" "$max" 10 $PY benchmarks/grouped_gemm.py --no-dense "$@"
+  fi
+}
+case "${1:-latency}" in
+latency)
+  run moe_b1 150 300 $BENCH latency $MOE $COMMON --batch-size 1 $B1 --num-iters-warmup 1 --num-iters 2 \
+    --output-json $W/moe_b1.json
+  run dense_b1 60 10 $BENCH latency $DENSE $COMMON --batch-size 1 $B1 --num-iters-warmup 1 --num-iters 2 \
+    --output-json $W/dense_b1.json
+  run moe_b64 170 10 $BENCH latency $MOE $COMMON $B64 --num-iters-warmup 1 --num-iters 1 \
+    --output-json $W/moe_b64.json
+  run dense_b64 60 10 $BENCH latency $DENSE $COMMON $B64 --num-iters-warmup 1 --num-iters 1 \
+    --output-json $W/dense_b64.json
+  gemm gemm_down 120 --proj down --tokens 1 64
+  ;;
+gemm)
+  gemm gemm_4096 300 --proj down gate_up --tokens 4096
+  gemm gemm_down 200 --proj down --tokens 1 8 64
+  ;;
+throughput)
+  run dense_tput 120 10 $BENCH throughput $DENSE $COMMON --num-prompts $TPUT_N $TPUT --output-json $W/dense_tput.json
+  run moe_tput 420 5 $BENCH throughput $MOE $COMMON --num-prompts $TPUT_N $TPUT --output-json $W/moe_tput.json
+  ;;
+*)
+  echo "unknown mode ${1}: latency, gemm or throughput"; exit 2
+  ;;
+esac
 echo "== ${SECONDS}s: done"
 tar -czf "$OUT/moe_logs.tar.gz" -C "$OUT" work
 $PY benchmarks/moe_summary.py "$W" --tput-label "$TPUT_N prompts, $TPUT" --json "$OUT/summary.json" | tee "$OUT/summary.txt"
