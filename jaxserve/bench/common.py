@@ -13,10 +13,18 @@ engine's StepStats (time.perf_counter()); only differences within one clock are 
     device time of step k = done_t[k] - max(dispatch_t[k], done_t[k-1]); idle share: device_idle_share
 
 Roofline of a memory-bound decode step on one H200 (HBM copy bandwidth measured at 4.3e12 B/s):
-    bytes per step     = W + B * C * kv_bytes_per_token
-    W                  = bytes of all weights (the embedding table included, as the decode targets
-                         count them, though a step only gathers B of its rows: ~6% of W for the
-                         Llama-3-8B shape)
+    bytes per step     = W_read + B * C * kv_bytes_per_token
+    W_read             = bytes of the weights a step reads: all of them for a dense model (the
+                         embedding table included, as the decode targets count them, though a step
+                         only gathers B of its rows: ~6% of W for the Llama-3-8B shape); for a
+                         mixture of experts, every non-expert weight (attention, router, embedding,
+                         dense layers) plus, per MoE layer, the expected distinct experts touched x
+                         one routed expert's bytes (its gate, up and down projections)
+    experts touched    = E * (1 - (1 - k / E)^B) per MoE layer, for B rows each routed to top-k of
+                         E experts: exactly k at B = 1, all E for large B. It assumes uniform,
+                         independent routing (random dummy weights route near-uniformly; a trained
+                         router's skew touches fewer); padding rows of a bucket above B are routed
+                         too and are not counted
     kv_bytes_per_token = num_layers * 2 (K and V) * num_kv_heads * head_dim * dtype bytes
     roofline tokens/s  = B / (bytes per step / 4.3e12)
 with B the decode rows per step and C the mean context (prompt + half the output) over the run.
@@ -39,7 +47,7 @@ from tqdm import tqdm
 from jaxserve.cli import DEFAULT_CONFIG
 from jaxserve.config import EngineConfig, load_config
 from jaxserve.engine import Engine
-from jaxserve.models import registry
+from jaxserve.models import moe, registry
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.step_stats import StepStats, device_idle_share
@@ -228,16 +236,48 @@ def step_report(runs: list[list[StepStats]]) -> dict[str, Any]:
     }
 
 
+def expected_experts_touched(num_experts: int, top_k: int, rows: float) -> float:
+    """Expected distinct experts that `rows` token rows touch in one MoE layer when each row picks top_k
+    of num_experts uniformly at random: E * (1 - (1 - k / E)^B), exactly top_k for one row."""
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** rows)
+
+
+def _weight_bytes(cfg) -> tuple[int, int]:
+    """(bytes of all weights, bytes of the routed experts' weights among them). Routed expert tensors
+    are the MoE layers' parameters whose first axis is the experts (moe.AXES)."""
+    abstract_params = registry.family_of(cfg).abstract(cfg)
+    total = expert = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params)[0]:
+        nbytes = leaf.size * leaf.dtype.itemsize
+        total += nbytes
+        name = getattr(path[-1], "key", None)
+        if name in moe.AXES and moe.AXES[name][0] == "experts":
+            expert += nbytes
+    return total, expert
+
+
 def roofline(cfg, batch: float, mean_context: float, num_devices: int = 1,
              bandwidth: float = HBM_BYTES_PER_S) -> dict[str, float]:
-    """Decode tokens/s if a step only had to read the weights and the batch's KV once (module docstring).
-    Under tensor parallelism each of the `num_devices` devices reads its share at its own bandwidth."""
+    """Decode tokens/s if a step only had to read the weights it uses and the batch's KV once (module
+    docstring). Under tensor parallelism each of the `num_devices` devices reads its share at its own
+    bandwidth."""
     bandwidth = bandwidth * num_devices
-    abstract_params = registry.family_of(cfg).abstract(cfg)
-    weight_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(abstract_params))
+    weight_bytes, expert_bytes = _weight_bytes(cfg)
+    spec = getattr(cfg, "moe", None)
+    report: dict[str, float] = {}
+    read_bytes = weight_bytes
+    if spec is not None:
+        layers = len(spec.sparse_layers)
+        one_expert = expert_bytes / (layers * spec.num_experts)
+        touched = expected_experts_touched(spec.num_experts, spec.top_k, batch)
+        touched_bytes = layers * touched * one_expert
+        read_bytes = weight_bytes - expert_bytes + touched_bytes
+        report = {"expert_bytes": expert_bytes, "one_expert_bytes": one_expert, "experts_touched_per_layer": touched,
+                  "touched_expert_bytes": touched_bytes}
     kv_bytes_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * np.dtype(cfg.jnp_dtype).itemsize
-    step_bytes = weight_bytes + batch * mean_context * kv_bytes_per_token
+    step_bytes = read_bytes + batch * mean_context * kv_bytes_per_token
     return {"batch": batch, "mean_context": mean_context, "weight_bytes": weight_bytes,
+            "read_weight_bytes": read_bytes, **report,
             "kv_bytes_per_token": kv_bytes_per_token, "bytes_per_step": step_bytes,
             "bandwidth_bytes_per_s": bandwidth, "tokens_per_s": batch * bandwidth / step_bytes}
 
@@ -274,6 +314,10 @@ def print_report(report: dict[str, Any]) -> None:
     print(f"compiled shapes: {engine['num_compiled']}  start-up compile: {engine['startup_compile_s']:.1f} s  "
           f"(engine init {engine['engine_init_s']:.1f} s, {engine['device']}, {engine['attention_backend']})")
     roof = report["roofline"]
+    if "touched_expert_bytes" in roof:
+        print(f"experts: {roof['experts_touched_per_layer']:.1f} touched per MoE layer (uniform routing), "
+              f"{roof['touched_expert_bytes'] / 1e9:.2f} of {roof['expert_bytes'] / 1e9:.2f} GB of expert weights; "
+              f"{roof['read_weight_bytes'] / 1e9:.2f} GB of weights read per step")
     print(f"roofline (B={roof['batch']:.1f}, mean context {roof['mean_context']:.0f}, "
           f"{roof['bytes_per_step'] / 1e9:.2f} GB/step at {roof['bandwidth_bytes_per_s'] / 1e12:.1f} TB/s): "
           f"{roof['tokens_per_s']:.1f} tokens/s; measured share "

@@ -1,0 +1,91 @@
+# Mixture-of-experts figures on an H200, each mode one call under 9 minutes; the table is printed last.
+#   bash benchmarks/devrun_moe.sh [latency|gemm|throughput]     on the device (default: latency)
+#   SMOKE=1 PYTHON=/path/to/python bash benchmarks/devrun_moe.sh [MODE]    the same plumbing on a CPU: the
+#       tiny Qwen3-MoE fixture (tests/fixtures/hf/qwen3_moe_8x2_sparse2) and a dense Qwen3 fixture,
+#       float32, a few tokens; the grouped GEMM step only imports its script
+# Modes (steps logged under $OUT/work, each under its own timeout and never past DEADLINE, 565 s):
+#   latency     `jaxserve bench latency --precompile false` (only the shapes a run uses compile, on
+#               first use; each model's later runs find them in the persistent cache), the MoE
+#               (configs/qwen3-30b-a3b-dummy.yaml) then its dense peer of equal active parameters
+#               (configs/qwen3-30b-a3b-dense-peer-dummy.yaml): batch 1 (128 in, 128 out), batch 64
+#               (512 in, 64 out); about 6 minutes, most of it compiling the 48-layer MoE's shapes;
+#               then the down projection's decode shapes (grouped GEMM, 1 and 64 tokens) if time is left
+#   gemm        benchmarks/grouped_gemm.py without the dense einsum: both projections at 4096 tokens
+#               (about 3 minutes, XLA's ragged_dot compiles slowly there), then down at 1, 8, 64 tokens
+#   throughput  `jaxserve bench throughput`, TPUT_N prompts (default 200) of 1024 in / 256 out, dense
+#               peer first (the MoE compiles ~8 shapes of ~25 s each on a cold cache)
+# Then the table (benchmarks/moe_summary.py) to stdout and $OUT/summary.txt, $OUT/summary.json, and every
+# log and report in $OUT/moe_logs.tar.gz (the device tool returns at most 8 files).
+set -o pipefail
+OUT=${OUT:-/tmp/devrun_moe}
+PY=${PYTHON:-python3}
+W=$OUT/work
+mkdir -p "$W"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+DEADLINE=${DEADLINE:-565}
+TPUT_N=${TPUT_N:-200}
+if [ -n "${SMOKE:-}" ]; then
+  MOE="--config configs/qwen3-30b-a3b-dummy.yaml --model tests/fixtures/hf/qwen3_moe_8x2_sparse2 --dtype float32
+    --max-model-len 256"
+  DENSE="--config configs/qwen3-30b-a3b-dense-peer-dummy.yaml --model tests/fixtures/hf/qwen3_gqa4_tied
+    --dtype float32 --max-model-len 256"
+  B1="--input-len 8 --output-len 8" B64="--batch-size 8 --input-len 16 --output-len 8" TPUT="--input-len 32 --output-len 8"
+  TPUT_N=8
+else
+  MOE="--config configs/qwen3-30b-a3b-dummy.yaml" DENSE="--config configs/qwen3-30b-a3b-dense-peer-dummy.yaml"
+  B1="--input-len 128 --output-len 128" B64="--batch-size 64 --input-len 512 --output-len 64"
+  TPUT="--input-len 1024 --output-len 256"
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.total --format=csv,noheader
+fi
+BENCH="$PY -m jaxserve.cli bench"
+COMMON="--disable-tqdm --precompile false"
+left() { echo $((DEADLINE - SECONDS - ${1:-0})); }  # seconds to the deadline, less $1 kept in reserve
+limit() { local t; t=$(left "$1"); echo $((t > 1 ? t : 1)); }  # a timeout (`timeout 0` would mean none)
+# run NAME MAX_S RESERVE_S CMD...: at most MAX_S, and never into the last RESERVE_S before the deadline
+run() {
+  local name=$1 max=$2 reserve=$3 t; shift 3
+  t=$(limit "$reserve"); t=$((t < max ? t : max))
+  if [ "$t" -lt 20 ]; then echo "== ${SECONDS}s: $name skipped (no time left)"; return; fi
+  echo "== ${SECONDS}s: $name (timeout ${t}s)"
+  timeout "$t" "$@" > "$W/$name.log" 2>&1
+  local rc=$?
+  [ $rc -eq 0 ] || { echo "   rc $rc"; tail -4 "$W/$name.log"; }
+  grep -E "^Decode:|^steady decode|^roofline|^experts:|^Throughput|^compiled|^(down|gate_up) +T=" "$W/$name.log" | sed 's/^/   /'
+}
+
+gemm() {  # NAME MAX_S ARGS...: benchmarks/grouped_gemm.py (only imported in SMOKE mode)
+  local name=$1 max=$2; shift 2
+  if [ -n "${SMOKE:-}" ]; then
+    run "$name" 60 0 $PY -c "import benchmarks.grouped_gemm as g; assert {'gate_up', 'down'} <= set(g.PROJ)"
+  else
+    run "$name" "$max" 10 $PY benchmarks/grouped_gemm.py --no-dense "$@"
+  fi
+}
+case "${1:-latency}" in
+latency)
+  run moe_b1 150 300 $BENCH latency $MOE $COMMON --batch-size 1 $B1 --num-iters-warmup 1 --num-iters 2 \
+    --output-json $W/moe_b1.json
+  run dense_b1 60 10 $BENCH latency $DENSE $COMMON --batch-size 1 $B1 --num-iters-warmup 1 --num-iters 2 \
+    --output-json $W/dense_b1.json
+  run moe_b64 170 10 $BENCH latency $MOE $COMMON $B64 --num-iters-warmup 1 --num-iters 1 \
+    --output-json $W/moe_b64.json
+  run dense_b64 60 10 $BENCH latency $DENSE $COMMON $B64 --num-iters-warmup 1 --num-iters 1 \
+    --output-json $W/dense_b64.json
+  gemm gemm_down 120 --proj down --tokens 1 64
+  ;;
+gemm)
+  gemm gemm_4096 300 --proj down gate_up --tokens 4096
+  gemm gemm_down 200 --proj down --tokens 1 8 64
+  ;;
+throughput)
+  run dense_tput 120 10 $BENCH throughput $DENSE $COMMON --num-prompts $TPUT_N $TPUT --output-json $W/dense_tput.json
+  run moe_tput 420 5 $BENCH throughput $MOE $COMMON --num-prompts $TPUT_N $TPUT --output-json $W/moe_tput.json
+  ;;
+*)
+  echo "unknown mode ${1}: latency, gemm or throughput"; exit 2
+  ;;
+esac
+echo "== ${SECONDS}s: done"
+tar -czf "$OUT/moe_logs.tar.gz" -C "$OUT" work
+$PY benchmarks/moe_summary.py "$W" --tput-label "$TPUT_N prompts, $TPUT" --json "$OUT/summary.json" | tee "$OUT/summary.txt"
+rm -rf "$W"
