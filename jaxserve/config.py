@@ -182,6 +182,7 @@ class RunnerConfig:
 
 
 ALL_REDUCE_MODES = ("auto", "xla", "one_shot")
+EXPERT_DISPATCH_MODES = ("auto", "allgather", "all_to_all")  # sharding/expert_parallel's paths A and B
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,6 +192,12 @@ class ParallelConfig:
 
     data: int = 1  # data-parallel engine replicas, on disjoint device groups
     model: int = 1  # tensor-parallel devices per replica (must divide the model's attention heads)
+    # Expert parallelism: a replica spans expert x model devices; MoE layers shard their experts over the
+    # `expert` axis, attention and dense layers run data-parallel over it (each shard its own requests and KV
+    # cache; scheduler.max_num_seqs and max_num_batched_tokens are per shard). MoE models only.
+    expert: int = 1
+    num_redundant_experts: int = 0  # extra expert slots (copies of hot experts), rounded up to fill the devices
+    expert_dispatch: str = "auto"  # auto (by the step's size) | allgather | all_to_all: how MoE tokens travel
     coordinator_address: str | None = None  # "host:port" of process 0, when num_processes > 1
     num_processes: int = 1  # processes (hosts) running the same program
     process_id: int = 0  # this process; 0 schedules and the others follow its steps
@@ -202,7 +209,16 @@ class ParallelConfig:
         _check_fields(self, "parallel")
         if self.all_reduce not in ALL_REDUCE_MODES:
             raise ValueError(f"parallel.all_reduce must be one of {ALL_REDUCE_MODES}, got {self.all_reduce!r}")
-        for name in ("data", "model", "num_processes"):
+        if self.expert_dispatch not in EXPERT_DISPATCH_MODES:
+            raise ValueError(f"parallel.expert_dispatch must be one of {EXPERT_DISPATCH_MODES}, "
+                             f"got {self.expert_dispatch!r}")
+        if self.num_redundant_experts < 0:
+            raise ValueError(f"parallel.num_redundant_experts must be >= 0, got {self.num_redundant_experts}")
+        if self.expert > 1 and self.num_processes > 1:
+            raise ValueError("parallel.expert > 1 runs in one process; set parallel.num_processes to 1")
+        if self.expert > 1 and self.all_reduce == "one_shot":
+            raise ValueError("parallel.all_reduce=one_shot is not supported with parallel.expert > 1; use auto or xla")
+        for name in ("data", "model", "expert", "num_processes"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if not isinstance(self.process_id, int) or not 0 <= self.process_id < self.num_processes:

@@ -55,13 +55,14 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxserve.core.eplb import Placement
+from sharding.mesh import EXPERT_AXIS
 from sharding.ragged_all_to_all import ragged_all_to_all
 
-EXPERT_AXIS = "expert"
 ALLGATHER = "allgather"
 ALL_TO_ALL = "all_to_all"
 PATHS = (ALLGATHER, ALL_TO_ALL)
@@ -74,9 +75,40 @@ ExpertFn = Callable[[jax.Array, jax.Array, Any], jax.Array]
 jax.tree_util.register_dataclass(
     Placement, data_fields=["phys_to_logical", "logical_to_phys", "logical_count"], meta_fields=["num_devices"])
 
-__all__ = ["ALLGATHER", "ALL_TO_ALL", "EXPERT_AXIS", "EPOutput", "ExpertParallel", "Placement", "capacity_rows",
+__all__ = ["ALLGATHER", "ALL_TO_ALL", "EXPERT_AXIS", "EPOutput", "ExpertParallel", "ExpertSharding", "Placement",
+           "capacity_rows",
            "choose_path", "choose_replica", "count_load", "ep_moe", "ep_moe_all_to_all", "ep_moe_allgather",
            "source_slots"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertSharding:
+    """How an engine's step runs its MoE layers over the expert axis (sharding.TensorParallel.expert; static,
+    hashable). `dispatch`: "auto" (choose_path on the step's static shapes), ALLGATHER or ALL_TO_ALL.
+    `num_redundant`: slots beyond one per expert (rounded up to a multiple of the expert devices), which the
+    default placement fills with copies of experts 0, 1, ... and a rebalance gives to hot experts."""
+
+    num_redundant: int = 0
+    dispatch: str = "auto"
+    axis: str = EXPERT_AXIS
+
+    def __post_init__(self):
+        if self.dispatch not in ("auto", *PATHS):
+            raise ValueError(f"parallel.expert_dispatch={self.dispatch!r}: use auto, {ALLGATHER} or {ALL_TO_ALL}")
+        if self.num_redundant < 0:
+            raise ValueError(f"parallel.num_redundant_experts must be >= 0, got {self.num_redundant}")
+
+    @property
+    def path(self) -> str | None:
+        return None if self.dispatch == "auto" else self.dispatch
+
+    def default_placement(self, num_layers: int, num_experts: int, num_devices: int) -> Placement:
+        return Placement.default(num_layers, num_experts, num_devices, self.num_redundant)
+
+    def slot_experts(self, num_experts: int, num_devices: int) -> np.ndarray:
+        """[num_slots]: the logical expert in each physical slot of the default placement (the layout the
+        loader places expert weights in)."""
+        return self.default_placement(1, num_experts, num_devices).phys_to_logical[0]
 
 
 class EPOutput(NamedTuple):
