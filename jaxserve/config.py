@@ -303,11 +303,32 @@ NOT_SUPPORTED = {
     "kv_cache_dtype": (("auto", None), str | None, "is not supported yet: the KV cache has the model's dtype"),
     "quantization": ((None,), str | None, "is not supported yet: weights load in model.dtype"),
     "speculative_config": ((None,), dict | None, "is not supported yet: there is no speculative decoding"),
-    "enable_expert_parallel": ((False,), bool, "is not supported yet"),
     "pipeline_parallel_size": ((1,), int, "is not supported yet: use tensor_parallel_size to spread a model"),
     "trust_remote_code": ((False,), bool, "is refused: jaxserve never runs code from a checkpoint (auto_map); "
                                           "it runs the architectures it implements (README: Checkpoints)"),
 }
+
+
+# vLLM's switches that set other fields (applied after every other override): name -> (annotation, help)
+VLLM_SWITCHES = {
+    "enable_expert_parallel": (bool, "vLLM's switch: true turns data_parallel_size ranks into parallel.expert shards"),
+}
+
+
+def enable_expert_parallel(config: EngineConfig, value: bool) -> EngineConfig:
+    """vLLM's enable_expert_parallel: its data-parallel ranks run attention on their own requests and share
+    the MoE layers' experts, which is jaxserve's parallel.expert (one engine, expert x model devices). True
+    moves parallel.data into parallel.expert (unless parallel.expert is set already)."""
+    check_type("enable_expert_parallel", value, bool)
+    parallel = config.parallel
+    if not value or parallel.expert > 1:
+        return config
+    if parallel.data == 1:
+        raise ValueError("enable_expert_parallel=True with data_parallel_size=1: jaxserve shards experts over "
+                         "parallel.expert devices that each run attention for their own requests (vLLM's data-parallel "
+                         "ranks under enable_expert_parallel); set data_parallel_size > 1 with it, or set "
+                         "parallel.expert")
+    return dataclasses.replace(config, parallel=dataclasses.replace(parallel, expert=parallel.data, data=1))
 
 
 def resolve_option(key: str, value: Any) -> tuple[str, str, Any] | None:
@@ -373,14 +394,17 @@ class EngineConfig:
 
     def with_overrides(self, **overrides: Any) -> EngineConfig:
         """Flat overrides routed to their sections: a field's name (`max_num_seqs=8`), `section.field`, `model`
-        for model.path, or vLLM's name (`tensor_parallel_size=2`; see resolve_option)."""
+        for model.path, or vLLM's name (`tensor_parallel_size=2`; see resolve_option; VLLM_SWITCHES last)."""
         data = self.to_dict()
         for key, value in overrides.items():
-            resolved = resolve_option(key, value)
+            resolved = resolve_option(key, value) if key not in VLLM_SWITCHES else None
             if resolved is not None:
                 section, name, value = resolved
                 data[section][name] = value
-        return EngineConfig.from_dict(data)
+        config = EngineConfig.from_dict(data)
+        if "enable_expert_parallel" in overrides:
+            config = enable_expert_parallel(config, overrides["enable_expert_parallel"])
+        return config
 
 
 def load_config(path: str | os.PathLike | None = None, **overrides: Any) -> EngineConfig:

@@ -22,6 +22,10 @@ columns and V/tp vocabulary rows:
                   with the GPU kernel, each psum + add + norm is one kernel: _add_norm)
     logits: local [num_logits, V/tp] --all_gather--> [num_logits, V] (padded vocab cut off)
 
+Expert parallel (`tp.expert`, mesh [expert, model]): the same shard_map over both axes; every batch field
+and cache carries a leading expert-shard axis, so each expert shard runs the above on its own requests,
+and MoE layers exchange routed tokens over "expert" (moe.moe_mlp's `routed`; docs/ARCHITECTURE.md §7.5).
+
 Layers are unrolled in Python with one cache array per layer (a list), donated by the caller's
 jit: XLA compiles this into a far faster decode step than `lax.scan` over stacked layers with the
 caches as scanned carries (docs/ARCHITECTURE.md §2.3). Each layer is a call of one jitted `_layer`,
