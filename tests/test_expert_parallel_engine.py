@@ -32,9 +32,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 
 
 def engine_config(name: str, expert: int, model: int = 1, dispatch: str = "auto", **overrides):
-    base = load_config(None, model=HF_FIXTURES / name, dtype="float32", skip_tokenizer_init=True, max_model_len=96,
-                       block_size=4, num_blocks=96, max_num_batched_tokens=16, max_num_seqs=4, token_buckets=[16],
-                       request_buckets=[4], precompile=False, compilation_cache_dir=None, **overrides)
+    options = dict(model=HF_FIXTURES / name, dtype="float32", skip_tokenizer_init=True, max_model_len=96, block_size=4,
+                   num_blocks=96, max_num_batched_tokens=16, max_num_seqs=4, token_buckets=[16], request_buckets=[4],
+                   precompile=False, compilation_cache_dir=None)
+    base = load_config(None, **(options | overrides))
     return dataclasses.replace(base, parallel=ParallelConfig(model=model, expert=expert, expert_dispatch=dispatch))
 
 
@@ -115,3 +116,19 @@ def test_prompt_logprobs_are_refused_per_request():
     with pytest.raises(ValueError, match="prompt_logprobs is not supported with parallel.expert > 1 yet"):
         scheduler.add_request(request("a", 4, prompt_logprobs=1))
     assert not scheduler.has_unfinished_requests() and scheduler.loads == [0, 0]
+
+
+@pytest.mark.usefixtures("fake_devices")
+def test_precompiled_steps_never_trace():
+    """After precompile, expert-parallel steps (staged shard-major batches, the forward, the sampler with
+    logprobs) run the compiled executables only; the sampled tokens come back replicated for the next stage."""
+    name = HF_MOE_NAMES[-1]
+    llm = LLM(config=engine_config(name, 2, dispatch="all_to_all", precompile=True), progress=False)
+    reference = json.loads((HF_FIXTURES / name / "reference.json").read_text())
+    requests = [{"prompt_token_ids": p} for p in reference["prompts"]]
+    with jax.no_tracing():
+        outputs = llm.generate(requests, GREEDY, use_tqdm=False)
+        sampled = llm.generate(requests, SamplingParams(temperature=0.8, max_tokens=4, logprobs=2, seed=1),
+                               use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference["generated"]
+    assert all(len(o.outputs[0].logprobs) == 4 and len(o.outputs[0].logprobs[0]) >= 2 for o in sampled)

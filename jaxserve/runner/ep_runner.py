@@ -28,6 +28,7 @@ from jaxserve.models import loader
 from jaxserve.models.layers import ModelBatch
 from jaxserve.models.loader import LoadedModel
 from jaxserve.runner.model_runner import HostStep, ModelRunner
+from jaxserve.runner.step_program import sharded_stage_fn
 from sharding import TensorParallel
 
 
@@ -46,6 +47,8 @@ class ExpertParallelRunner(ModelRunner):
                                     tp.expert_size)
         super().__init__(config, tp, model=model)
         self.batch_sharding = self.logits_sharding = NamedSharding(tp.mesh, PartitionSpec(tp.expert.axis))
+        self.stage_fn = sharded_stage_fn(self.batch_sharding)
+        self.tokens_sharding = self.on_device  # the next step's stage reads them whole
         spec = self.cfg.moe
         self.placement = jax.device_put(
             tp.expert.default_placement(len(spec.sparse_layers), spec.num_experts, self.num_shards), self.on_device)

@@ -124,6 +124,8 @@ class ModelRunner:
         # where the staged batch and the logits live (split over the expert shards in ep_runner.py)
         self.batch_sharding = self.logits_sharding = self.on_device
         self.placement = None  # the expert placement tables (ep_runner.py)
+        self.stage_fn = stage_fn
+        self.tokens_sharding = None  # the sampled tokens' (replicated: ep_runner.py), None: as XLA leaves them
         # the step's sub-batches: one per expert shard, each with max_num_seqs rows of its own (ep_runner.py)
         self.num_shards = tp.expert_size if tp is not None else 1
         self.cfg = model.config
@@ -186,7 +188,7 @@ class ModelRunner:
                                  for t in self.buckets.token_buckets}
         self._last: StepHandle | None = None  # the last dispatched step
         # Ahead-of-time executables by ("forward", T, R, decode_only, twin) / ("forward_prompt", T, R) /
-        # ("stage", T, R) / ("sample", R, variant...), from precompile().
+        # ("stage", T, R) / ("sample", logits rows, variant...), from precompile().
         self._compiled: dict[tuple, jax.stages.Compiled] = {}
         # Device buffers reused by donation (_run_forward): staged inputs by (T, R), logits by R.
         self._staged: dict[tuple[int, int], ModelBatch] = {}
@@ -398,7 +400,7 @@ class ModelRunner:
         if staged is None:  # (precompile made those of every bucket)
             staged = self._zeros_like_batch(t_pad, r_pad)
         compiled = self._compiled.get(("stage", t_pad, r_pad))
-        stage = compiled if compiled is not None else stage_fn
+        stage = compiled if compiled is not None else self.stage_fn
         staged = self._staged[(t_pad, r_pad)] = stage(staged, pack_step(batch, prev_index), prev_tokens)
         logits_buffer = self._logits.pop(r_pad, None) if keep_logits else None
         if logits_buffer is None:
@@ -436,7 +438,7 @@ class ModelRunner:
 
     def _sample(self, logits, md, all_greedy: bool, use_penalties: bool, num_logprobs: int):
         return sampler.sample(logits, md, all_greedy=all_greedy, use_penalties=use_penalties,
-                              num_logprobs=num_logprobs, out_rows=self.max_rows)
+                              num_logprobs=num_logprobs, out_rows=self.max_rows, tokens_sharding=self.tokens_sharding)
 
     def collect(self, handle: StepHandle) -> RunnerOutput:
         """Waits for a dispatched step's sampled tokens; records them in the rows; returns them."""
@@ -516,14 +518,14 @@ class ModelRunner:
         def stage(t_pad: int, r_pad: int):
             batch = self._host_batch(t_pad, r_pad)
             packed = pack_step(batch, np.full(batch.token_ids.shape, -1, np.int32))
-            return stage_fn.lower(device_batch(t_pad, r_pad), packed, prev_tokens).compile()
+            return self.stage_fn.lower(device_batch(t_pad, r_pad), packed, prev_tokens).compile()
 
-        def sample(r_pad: int, all_greedy: bool, use_penalties: bool, num_logprobs: int):
-            md = sampler.empty_metadata(r_pad, MAX_BANNED, self.max_model_len if use_penalties else 1)
-            logits = jax.ShapeDtypeStruct((r_pad * self.num_shards, self.cfg.vocab_size), jnp.float32,
-                                          sharding=self.logits_sharding)
+        def sample(rows: int, all_greedy: bool, use_penalties: bool, num_logprobs: int):
+            md = sampler.empty_metadata(rows, MAX_BANNED, self.max_model_len if use_penalties else 1)
+            logits = jax.ShapeDtypeStruct((rows, self.cfg.vocab_size), jnp.float32, sharding=self.logits_sharding)
             return sampler.sample.lower(logits, md, all_greedy=all_greedy, use_penalties=use_penalties,
-                                        num_logprobs=num_logprobs, out_rows=self.max_rows).compile()
+                                        num_logprobs=num_logprobs, out_rows=self.max_rows,
+                                        tokens_sharding=self.tokens_sharding).compile()
 
         jobs = {("forward", t_pad, r_pad, False): (forward, (t_pad, r_pad, False)) for t_pad, r_pad in plan}
         jobs.update({("forward", t_pad, r_pad, True): (forward, (t_pad, r_pad, True))
@@ -537,7 +539,7 @@ class ModelRunner:
         for r_pad in self.buckets.request_buckets:
             self._logits.setdefault(r_pad, zeros((r_pad * self.num_shards, self.cfg.vocab_size), jnp.float32,
                                                  self.logits_sharding))
-        jobs.update({("sample", r_pad, *variant): (sample, (r_pad, *variant))
+        jobs.update({("sample", r_pad * self.num_shards, *variant): (sample, (r_pad * self.num_shards, *variant))
                      for r_pad in self.buckets.request_buckets for variant in variants})
         bar = tqdm(total=len(jobs), desc="compiling buckets", disable=not progress, leave=False)
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:

@@ -39,6 +39,13 @@ def _stage_step(staged: ModelBatch, packed, prev_tokens) -> ModelBatch:
 stage_fn = jax.jit(_stage_step, donate_argnames=("staged",), keep_unused=True)
 
 
+@functools.cache
+def sharded_stage_fn(sharding: jax.sharding.Sharding):
+    """stage_fn whose staged batch comes out in `sharding` (expert parallelism's batch split over the expert
+    shards, which the forward expects; left to itself, XLA would hand it back replicated)."""
+    return jax.jit(_stage_step, donate_argnames=("staged",), keep_unused=True, out_shardings=sharding)
+
+
 def _forward_step(params, cfg, batch: ModelBatch, kv_caches, logits_buffer, comm, attention_backend, tp=None,
                   decode_only=False, twin=False, out_rows=None, prompt=None, num_prompt_logprobs=0, placement=None):
     """The model step -> (logits, kv_caches, greedy tokens or None), plus, when `prompt` (the flat token
@@ -62,6 +69,8 @@ def _forward_step(params, cfg, batch: ModelBatch, kv_caches, logits_buffer, comm
     tokens = None
     if decode_only and out_rows is not None:  # sampler.sample's greedy path without banned ids or penalties
         tokens = jnp.pad(jnp.argmax(logits, axis=-1).astype(jnp.int32), (0, out_rows - logits.shape[0]))
+        if tp is not None:  # replicated, as every step's tokens (the next step's stage reads them)
+            tokens = jax.lax.with_sharding_constraint(tokens, tp.sharding(()))
     if prompt is not None:
         return logits, kv_caches, tokens, prompt_logprobs.compute(params, cfg, hidden[0], *prompt,
                                                                   num_prompt_logprobs)
