@@ -4,6 +4,7 @@ fake CPU devices:
 - greedy tokens of every MoE fixture with E = 2, 4, 8 expert shards and E=2 x model=2, through both dispatch
   paths (all-gather and the ragged all-to-all emulator), equal transformers' tokens, which the E=1 engine
   gives (test_engine_parity); every shard's KV blocks come back.
+- after precompile, steps (greedy, and sampling with logprobs) trace nothing.
 - the ShardedScheduler alone (no JAX): requests go to the least-loaded shard, rows and blocks are per
   shard, the runner's tokens split back shard by shard, aborts and finishes reach the owning shard.
 - refused at start: more expert shards than devices, a dense model, one_shot all-reduce; refused per
