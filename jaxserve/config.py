@@ -182,6 +182,7 @@ class RunnerConfig:
 
 
 ALL_REDUCE_MODES = ("auto", "xla", "one_shot")
+EXPERT_DISPATCH_MODES = ("auto", "allgather", "all_to_all")  # sharding/expert_parallel's paths A and B
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,6 +192,12 @@ class ParallelConfig:
 
     data: int = 1  # data-parallel engine replicas, on disjoint device groups
     model: int = 1  # tensor-parallel devices per replica (must divide the model's attention heads)
+    # Expert parallelism: a replica spans expert x model devices; MoE layers shard their experts over the
+    # `expert` axis, attention and dense layers run data-parallel over it (each shard its own requests and KV
+    # cache; scheduler.max_num_seqs and max_num_batched_tokens are per shard). MoE models only.
+    expert: int = 1
+    num_redundant_experts: int = 0  # extra expert slots (copies of hot experts), rounded up to fill the devices
+    expert_dispatch: str = "auto"  # auto (by the step's size) | allgather | all_to_all: how MoE tokens travel
     coordinator_address: str | None = None  # "host:port" of process 0, when num_processes > 1
     num_processes: int = 1  # processes (hosts) running the same program
     process_id: int = 0  # this process; 0 schedules and the others follow its steps
@@ -202,7 +209,16 @@ class ParallelConfig:
         _check_fields(self, "parallel")
         if self.all_reduce not in ALL_REDUCE_MODES:
             raise ValueError(f"parallel.all_reduce must be one of {ALL_REDUCE_MODES}, got {self.all_reduce!r}")
-        for name in ("data", "model", "num_processes"):
+        if self.expert_dispatch not in EXPERT_DISPATCH_MODES:
+            raise ValueError(f"parallel.expert_dispatch must be one of {EXPERT_DISPATCH_MODES}, "
+                             f"got {self.expert_dispatch!r}")
+        if self.num_redundant_experts < 0:
+            raise ValueError(f"parallel.num_redundant_experts must be >= 0, got {self.num_redundant_experts}")
+        if self.expert > 1 and self.num_processes > 1:
+            raise ValueError("parallel.expert > 1 runs in one process; set parallel.num_processes to 1")
+        if self.expert > 1 and self.all_reduce == "one_shot":
+            raise ValueError("parallel.all_reduce=one_shot is not supported with parallel.expert > 1; use auto or xla")
+        for name in ("data", "model", "expert", "num_processes"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if not isinstance(self.process_id, int) or not 0 <= self.process_id < self.num_processes:
@@ -287,11 +303,32 @@ NOT_SUPPORTED = {
     "kv_cache_dtype": (("auto", None), str | None, "is not supported yet: the KV cache has the model's dtype"),
     "quantization": ((None,), str | None, "is not supported yet: weights load in model.dtype"),
     "speculative_config": ((None,), dict | None, "is not supported yet: there is no speculative decoding"),
-    "enable_expert_parallel": ((False,), bool, "is not supported yet"),
     "pipeline_parallel_size": ((1,), int, "is not supported yet: use tensor_parallel_size to spread a model"),
     "trust_remote_code": ((False,), bool, "is refused: jaxserve never runs code from a checkpoint (auto_map); "
                                           "it runs the architectures it implements (README: Checkpoints)"),
 }
+
+
+# vLLM's switches that set other fields (applied after every other override): name -> (annotation, help)
+VLLM_SWITCHES = {
+    "enable_expert_parallel": (bool, "vLLM's switch: true turns data_parallel_size ranks into parallel.expert shards"),
+}
+
+
+def enable_expert_parallel(config: EngineConfig, value: bool) -> EngineConfig:
+    """vLLM's enable_expert_parallel: its data-parallel ranks run attention on their own requests and share
+    the MoE layers' experts, which is jaxserve's parallel.expert (one engine, expert x model devices). True
+    moves parallel.data into parallel.expert (unless parallel.expert is set already)."""
+    check_type("enable_expert_parallel", value, bool)
+    parallel = config.parallel
+    if not value or parallel.expert > 1:
+        return config
+    if parallel.data == 1:
+        raise ValueError("enable_expert_parallel=True with data_parallel_size=1: jaxserve shards experts over "
+                         "parallel.expert devices that each run attention for their own requests (vLLM's data-parallel "
+                         "ranks under enable_expert_parallel); set data_parallel_size > 1 with it, or set "
+                         "parallel.expert")
+    return dataclasses.replace(config, parallel=dataclasses.replace(parallel, expert=parallel.data, data=1))
 
 
 def resolve_option(key: str, value: Any) -> tuple[str, str, Any] | None:
@@ -357,14 +394,17 @@ class EngineConfig:
 
     def with_overrides(self, **overrides: Any) -> EngineConfig:
         """Flat overrides routed to their sections: a field's name (`max_num_seqs=8`), `section.field`, `model`
-        for model.path, or vLLM's name (`tensor_parallel_size=2`; see resolve_option)."""
+        for model.path, or vLLM's name (`tensor_parallel_size=2`; see resolve_option; VLLM_SWITCHES last)."""
         data = self.to_dict()
         for key, value in overrides.items():
-            resolved = resolve_option(key, value)
+            resolved = resolve_option(key, value) if key not in VLLM_SWITCHES else None
             if resolved is not None:
                 section, name, value = resolved
                 data[section][name] = value
-        return EngineConfig.from_dict(data)
+        config = EngineConfig.from_dict(data)
+        if "enable_expert_parallel" in overrides:
+            config = enable_expert_parallel(config, overrides["enable_expert_parallel"])
+        return config
 
 
 def load_config(path: str | os.PathLike | None = None, **overrides: Any) -> EngineConfig:

@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from jaxserve.config import NOT_SUPPORTED, SECTIONS, VLLM_NAMES, field_types, matches_type
+from jaxserve.config import NOT_SUPPORTED, SECTIONS, VLLM_NAMES, VLLM_SWITCHES, field_types, matches_type
 
 NULLS = ("null", "none", "None")
 
@@ -56,6 +56,8 @@ def config_flags(reserved: Collection[str] = (), skip_sections: Collection[str] 
         flags["--" + name.replace("_", "-")] = ConfigFlag(
             "--" + name.replace("_", "-"), name, "vllm", field_types(SECTIONS[section])[field],
             f"vLLM's name for {section}.{field}")
+    for name, (hint, text) in VLLM_SWITCHES.items():
+        flags["--" + name.replace("_", "-")] = ConfigFlag("--" + name.replace("_", "-"), name, "vllm", hint, text)
     for name, (accepted, hint, _) in NOT_SUPPORTED.items():
         flags["--" + name.replace("_", "-")] = ConfigFlag(
             "--" + name.replace("_", "-"), name, "vllm", hint, f"accepted at {accepted[0]!r} only (vLLM's name)")

@@ -82,7 +82,7 @@ class DataParallelEngine:
         parallel = config.parallel
         if parallel.num_processes > 1:
             raise ValueError("parallel.data > 1 runs in one process; set parallel.num_processes to 1")
-        meshes = replica_meshes(make_mesh(parallel.data, parallel.model))
+        meshes = replica_meshes(make_mesh(parallel.data, parallel.model, expert=parallel.expert))
         self.engines = [Engine(config, progress, mesh=mesh) for mesh in meshes]
         first = self.engines[0]
         self.config, self.model = config, first.model

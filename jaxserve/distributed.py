@@ -51,7 +51,8 @@ from jax.sharding import Mesh
 from jaxserve.config import ParallelConfig
 from jaxserve.core.sched_types import SchedulerOutput
 from jaxserve.runner.model_runner import ModelRunner
-from sharding import TensorParallel, make_mesh
+from sharding import EXPERT_PARALLEL, TensorParallel, expert_mesh, make_mesh
+from sharding.expert_parallel import ExpertSharding
 
 logger = logging.getLogger(__name__)
 
@@ -68,19 +69,23 @@ REPORT_MAX_BYTES = 64 << 10  # a follower's failure report
 
 
 def engine_devices(parallel: ParallelConfig, mesh: Mesh | None = None) -> TensorParallel | None:
-    """The mesh an engine runs on: `mesh` (a data-parallel replica's), else the first parallel.model
-    devices of all processes. None for one device of one process: the plain single-device path."""
+    """The mesh an engine runs on: `mesh` (a data-parallel replica's), else the first parallel.model (times
+    parallel.expert) devices of all processes. None for one device of one process: the plain single-device
+    path. With parallel.expert > 1 the devices form an [expert, model] mesh under the expert-parallel rules."""
     if parallel.num_processes > 1 and not jax.distributed.is_initialized():
         jax.distributed.initialize(parallel.coordinator_address, parallel.num_processes, parallel.process_id)
     if mesh is None:
-        if parallel.model == 1 and parallel.num_processes == 1:
+        if parallel.model == 1 and parallel.expert == 1 and parallel.num_processes == 1:
             return None
-        mesh = make_mesh(1, parallel.model)
+        mesh = make_mesh(1, parallel.model, expert=parallel.expert)
     processes = {device.process_index for device in mesh.devices.flat}
     if len(processes) != parallel.num_processes:
         raise ValueError(f"the mesh of parallel.model={parallel.model} devices covers {len(processes)} of the "
                          f"{parallel.num_processes} processes; every process must hold part of it (set "
                          f"parallel.model to num_processes x devices per process = {jax.device_count()})")
+    if parallel.expert > 1:
+        return TensorParallel(expert_mesh(mesh.devices.flat, parallel.expert, parallel.model), EXPERT_PARALLEL,
+                              expert=ExpertSharding(parallel.num_redundant_experts, parallel.expert_dispatch))
     return TensorParallel(mesh)
 
 

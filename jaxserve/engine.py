@@ -9,7 +9,8 @@
     observers:       on_dispatch / on_processed of each step (step_stats.StepObserver; `jaxserve bench`)
 
 The runner loads the model and answers the model's facts (max_model_len, vocabulary, generation
-defaults). A request with n > 1 becomes n children ("{i}_{id}") that share the prompt; the first
+defaults). With parallel.expert > 1 the scheduler is a ShardedScheduler (one Scheduler and KV cache
+manager per expert shard) and the runner an ExpertParallelRunner (one step of every shard's requests). A request with n > 1 becomes n children ("{i}_{id}") that share the prompt; the first
 child's prompt blocks are registered in the prefix cache when allocated, so the others hit them.
 Every bad input raises ValueError naming the parameter; nothing is queued in that case, so the
 engine keeps serving. `Engine` implements engine_client.EngineClient.
@@ -28,11 +29,13 @@ from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.sched_types import SchedulerOutput
 from jaxserve.core.scheduler import Scheduler
+from jaxserve.core.sharded_scheduler import ShardedKVCache, ShardedScheduler
 from jaxserve.engine_client import EngineStats
 from jaxserve.input_processor import InputProcessor, PreparedRequest, PromptType
 from jaxserve.output_processor import OutputProcessor
 from jaxserve.outputs import RequestOutput
 from jaxserve.request import Request, RequestStatus
+from jaxserve.runner.ep_runner import ExpertParallelRunner
 from jaxserve.runner.model_runner import MAX_BANNED, ModelRunner, StepHandle
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.step_stats import StepObserver, StepStatsRecorder
@@ -71,7 +74,9 @@ class Engine:
         # The tokenizer first: a missing one fails before the weights are loaded.
         tokenizer = None if config.model.skip_tokenizer_init else _load_tokenizer(config.model)
         start = time.monotonic()
-        self.runner = ModelRunner(config, self.tp)  # loads the model
+        expert_parallel = self.tp is not None and self.tp.expert is not None
+        # loads the model
+        self.runner = ExpertParallelRunner(config, self.tp) if expert_parallel else ModelRunner(config, self.tp)
         model = self.runner.model
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = model.config.vocab_size
@@ -80,11 +85,18 @@ class Engine:
         self.eos_token_ids = model.generation.eos_token_ids or ((tokenizer_eos,) if tokenizer_eos is not None else ())
         if config.parallel.num_processes > 1:
             self.runner = distributed.connect(self.runner, config.parallel)
-        self.kv_cache = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
-                                       enable_caching=config.cache.enable_prefix_caching,
-                                       hash_algo=config.cache.prefix_hash)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len,
-                                   max_prompt_logprob_rows=self.runner.max_prompt_logprob_rows)
+        # One scheduler and KV cache manager per expert shard (one without expert parallelism): each shard
+        # runs attention over its own requests and cache (core/sharded_scheduler.py).
+        shards = self.tp.expert_size if expert_parallel else 1
+        kv_caches = [KVCacheManager(self.runner.num_blocks, config.cache.block_size,
+                                    enable_caching=config.cache.enable_prefix_caching,
+                                    hash_algo=config.cache.prefix_hash) for _ in range(shards)]
+        schedulers = [Scheduler(config.scheduler, kv_cache, self.max_model_len,
+                                max_prompt_logprob_rows=self.runner.max_prompt_logprob_rows,
+                                first_row=shard * config.scheduler.max_num_seqs)
+                      for shard, kv_cache in enumerate(kv_caches)]
+        self.kv_cache = kv_caches[0] if shards == 1 else ShardedKVCache(kv_caches)
+        self.scheduler = schedulers[0] if shards == 1 else ShardedScheduler(schedulers)
         self.num_compiled = self.runner.precompile(progress) if config.runner.precompile else 0
         self.startup_seconds = time.monotonic() - start - self.runner.load_seconds  # compiling, not loading
         sched = config.scheduler

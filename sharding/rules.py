@@ -18,7 +18,7 @@ import dataclasses
 
 from jax.sharding import PartitionSpec
 
-from sharding.mesh import MODEL_AXIS
+from sharding.mesh import EXPERT_AXIS, MODEL_AXIS
 
 UNEVEN_POLICIES = ("pad", "replicate")
 
@@ -66,7 +66,18 @@ class AxisRules:
 TENSOR_PARALLEL = AxisRules(
     mapping=(("vocab", MODEL_AXIS), ("embed", None), ("heads", MODEL_AXIS), ("kv_heads", MODEL_AXIS),
              ("head_dim", None), ("mlp", MODEL_AXIS), ("pages", None), ("page_slots", None),
-             ("tp_shard", MODEL_AXIS), ("experts", None), ("expert_mlp", MODEL_AXIS), ("shared_mlp", MODEL_AXIS)),
+             ("tp_shard", MODEL_AXIS), ("experts", None), ("expert_logits", None), ("expert_mlp", MODEL_AXIS),
+             ("shared_mlp", MODEL_AXIS)),
     uneven=(("vocab", "pad"), ("mlp", "pad"), ("kv_heads", "replicate"), ("expert_mlp", "pad"),
             ("shared_mlp", "pad")),
+)
+
+# Expert parallelism (a replica's mesh [expert, model]): as TENSOR_PARALLEL over "model", and the experts'
+# physical slots ("experts": the loader lays them out by slot, a multiple of the expert devices) split over
+# "expert". "expert_shard" is the leading axis of what each expert shard owns alone: its step's batch, its
+# KV cache and its logits (attention and dense layers run data-parallel over the expert axis).
+EXPERT_PARALLEL = AxisRules(
+    mapping=tuple((name, EXPERT_AXIS if name == "experts" else axis) for name, axis in TENSOR_PARALLEL.mapping)
+    + (("expert_shard", EXPERT_AXIS),),
+    uneven=TENSOR_PARALLEL.uneven,
 )

@@ -14,6 +14,10 @@ offer `fits_rms_norm(x)` / `add_rms_norm(partial, residual, weight, eps, comm)`,
 with the residual add and RMSNorm after it (`all_reduce_kernel` hands it to the model code), and
 `gather_size(x, shards, axis)`, with which all_gather runs small gathers as sums into zeros.
 
+With `expert` (sharding/expert_parallel.ExpertSharding) the mesh is [expert, model] and the rules are
+EXPERT_PARALLEL: MoE layers shard their experts' physical slots over "expert" (`layout` puts an "experts"
+axis into slot order first) and everything else runs data-parallel over it (llama.forward).
+
 `TensorParallel` is frozen and hashable, so it is a static argument of the jitted step. The
 in-shard helpers take `tp=None` on the unsharded path and then return the plain computation: the
 single-device step has no shard_map and no collectives.
@@ -45,11 +49,17 @@ class TensorParallel:
     mesh: Mesh
     rules: AxisRules = TENSOR_PARALLEL
     all_reduce: Any = None  # a kernel over the "model" axis for the all-reduces it fits; None: XLA's psum
+    expert: Any = None  # expert_parallel.ExpertSharding when the mesh has an "expert" axis; None: no EP
 
     @property
     def size(self) -> int:
         """Shards of the tensor-parallel ("model") axis: parallel.model, "tp" below."""
         return self.mesh.shape.get(MODEL_AXIS, 1)
+
+    @property
+    def expert_size(self) -> int:
+        """Shards of the expert axis (1 without expert parallelism)."""
+        return self.mesh.shape[self.expert.axis] if self.expert is not None else 1
 
     def shards(self, logical: str | None) -> int:
         axis = self.rules.mesh_axis(logical)
@@ -86,6 +96,8 @@ class TensorParallel:
         if array.ndim != len(logical_axes):
             raise ValueError(f"{name}: {array.ndim} dims but logical axes {logical_axes}")
         for dim, logical in enumerate(logical_axes):
+            if logical == "experts" and self.expert is not None:  # logical experts -> physical slots
+                array = xp.take(array, self.expert.slot_experts(array.shape[dim], self.expert_size), axis=dim)
             size = array.shape[dim]
             target = self.global_size(logical, size, name)
             if target == size:

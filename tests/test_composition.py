@@ -3,10 +3,12 @@ mixture-of-experts HF fixture, against transformers' greedy tokens.
 
 Mechanisms: overlap scheduling (async) or the sync loop; prefix caching (a second round of the same
 prompts must hit); preemption (a KV pool too small for the batch forces it); chunked prefill (a 16-token
-budget splits every prompt) or whole prompts; tensor parallelism over 1 or 2 (fake CPU) devices. The rows
-cover every pair of settings across the two fixtures rather than the full product, which would cost
-minutes of compiling. A mechanism added later (speculation, KV tiers, FP8, expert parallelism) gets a
-column here; a combination that cannot work is refused at start, and its row asserts the message.
+budget splits every prompt) or whole prompts; tensor parallelism over 1 or 2 (fake CPU) devices; expert
+parallelism over 1 or 2 shards (MoE only: each shard its own scheduler and KV pool, so those rows send
+every prompt twice to put both pools under pressure). The rows cover every pair of settings across the
+two fixtures rather than the full product, which would cost minutes of compiling. A mechanism added later
+(speculation, KV tiers, FP8) gets a column here; a combination that cannot work is refused at start, and
+its row asserts the message.
 """
 
 from __future__ import annotations
@@ -20,50 +22,61 @@ DENSE = "llama3_gqa4_tied"
 MOE = "qwen2_moe_8x4_shared"
 NEW_TOKENS = 12
 
-#        fixture, overlap, prefix caching, forced preemption, chunked prefill, tensor parallel
+#        fixture, overlap, prefix caching, forced preemption, chunked prefill, tensor parallel, expert parallel
 MATRIX = [
-    (DENSE, True, True, False, True, 1),
-    (DENSE, False, True, True, True, 2),
-    (DENSE, True, False, True, False, 2),
-    (DENSE, False, False, False, False, 1),
-    (MOE, True, True, True, True, 1),
-    (MOE, False, True, False, False, 2),
-    (MOE, True, False, True, True, 2),
-    (MOE, False, False, True, False, 1),
+    (DENSE, True, True, False, True, 1, 1),
+    (DENSE, False, True, True, True, 2, 1),
+    (DENSE, True, False, True, False, 2, 1),
+    (DENSE, False, False, False, False, 1, 1),
+    (DENSE, True, True, False, True, 1, 2),  # refused: no experts to shard
+    (MOE, True, True, True, True, 1, 1),
+    (MOE, False, True, False, False, 2, 1),
+    (MOE, True, False, True, True, 2, 1),
+    (MOE, False, False, True, False, 1, 1),
+    (MOE, True, True, True, True, 1, 2),
+    (MOE, False, False, True, False, 2, 2),
+    (MOE, True, True, False, True, 2, 2),
 ]
 
 
 def _id(row) -> str:
-    name, overlap, caching, preempt, chunked, tp = row
+    name, overlap, caching, preempt, chunked, tp, ep = row
     return "-".join([("moe" if name == MOE else "dense"), "overlap" if overlap else "sync",
                      "cache" if caching else "nocache", "preempt" if preempt else "roomy",
-                     "chunked" if chunked else "whole", f"tp{tp}"])
+                     "chunked" if chunked else "whole", f"tp{tp}", f"ep{ep}"])
 
 
 @pytest.mark.parametrize("row", MATRIX, ids=[_id(row) for row in MATRIX])
 def test_mechanisms_compose(row, request):
-    name, overlap, caching, preempt, chunked, tp = row
-    if tp > len(jax.devices()):
-        pytest.skip(f"needs {tp} devices")
+    name, overlap, caching, preempt, chunked, tp, ep = row
+    if tp * ep > len(jax.devices()):
+        pytest.skip(f"needs {tp * ep} devices")
     fixture = request.getfixturevalue("hf_fixture_by_name")(name)
     prompts = fixture.prompts
     prompt_blocks = sum(-(-len(p) // 4) for p in prompts)
     final_blocks = sum(-(-(len(p) + NEW_TOKENS) // 4) for p in prompts)
     # Preemption: every prompt fits (block 0 is the null block), their generated tokens do not, so running
     # requests run out of blocks and the latest is preempted.
-    num_blocks = (prompt_blocks + 3) if preempt else (2 * final_blocks + 1)
+    # Expert shards split the prompts (and the copies share prefix blocks): the least max_model_len allows.
+    num_blocks = (prompt_blocks + 3 if ep == 1 else 64 // 4 + 1) if preempt else (2 * final_blocks + 1)
     budget = 16 if chunked else 64
-    llm = LLM(model=fixture.path, dtype="float32", skip_tokenizer_init=True, max_model_len=64, block_size=4,
-              num_blocks=num_blocks, max_num_batched_tokens=budget, max_num_seqs=4, token_buckets=[budget],
-              request_buckets=[4], precompile=False, progress=False, async_scheduling=overlap,
-              enable_prefix_caching=caching, tensor_parallel_size=tp)
+    options = dict(model=fixture.path, dtype="float32", skip_tokenizer_init=True, max_model_len=64, block_size=4,
+                   num_blocks=num_blocks, max_num_batched_tokens=budget, max_num_seqs=4, token_buckets=[budget],
+                   request_buckets=[4], precompile=False, progress=False, async_scheduling=overlap,
+                   enable_prefix_caching=caching, tensor_parallel_size=tp, **{"parallel.expert": ep})
+    if name == DENSE and ep > 1:
+        with pytest.raises(ValueError, match="shards the experts of MoE layers, but LlamaForCausalLM has none"):
+            LLM(**options)
+        return
+    llm = LLM(**options)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    requests = [{"prompt_token_ids": p} for p in prompts]
+    requests = [{"prompt_token_ids": p} for p in prompts] * (2 if ep > 1 else 1)
     first = llm.generate(requests, params, use_tqdm=False)
     second = llm.generate(requests, params, use_tqdm=False)
     for round_outputs in (first, second):
         for i, out in enumerate(round_outputs):
-            assert out.outputs[0].token_ids == fixture.generated[i][:NEW_TOKENS], f"{_id(row)} prompt {i}"
+            want = fixture.generated[i % len(prompts)][:NEW_TOKENS]
+            assert out.outputs[0].token_ids == want, f"{_id(row)} prompt {i}"
     stats = llm.engine.stats()
     if preempt:
         assert stats.num_preemptions > 0, "the small KV pool was meant to force preemption"

@@ -213,7 +213,7 @@ def test_unsupported_vllm_names_accept_their_defaults_only():
                                              trust_remote_code=False)
     assert defaults == EngineConfig().with_overrides(kv_cache_dtype=None)
     assert defaults == EngineConfig()
-    for overrides in ({"kv_cache_dtype": "fp8"}, {"quantization": "awq"}, {"enable_expert_parallel": True},
+    for overrides in ({"kv_cache_dtype": "fp8"}, {"quantization": "awq"},
                       {"speculative_config": {"method": "ngram", "num_speculative_tokens": 4}},
                       {"pipeline_parallel_size": 2}):
         (name, value), = overrides.items()
@@ -221,6 +221,18 @@ def test_unsupported_vllm_names_accept_their_defaults_only():
             EngineConfig().with_overrides(**overrides)
     with pytest.raises(ValueError, match="trust_remote_code=True is refused: jaxserve never runs code from a checkpoint"):
         EngineConfig().with_overrides(trust_remote_code=True)
+
+
+def test_enable_expert_parallel_turns_data_parallel_ranks_into_expert_shards():
+    config = EngineConfig().with_overrides(enable_expert_parallel=True, data_parallel_size=4, tensor_parallel_size=2)
+    assert (config.parallel.expert, config.parallel.data, config.parallel.model) == (4, 1, 2)
+    assert EngineConfig().with_overrides(enable_expert_parallel=False, data_parallel_size=4).parallel.data == 4
+    explicit = EngineConfig().with_overrides(**{"parallel.expert": 2}, data_parallel_size=2, enable_expert_parallel=True)
+    assert (explicit.parallel.expert, explicit.parallel.data) == (2, 2)
+    with pytest.raises(ValueError, match=r"enable_expert_parallel=True with data_parallel_size=1.*set parallel.expert"):
+        EngineConfig().with_overrides(enable_expert_parallel=True)
+    with pytest.raises(ValueError, match="parallel.expert_dispatch must be one of"):
+        EngineConfig().with_overrides(expert_dispatch="ring")
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -104,9 +104,11 @@ class WaitingQueue:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int,
-                 max_prompt_logprob_rows: int = MAX_PROMPT_LOGPROB_ROWS):
+                 max_prompt_logprob_rows: int = MAX_PROMPT_LOGPROB_ROWS, first_row: int = 0):
         """`max_prompt_logprob_rows`: prompt positions one step may score for prompt_logprobs (the
-        runner's bound); prefill chunks of requests asking for them are shortened to fit."""
+        runner's bound); prefill chunks of requests asking for them are shortened to fit. The runner rows
+        it assigns are first_row .. first_row + max_num_seqs - 1 (several schedulers feeding one runner,
+        core/sharded_scheduler.py, each get their own)."""
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({config.max_num_batched_tokens}) is smaller than max_model_len "
@@ -121,7 +123,7 @@ class Scheduler:
         self.waiting = FairWaitingQueue() if self._fair else WaitingQueue(config.policy)
         self.running: list[Request] = []
         self._finished_ids: set[str] = set()  # runner state to drop at the next step
-        self._free_rows = list(range(config.max_num_seqs - 1, -1, -1))
+        self._free_rows = list(range(first_row + config.max_num_seqs - 1, first_row - 1, -1))
         # Per scheduled step not yet updated: the requests that sample, in the step's sampling order, and
         # their preemption counts then.
         self._in_flight: dict[int, tuple[list[Request], list[int]]] = {}

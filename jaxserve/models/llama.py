@@ -22,6 +22,10 @@ columns and V/tp vocabulary rows:
                   with the GPU kernel, each psum + add + norm is one kernel: _add_norm)
     logits: local [num_logits, V/tp] --all_gather--> [num_logits, V] (padded vocab cut off)
 
+Expert parallel (`tp.expert`, mesh [expert, model]): the same shard_map over both axes; every batch field
+and cache carries a leading expert-shard axis, so each expert shard runs the above on its own requests,
+and MoE layers exchange routed tokens over "expert" (moe.moe_mlp's `routed`; docs/ARCHITECTURE.md §7.5).
+
 Layers are unrolled in Python with one cache array per layer (a list), donated by the caller's
 jit: XLA compiles this into a far faster decode step than `lax.scan` over stacked layers with the
 caches as scanned carries (docs/ARCHITECTURE.md §2.3). Each layer is a call of one jitted `_layer`,
@@ -41,6 +45,7 @@ import jax.numpy as jnp
 from jaxserve.models import layers, moe
 from jaxserve.models.layers import ModelBatch
 from sharding import TensorParallel, all_gather, all_reduce_kernel, psum, sharded_lookup
+from sharding.expert_parallel import ep_moe
 
 Params = dict[str, Any]
 
@@ -199,20 +204,22 @@ def _add_norm(x: jax.Array, partial: jax.Array, bias: jax.Array | None, weight: 
 
 
 def _out_and_mlp(lp: Params, cfg: LlamaConfig, x: jax.Array, attn: jax.Array, next_norm: jax.Array,
-                 tp: TensorParallel | None = None, comm: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                 tp: TensorParallel | None = None, comm: jax.Array | None = None,
+                 routed: Callable | None = None) -> tuple[jax.Array, jax.Array]:
     """Attention output projection + residual, then the MLP block + residual. x [T, D] (the residual
     stream). Returns (rms_norm(x) * next_norm, the next block's input; x).
 
     With `tp` (inside shard_map) attn holds the local heads: wo is row-parallel, so one all-reduce
     completes the attention block (biases are added once, after it); the MLP does the same. `comm`:
-    the all-reduce kernel's state (sharding.psum), None for XLA's."""
+    the all-reduce kernel's state (sharding.psum), None for XLA's. `routed`: an MoE layer's expert-parallel
+    dispatch (moe.moe_mlp)."""
     # NOTE: a 2-D matmul over the flattened (N, H) axis; einsum "tnh,nhd->td" made XLA relayout
     # (copy) the whole wo weight every step.
     num_heads, head_dim, width = lp["wo"].shape
     o = attn.reshape(-1, num_heads * head_dim) @ lp["wo"].reshape(num_heads * head_dim, width)
     h, x = _add_norm(x, o, lp["bo"] if cfg.o_bias else None, lp["mlp_norm"], cfg, tp, "heads", comm)
     if "router" in lp:
-        down = moe.moe_mlp(lp, h, cfg.moe)
+        down = moe.moe_mlp(lp, h, cfg.moe, routed)
     else:
         gate_up_biases = (lp["b_gate"], lp["b_up"]) if cfg.mlp_bias else None
         down = layers.gated_mlp(h, lp["w_gate"], lp["w_up"], lp["w_down"], gate_up_biases)
@@ -234,20 +241,37 @@ def _head(params: Params, cfg: LlamaConfig, h: jax.Array, tp: TensorParallel | N
     return all_gather(logits, tp, "vocab", axis=-1, comm=comm)
 
 
+def _expert_parallel(tp: TensorParallel, placement, moe_layer: jax.Array, valid: jax.Array) -> Callable:
+    """An MoE layer's `routed` under expert parallelism: this shard's tokens (`valid`: not padding) to their
+    experts' slots by `placement` row `moe_layer`, and back (sharding/expert_parallel.ep_moe)."""
+    def routed(x, weights, ids, lp):
+        return ep_moe(x, ids, weights, (lp["we_gate_up"], lp["we_down"]), placement, moe_layer,
+                      expert_fn=moe.slot_ffn, axis=tp.expert.axis, valid=valid, path=tp.expert.path,
+                      platform=tp.mesh.devices.flat[0].platform).out
+    return routed
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "attention_backend", "tp", "decode_only"))
 def _layer(lp: Params, h: jax.Array, x: jax.Array, next_norm: jax.Array, kv_cache: jax.Array, batch: ModelBatch,
-           comm: jax.Array | None, *, cfg: LlamaConfig, attention_backend: str, tp: TensorParallel | None,
+           comm: jax.Array | None, placement=None, moe_layer: jax.Array | None = None, *, cfg: LlamaConfig,
+           attention_backend: str, tp: TensorParallel | None,
            decode_only: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One decoder layer: (h = rms_norm(x) * attn_norm, x) -> (the next block's h, x, kv_cache). Jitted
     on its own so the step traces it once per shape, not once per layer (XLA inlines the calls: the
-    compiled step is the same; warm starts lower each step shape faster)."""
+    compiled step is the same; warm starts lower each step shape faster). `placement`, `moe_layer`: the
+    expert placement tables and this layer's row in them (expert parallelism; the row is traced, so every
+    MoE layer shares one trace)."""
     inv_freq = layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     q, k, v = _qkv(lp, cfg, h, batch.positions, inv_freq)
     attn, kv_cache = layers.paged_attention(
         q, k, v, kv_cache, batch, sm_scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window,
         backend=attention_backend, decode_only=decode_only,
     )
-    h, x = _out_and_mlp(lp, cfg, x, attn, next_norm, tp, comm)
+    routed = None
+    if placement is not None and "router" in lp:
+        valid = jnp.arange(h.shape[0]) < batch.query_start_loc[-1]  # the batch's tokens; the rest is padding
+        routed = _expert_parallel(tp, placement, moe_layer, valid)
+    h, x = _out_and_mlp(lp, cfg, x, attn, next_norm, tp, comm, routed)
     return h, x, kv_cache
 
 
@@ -257,19 +281,28 @@ def head_logits(params: Params, cfg: LlamaConfig, h: jax.Array) -> jax.Array:
     return _head(params, cfg, h)[..., : cfg.vocab_size]
 
 
-def _step(params: Params, batch: ModelBatch, kv_caches: list[jax.Array], comm: jax.Array | None = None, *,
-          cfg: LlamaConfig, attention_backend: str, tp: TensorParallel | None,
+def _step(params: Params, batch: ModelBatch, kv_caches: list[jax.Array], comm: jax.Array | None = None,
+          placement=None, *, cfg: LlamaConfig, attention_backend: str, tp: TensorParallel | None,
           decode_only: bool = False, return_hidden: bool = False) -> tuple:
     """The step on one device's params and caches: all of them, or (with `tp`) its shards."""
     x = sharded_lookup(params["embed"], batch.token_ids, tp, "vocab", comm)  # [T, D]
     h = layers.rms_norm(x, params["layers"][0]["attn_norm"], cfg.rms_norm_eps)
     new_caches = []
-    for lp, next_norm, kv_cache in zip(params["layers"], _next_norms(params), kv_caches):
-        h, x, kv_cache = _layer(lp, h, x, next_norm, kv_cache, batch, comm, cfg=cfg,
+    moe_rows = {layer: row for row, layer in enumerate(cfg.moe.sparse_layers)} if cfg.moe is not None else {}
+    for i, (lp, next_norm, kv_cache) in enumerate(zip(params["layers"], _next_norms(params), kv_caches)):
+        moe_layer = jnp.int32(moe_rows[i]) if placement is not None and i in moe_rows else None
+        h, x, kv_cache = _layer(lp, h, x, next_norm, kv_cache, batch, comm, placement, moe_layer, cfg=cfg,
                                 attention_backend=attention_backend, tp=tp, decode_only=decode_only)
         new_caches.append(kv_cache)
     logits = _head(params, cfg, h[batch.logits_indices], tp, comm)
     return (logits, new_caches, h) if return_hidden else (logits, new_caches)
+
+
+def _expert_shard_step(params, batch, kv_caches, comm, placement, **kwargs):
+    """_step on one expert shard's slice of the [expert_shard, ...] batch and caches (one row each)."""
+    batch = jax.tree.map(lambda a: a[0], batch)
+    logits, kv_caches, *hidden = _step(params, batch, [c[0] for c in kv_caches], comm, placement, **kwargs)
+    return (logits, [c[None] for c in kv_caches], *hidden)
 
 
 def forward(
@@ -282,6 +315,7 @@ def forward(
     decode_only: bool = False,
     comm: jax.Array | None = None,
     return_hidden: bool = False,
+    placement=None,
 ) -> tuple:
     """One engine step over the ragged batch. Returns float32 logits for `batch.logits_indices` and the
     caches; with `return_hidden`, also every token's final-normed hidden state [T, D] (for `head_logits`).
@@ -289,17 +323,24 @@ def forward(
     `tp` with more than one shard runs the step tensor-parallel over its mesh (module docstring);
     without it, or with one shard, the step is the plain single-device one. `decode_only`: see
     layers.paged_attention (one query token per request, in request order). `comm`: the state of
-    `tp.all_reduce` (one row per device, sharded over "model"); None runs XLA's all-reduces."""
-    if tp is None or tp.size == 1:
+    `tp.all_reduce` (one row per device, sharded over "model"); None runs XLA's all-reduces.
+
+    Expert parallelism (`tp.expert`; `placement`: the expert placement tables, core/eplb.Placement of
+    device arrays): every batch field and cache has a leading expert-shard axis [n, ...] split over the
+    "expert" mesh axis, each shard attending over its own requests and cache; the logits come back
+    shard-major, [n * num_logits, V]; MoE layers exchange routed tokens over the expert axis."""
+    if tp is None or tp.mesh.size == 1:
         return _step(params, batch, kv_caches, cfg=cfg, attention_backend=attention_backend, tp=None,
                      decode_only=decode_only, return_hidden=return_hidden)
-    cache_axes = [layers.kv_cache_axes(attention_backend)] * len(kv_caches)
+    shard = ("expert_shard",) if tp.expert is not None else ()
+    cache_axes = [(*shard, *layers.kv_cache_axes(attention_backend))] * len(kv_caches)
     comm_axes = COMM_AXES if comm is not None else ()
-    sharded_step = tp.shard_map(functools.partial(_step, cfg=cfg, attention_backend=attention_backend, tp=tp,
+    step = _expert_shard_step if shard else _step
+    sharded_step = tp.shard_map(functools.partial(step, cfg=cfg, attention_backend=attention_backend, tp=tp,
                                                   decode_only=decode_only, return_hidden=return_hidden),
-                                in_axes=(param_axes(params), (), cache_axes, comm_axes),
-                                out_axes=((), cache_axes, ()) if return_hidden else ((), cache_axes))
-    logits, kv_caches, *hidden = sharded_step(params, batch, kv_caches, comm)
+                                in_axes=(param_axes(params), shard, cache_axes, comm_axes, ()),
+                                out_axes=(shard, cache_axes, shard) if return_hidden else (shard, cache_axes))
+    logits, kv_caches, *hidden = sharded_step(params, batch, kv_caches, comm, placement)
     if logits.shape[-1] != cfg.vocab_size:  # the vocabulary was padded to a multiple of tp
         logits = logits[:, : cfg.vocab_size]
     return (logits, kv_caches, *hidden)
@@ -326,7 +367,8 @@ def forward_dense(params: Params, cfg: LlamaConfig, token_ids: jax.Array) -> jax
 def init_kv_caches(cfg: LlamaConfig, num_blocks: int, block_size: int, attention_backend: str = "reference",
                    dtype=None, tp: TensorParallel | None = None) -> list[jax.Array]:
     """One cache array per layer, in the backend's layout. With `tp`: sharded by kv heads, each made in
-    place on its devices; kv heads are replicated up to tp when num_kv_heads < tp (sharding/rules.py)."""
+    place on its devices; kv heads are replicated up to tp when num_kv_heads < tp (sharding/rules.py).
+    With expert parallelism each expert shard has a cache of its own: [n, *layout] split over "expert"."""
     impl = layers.attention_backend(attention_backend)
     dtype = dtype or cfg.jnp_dtype
     if tp is None:
@@ -334,4 +376,7 @@ def init_kv_caches(cfg: LlamaConfig, num_blocks: int, block_size: int, attention
         return [jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)]
     num_kv_heads = tp.global_size("kv_heads", cfg.num_kv_heads, "num_key_value_heads")
     shape = impl.kv_cache_shape(num_blocks, block_size, num_kv_heads, cfg.head_dim)
-    return [tp.zeros(shape, dtype, layers.kv_cache_axes(attention_backend)) for _ in range(cfg.num_layers)]
+    axes = layers.kv_cache_axes(attention_backend)
+    if tp.expert is not None:
+        shape, axes = (tp.expert_size, *shape), ("expert_shard", *axes)
+    return [tp.zeros(shape, dtype, axes) for _ in range(cfg.num_layers)]

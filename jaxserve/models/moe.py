@@ -20,11 +20,17 @@ replicated; each expert's F axis is sharded like the dense MLP's (gate/up column
 row-parallel), so the block returns this device's partial sum and the caller's psum completes it.
 Everything after the down projection is linear in it (per-row weights, unsort, sum), so the sum of
 the partials is the block's output.
+
+Expert parallelism (llama.py passes `routed`): the router runs on each device's own tokens, and
+sharding/expert_parallel moves the routed rows to the devices holding their experts' slots, runs
+`slot_ffn` there and brings the results back; still linear in the down projection, so the partial
+sums over "model" work the same.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -55,11 +61,12 @@ class MoeSpec:
             raise ValueError(f"the experts' intermediate size must be positive, got {self.intermediate_size}")
 
 
-# Logical axes of the block's parameters (E "experts"; the routed experts' F is "expert_mlp", the
-# shared expert's "shared_mlp"). The fused gate|up weight keeps gate and up on their own axis of 2 so
-# sharding F splits both alike.
+# Logical axes of the block's parameters: E is "experts" in the expert weights (expert parallelism shards
+# it, stored by physical slot) and "expert_logits" in the router (whole and logical everywhere); the routed
+# experts' F is "expert_mlp", the shared expert's "shared_mlp". The fused gate|up weight keeps gate and up
+# on their own axis of 2 so sharding F splits both alike.
 AXES: dict[str, tuple[str | None, ...]] = {
-    "router": ("embed", "experts"),
+    "router": ("embed", "expert_logits"),
     "we_gate_up": ("experts", "embed", None, "expert_mlp"), "we_down": ("experts", "expert_mlp", "embed"),
     "ws_gate": ("embed", "shared_mlp"), "ws_up": ("embed", "shared_mlp"), "ws_down": ("shared_mlp", "embed"),
     "shared_gate": ("embed",),
@@ -68,7 +75,7 @@ AXES: dict[str, tuple[str | None, ...]] = {
 
 def abstract(spec: MoeSpec, hidden_size: int, dtype) -> dict[str, jax.ShapeDtypeStruct]:
     """Shapes of one MoE layer's MLP parameters (replacing the dense layer's w_gate, w_up, w_down)."""
-    sizes = {"embed": hidden_size, "experts": spec.num_experts, None: 2, "expert_mlp": spec.intermediate_size,
+    sizes = {"embed": hidden_size, "experts": spec.num_experts, "expert_logits": spec.num_experts, None: 2, "expert_mlp": spec.intermediate_size,
              "shared_mlp": spec.shared_intermediate_size}
     names = ["router", "we_gate_up", "we_down"]
     if spec.shared_intermediate_size:
@@ -127,13 +134,23 @@ def combine(y_sorted: jax.Array, order: jax.Array, weights: jax.Array, dtype) ->
     return jnp.sum((y * weights[..., None]).astype(dtype), axis=1)
 
 
-def moe_mlp(lp: dict[str, jax.Array], x: jax.Array, spec: MoeSpec) -> jax.Array:
+def slot_ffn(x_rows: jax.Array, group_sizes: jax.Array, expert_weights: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """experts_ffn over one device's expert slots, in sharding/expert_parallel's `expert_fn` form:
+    expert_weights = (we_gate_up [G, D, 2, F], we_down [G, F, D])."""
+    return experts_ffn(x_rows, group_sizes, *expert_weights)
+
+
+def moe_mlp(lp: dict[str, jax.Array], x: jax.Array, spec: MoeSpec, routed: Callable | None = None) -> jax.Array:
     """The whole block on the normed hidden states x [T, D] -> [T, D] (a partial sum under tensor
-    parallelism: see the module docstring)."""
+    parallelism: see the module docstring). `routed(x, weights, ids, lp) -> [T, D]` replaces dispatch,
+    experts_ffn and combine (expert parallelism: the experts live on other devices)."""
     weights, ids = route(x, lp["router"], spec)
-    x_sorted, group_sizes, order = dispatch(x, ids, spec.num_experts)
-    y_sorted = experts_ffn(x_sorted, group_sizes, lp["we_gate_up"], lp["we_down"])
-    out = combine(y_sorted, order, weights, x.dtype)
+    if routed is not None:
+        out = routed(x, weights, ids, lp)
+    else:
+        x_sorted, group_sizes, order = dispatch(x, ids, spec.num_experts)
+        y_sorted = experts_ffn(x_sorted, group_sizes, lp["we_gate_up"], lp["we_down"])
+        out = combine(y_sorted, order, weights, x.dtype)
     if spec.shared_intermediate_size:
         shared = layers.gated_mlp(x, lp["ws_gate"], lp["ws_up"], lp["ws_down"])
         out = out + jax.nn.sigmoid(x @ lp["shared_gate"])[:, None] * shared

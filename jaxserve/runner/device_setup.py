@@ -53,8 +53,8 @@ def setup_all_reduce(tp: TensorParallel | None, mode: str, dtype="bfloat16"):
     processes: the kernel reaches its peers through raw device pointers, which only one process holds).
     The kernel's workspace carries the model's dtype (`dtype`: bfloat16 or float32) for the activations
     and float32 for the logits' gather."""
-    if tp is None or tp.size == 1 or mode == "xla":
-        return tp, None, None
+    if tp is None or tp.size == 1 or mode == "xla" or tp.expert is not None:
+        return tp, None, None  # (the kernel's table covers one "model" group: not an [expert, model] mesh)
     devices = list(tp.mesh.devices.flat)
     hopper = all(float(getattr(d, "compute_capability", 0) or 0) >= 9.0 for d in devices)
     dtype = jnp.dtype(dtype).name

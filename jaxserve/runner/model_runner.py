@@ -20,13 +20,14 @@ Every jitted shape comes from core/buckets.py and all of them are compiled in `p
 The forward reads and writes the same device buffers whenever a shape recurs (decode steps alternate
 between two twin executables, each keeping its own temporaries), so XLA replays its CUDA graph
 without updating it: updating a graph's nodes would cost most of a decode step's host time (benchmarks/RESULTS.md).
+The jitted programs themselves are in step_program.py; ep_runner.py builds expert parallelism's steps
+(one sub-batch per expert shard) on this class.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import functools
 import logging
 import math
 import os
@@ -49,6 +50,7 @@ from jaxserve.runner import prompt_logprobs, sampler
 from jaxserve.runner.device_setup import (enable_compilation_cache, kv_cache_num_blocks, load_model,
                                          resolve_attention_backend, resolve_max_model_len,
                                          setup_all_reduce)
+from jaxserve.runner.step_program import TWIN_COMPILER_OPTIONS, forward_fn, pack_step, stage_fn
 from sharding import TensorParallel
 from sharding.tensor_parallel import zeros
 
@@ -56,75 +58,21 @@ logger = logging.getLogger(__name__)
 
 MAX_BANNED = 16  # eos + stop token ids suppressed while a request is below min_tokens
 
-def pack_step(batch: ModelBatch, prev_index: np.ndarray) -> np.ndarray:
-    """The step's host arrays (all int32) as one flat array: one host-to-device copy per device, not eight."""
-    return np.concatenate([a.reshape(-1) for a in (*batch, prev_index)])
+class StepRows(NamedTuple):
+    """One scheduler output's requests in batch order (decode rows first) and their step tokens."""
 
+    rows: np.ndarray  # [R] the requests' runner rows
+    starts: np.ndarray  # [R] position of each request's first step token
+    counts: np.ndarray  # [R] step tokens of each request
+    ends: np.ndarray  # [R] cumsum(counts)
+    token_rows: np.ndarray  # [T] the row of each token
+    pos: np.ndarray  # [T] the position of each token
+    sample_index: np.ndarray  # the requests that sample, as indices into rows
+    num_decode: int  # plain decode rows at the front
 
-def _stage_step(staged: ModelBatch, packed, prev_tokens) -> ModelBatch:
-    """The step's inputs (`pack_step`) copied into `staged` (donated: the same device buffers every
-    step), with the tokens sampled by the previous step still on device fed in where prev_index >= 0
-    (overlap scheduling: their values never went through the host)."""
-    fields, offset = [], 0
-    for like in (*staged, staged.token_ids):  # the batch's fields, then prev_index
-        fields.append(packed[offset: offset + like.size].reshape(like.shape))
-        offset += like.size
-    *fields, prev_index = fields
-    batch = ModelBatch(*fields)
-    from_prev = prev_tokens[jnp.maximum(prev_index, 0)]
-    batch = batch._replace(token_ids=jnp.where(prev_index >= 0, from_prev, batch.token_ids))
-    # Written into the donated arrays (returning `batch` itself would hand back its fresh buffers).
-    return jax.tree.map(lambda dst, src: jax.lax.dynamic_update_slice(dst, src, (0,) * src.ndim), staged, batch)
-
-
-stage_fn = jax.jit(_stage_step, donate_argnames=("staged",), keep_unused=True)
-
-
-def _forward_step(params, cfg, batch: ModelBatch, kv_caches, logits_buffer, comm, attention_backend, tp=None,
-                  decode_only=False, twin=False, out_rows=None, prompt=None, num_prompt_logprobs=0):
-    """The model step -> (logits, kv_caches, greedy tokens or None), plus, when `prompt` (the flat token
-    indices and scored tokens of prompt_logprobs.PromptRows) is given, prompt_logprobs.compute's arrays
-    with `num_prompt_logprobs` top entries. `logits_buffer` (donated, never
-    read) gives the logits a buffer that is the same every step, as the staged batch and the donated
-    caches are: XLA then replays the step's CUDA graph without updating any node. `decode_only`: every
-    request has one query token, token r being request r's (the kernels' decode fast path); such a
-    step also returns each row's argmax padded to `out_rows`, which an all-greedy step takes as its
-    tokens without launching the sampler. `comm`: the state of tp.all_reduce (None: XLA's
-    all-reduces). `twin`: the same step as a second executable (ModelRunner._run_forward alternates)."""
-    del logits_buffer
-    family = registry.family_of(cfg)
-    logits, kv_caches, *hidden = family.forward(params, cfg, batch, kv_caches, attention_backend=attention_backend,
-                                                tp=tp, decode_only=decode_only, comm=comm,
-                                                return_hidden=prompt is not None)
-    if twin:  # a no-op that only makes the program (and so the executable and its CUDA graph) another one
-        logits = logits + jnp.zeros((), logits.dtype)
-    tokens = None
-    if decode_only and out_rows is not None:  # sampler.sample's greedy path without banned ids or penalties
-        tokens = jnp.pad(jnp.argmax(logits, axis=-1).astype(jnp.int32), (0, out_rows - logits.shape[0]))
-    if prompt is not None:
-        return logits, kv_caches, tokens, prompt_logprobs.compute(params, cfg, hidden[0], *prompt,
-                                                                  num_prompt_logprobs)
-    return logits, kv_caches, tokens
-
-
-# XLA merges sibling matmuls that share an input into one (q/k/v; gate/up) only while the merged weights
-# stay under this size; its default (32 MB) leaves the 8B shape's gate/up (2 x 117 MB) as two launches.
-# Merged, the concatenation happens inside the GEMM's operand fetch (no copy), so a decode step reads each
-# weight pair with one launch and runs faster (benchmarks/RESULTS.md, the gate/up merge).
-GPU_COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 1024}
-# The decode step's twin executable (ModelRunner._run_forward): the same merges (no weight pair is near
-# 1 GB), a different option set, so XLA compiles (and the persistent cache keeps) a second executable.
-TWIN_COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 1025}
-
-
-@functools.cache
-def forward_fn(platform: str):
-    """The jitted step for a platform (GPU options only where XLA:GPU compiles), one per process so
-    engines with the same model config and shapes share compilations."""
-    return jax.jit(_forward_step, static_argnames=("cfg", "attention_backend", "tp", "decode_only", "twin", "out_rows",
-                                                   "num_prompt_logprobs"),
-                   donate_argnames=("kv_caches", "logits_buffer"), keep_unused=True,
-                   compiler_options=GPU_COMPILER_OPTIONS if platform == "gpu" else None)
+    @property
+    def num_tokens(self) -> int:
+        return int(self.ends[-1]) if len(self.ends) else 0
 
 
 class HostStep(NamedTuple):
@@ -138,6 +86,7 @@ class HostStep(NamedTuple):
     sampling: tuple | None  # (SamplingMetadata, all_greedy, use_penalties, num_logprobs); None: nothing sampled
     decode_only: bool = False  # one token per request, token r being request r's
     prompt: prompt_logprobs.PromptRows | None = None  # rows that give prompt logprobs
+    index: np.ndarray | None = None  # where each sampling row's token lies in the step's tokens (None: in order)
 
 
 @dataclasses.dataclass
@@ -152,6 +101,7 @@ class StepHandle:
     ready: jax.Array  # an output of the step that is never donated: ready when the device finished it
     output: RunnerOutput | None = None
     prompt: tuple | None = None  # (PromptRows.segments, prompt_logprobs.compute's arrays) of the step
+    index: np.ndarray | None = None  # HostStep.index
 
 
 class ModelRunner:
@@ -171,6 +121,13 @@ class ModelRunner:
         # Small device arrays made where the step runs (the mesh under tensor parallelism).
         # where the step's small arrays and logits live: replicated on the mesh, or the params' device
         self.on_device = tp.sharding(()) if tp is not None else jax.tree.leaves(model.params)[0].sharding
+        # where the staged batch and the logits live (split over the expert shards in ep_runner.py)
+        self.batch_sharding = self.logits_sharding = self.on_device
+        self.placement = None  # the expert placement tables (ep_runner.py)
+        self.stage_fn = stage_fn
+        self.tokens_sharding = None  # the sampled tokens' (replicated: ep_runner.py), None: as XLA leaves them
+        # the step's sub-batches: one per expert shard, each with max_num_seqs rows of its own (ep_runner.py)
+        self.num_shards = tp.expert_size if tp is not None else 1
         self.cfg = model.config
         self.config = config
         self.max_model_len = max_model_len
@@ -207,7 +164,7 @@ class ModelRunner:
 
         # Per-row state (rows are assigned by the scheduler), so a step gathers rows with fancy indexing
         # instead of per-request Python.
-        rows = sched.max_num_seqs
+        rows = sched.max_num_seqs * self.num_shards
         self.token_buf = np.zeros((rows, max_model_len), np.int32)  # every token id of a row known on the host
         self.block_table = np.zeros((rows, self.max_blocks), np.int32)
         self.row_num_tokens = np.zeros(rows, np.int64)  # tokens of the row in token_buf
@@ -225,13 +182,13 @@ class ModelRunner:
         self.row_min_tokens = np.zeros(rows, np.int64)
         # Sampled tokens come back padded to the largest request bucket, so the next step reads them
         # from the device with one compiled shape.
-        self.max_rows = self.buckets.request_buckets[-1]
+        self.max_rows = self.buckets.request_buckets[-1] * self.num_shards
         # A prompt-logprob step of T tokens pads its requests to the largest bucket T pairs with.
         self._prompt_requests = {t: max(r for t2, r in self.buckets.precompile_plan() if t2 == t)
                                  for t in self.buckets.token_buckets}
         self._last: StepHandle | None = None  # the last dispatched step
         # Ahead-of-time executables by ("forward", T, R, decode_only, twin) / ("forward_prompt", T, R) /
-        # ("stage", T, R) / ("sample", R, variant...), from precompile().
+        # ("stage", T, R) / ("sample", logits rows, variant...), from precompile().
         self._compiled: dict[tuple, jax.stages.Compiled] = {}
         # Device buffers reused by donation (_run_forward): staged inputs by (T, R), logits by R.
         self._staged: dict[tuple[int, int], ModelBatch] = {}
@@ -252,7 +209,7 @@ class ModelRunner:
 
     def _zeros_like_batch(self, t_pad: int, r_pad: int) -> ModelBatch:
         """Device buffers for a (T, R) step's staged inputs."""
-        return jax.tree.map(lambda a: self._zeros(a.shape, a.dtype), self._host_batch(t_pad, r_pad))
+        return jax.tree.map(lambda a: zeros(a.shape, a.dtype, self.batch_sharding), self._host_batch(t_pad, r_pad))
 
     # ---- per-row state ----
     def _reset_row(self, row: int, data: NewRequestData) -> None:
@@ -287,12 +244,8 @@ class ModelRunner:
         self.row_num_blocks[row] = start + len(block_ids)
 
     # ---- one step ----
-    def prepare(self, out: SchedulerOutput) -> HostStep:
-        """The host work of dispatching one step: row updates, the step's arrays, sampling metadata.
-
-        prev_index[t] >= 0 marks a token sampled by the previous step and not yet on the host: the
-        step reads it from that step's device output at that index.
-        """
+    def step_rows(self, out: SchedulerOutput) -> StepRows:
+        """Applies a scheduler output's row updates (resets, new blocks) and lays out its requests."""
         items = out.scheduled
         for item in items:
             if item.new is not None:
@@ -306,35 +259,25 @@ class ModelRunner:
             self.block_table[new_rows, self.row_num_blocks[new_rows]] = block_ids
             self.row_num_blocks[new_rows] += 1
         num_decode = len(decode_rows)
-        if items:
-            rows = np.concatenate([decode_rows, np.array([item.row for item in items], np.int64)])
-            starts = np.array(out.decode_positions + [item.num_computed_tokens for item in items], np.int64)
-            counts = np.array([1] * num_decode + [item.num_new_tokens for item in items], np.int64)
-            ends = np.cumsum(counts)
-            num_tokens = int(ends[-1])
-            req = np.repeat(np.arange(len(rows)), counts)  # token t belongs to request req[t]
-            pos = np.arange(num_tokens) - (ends - counts)[req] + starts[req]
-            token_rows = rows[req]
-            sample_index = np.concatenate([np.arange(num_decode),
-                                           num_decode + np.flatnonzero([item.samples for item in items])])
-        else:  # decode only: one token per request
-            rows = token_rows = decode_rows
-            pos = starts = np.array(out.decode_positions, np.int64)
-            num_tokens = num_decode
+        if not items:  # decode only: one token per request
             counts = np.ones(num_decode, np.int64)
-            ends = np.arange(1, num_decode + 1)
-            sample_index = np.arange(num_decode)
-        num_reqs = len(rows)
-        t_pad, r_pad = self.buckets.pad_tokens(num_tokens), self.buckets.pad_requests(num_reqs)
-        decode_only = bool((counts == 1).all())  # one token each: token r is request r's (decode rows lead)
-        prompt = None
-        if items and self.row_prompt_logprobs[rows[num_decode:]].any():
-            prompt = prompt_logprobs.gather(items, (ends - counts)[num_decode:], self.row_prompt_logprobs,
-                                            self.token_buf, self.row_num_prompt, self.row_generation,
-                                            prompt_logprobs.num_rows(t_pad, self.max_prompt_logprob_rows))
-            if prompt is not None:  # the variant: compiled for this T with its largest request bucket
-                r_pad, decode_only = self._prompt_requests[t_pad], False
+            starts = np.array(out.decode_positions, np.int64)
+            return StepRows(decode_rows, starts, counts, np.arange(1, num_decode + 1), decode_rows, starts,
+                            np.arange(num_decode), num_decode)
+        rows = np.concatenate([decode_rows, np.array([item.row for item in items], np.int64)])
+        starts = np.array(out.decode_positions + [item.num_computed_tokens for item in items], np.int64)
+        counts = np.array([1] * num_decode + [item.num_new_tokens for item in items], np.int64)
+        ends = np.cumsum(counts)
+        req = np.repeat(np.arange(len(rows)), counts)  # token t belongs to request req[t]
+        pos = np.arange(int(ends[-1])) - (ends - counts)[req] + starts[req]
+        sample_index = np.concatenate([np.arange(num_decode),
+                                       num_decode + np.flatnonzero([item.samples for item in items])])
+        return StepRows(rows, starts, counts, ends, rows[req], pos, sample_index.astype(np.int64), num_decode)
 
+    def fill_batch(self, layout: StepRows, t_pad: int, r_pad: int) -> tuple[ModelBatch, np.ndarray]:
+        """The (T, R)-padded step arrays of `layout`, and prev_index [T]."""
+        num_tokens, num_reqs = layout.num_tokens, len(layout.rows)
+        token_rows, pos = layout.token_rows, layout.pos
         token_ids = np.zeros(t_pad, np.int32)
         token_ids[:num_tokens] = self.token_buf[token_rows, pos]
         prev_index = np.full(t_pad, -1, np.int32)
@@ -347,15 +290,34 @@ class ModelRunner:
         slots[:num_tokens] = self.block_table[token_rows, pos // bs] * bs + pos % bs
         qsl = np.full(r_pad + 1, num_tokens, np.int32)
         qsl[0] = 0
-        qsl[1: num_reqs + 1] = ends
+        qsl[1: num_reqs + 1] = layout.ends
         seq_lens = np.zeros(r_pad, np.int32)
-        seq_lens[:num_reqs] = starts + counts
+        seq_lens[:num_reqs] = layout.starts + layout.counts
         tables = np.zeros((r_pad, self.max_blocks), np.int32)
-        tables[:num_reqs] = self.block_table[rows]
+        tables[:num_reqs] = self.block_table[layout.rows]
         logits_idx = np.zeros(r_pad, np.int32)
-        logits_idx[: len(sample_index)] = ends[sample_index] - 1
-        batch = ModelBatch(token_ids, positions, slots, qsl, seq_lens, tables, logits_idx)
-        sample_rows = rows[sample_index]
+        logits_idx[: len(layout.sample_index)] = layout.ends[layout.sample_index] - 1
+        return ModelBatch(token_ids, positions, slots, qsl, seq_lens, tables, logits_idx), prev_index
+
+    def prepare(self, out: SchedulerOutput) -> HostStep:
+        """The host work of dispatching one step: row updates, the step's arrays, sampling metadata.
+
+        prev_index[t] >= 0 marks a token sampled by the previous step and not yet on the host: the
+        step reads it from that step's device output at that index.
+        """
+        layout = self.step_rows(out)
+        items, rows, counts, num_decode = out.scheduled, layout.rows, layout.counts, layout.num_decode
+        t_pad, r_pad = self.buckets.pad_tokens(layout.num_tokens), self.buckets.pad_requests(len(rows))
+        decode_only = bool((counts == 1).all())  # one token each: token r is request r's (decode rows lead)
+        prompt = None
+        if items and self.row_prompt_logprobs[rows[num_decode:]].any():
+            prompt = prompt_logprobs.gather(items, (layout.ends - counts)[num_decode:], self.row_prompt_logprobs,
+                                            self.token_buf, self.row_num_prompt, self.row_generation,
+                                            prompt_logprobs.num_rows(t_pad, self.max_prompt_logprob_rows))
+            if prompt is not None:  # the variant: compiled for this T with its largest request bucket
+                r_pad, decode_only = self._prompt_requests[t_pad], False
+        batch, prev_index = self.fill_batch(layout, t_pad, r_pad)
+        sample_rows = rows[layout.sample_index]
         request_ids = out.decode_ids + [item.request_id for item in items if item.samples]
         sampling = self._sampling_metadata(sample_rows, r_pad) if len(sample_rows) else None
         self.row_prev_index[sample_rows] = np.arange(len(sample_rows))
@@ -363,27 +325,28 @@ class ModelRunner:
         return HostStep(batch, prev_index, sample_rows, self.row_generation[sample_rows], request_ids, sampling,
                         decode_only, prompt)
 
-    def _sampling_metadata(self, rows: np.ndarray, r_pad: int):
+    def _sampling_metadata(self, rows: np.ndarray, r_pad: int, index: np.ndarray | None = None):
+        """Sampling metadata of `r_pad` logits rows: row i of `rows` at index[i] (default: i)."""
         num_output = self.row_num_tokens[rows] + self.row_pending[rows] - self.row_num_prompt[rows]
         use_penalties = bool(self.row_penalties[rows].any())
         history_len = self.max_model_len if use_penalties else 1
         md = sampler.empty_metadata(r_pad, MAX_BANNED, history_len)
-        n = len(rows)
+        at = slice(0, len(rows)) if index is None else index
         src = self.sampling_rows
         for field in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                       "frequency_penalty", "seeds"):
-            getattr(md, field)[:n] = getattr(src, field)[rows]
-        md.steps[:n] = num_output
+            getattr(md, field)[at] = getattr(src, field)[rows]
+        md.steps[at] = num_output
         for i in np.flatnonzero(num_output < self.row_min_tokens[rows]):
             data = self.row_data[rows[i]]
             params = data.sampling_params
             banned = (list(data.eos_token_ids) if not params.ignore_eos else []) + list(params.stop_token_ids)
-            md.banned_token_ids[i, : len(banned)] = banned
+            md.banned_token_ids[i if index is None else index[i], : len(banned)] = banned
         if use_penalties:  # (dispatch collected the previous step first, so the history is complete)
             num_tokens = self.row_num_tokens[rows]
-            md.token_history[:n] = np.where(np.arange(history_len)[None, :] < num_tokens[:, None],
+            md.token_history[at] = np.where(np.arange(history_len)[None, :] < num_tokens[:, None],
                                             self.token_buf[rows], -1)
-            md.prompt_lens[:n] = self.row_num_prompt[rows]
+            md.prompt_lens[at] = self.row_num_prompt[rows]
         all_greedy = bool(self.row_greedy[rows].all())
         num_logprobs = self.max_logprobs if self.row_logprobs[rows].any() else 0
         return md, all_greedy, use_penalties, num_logprobs
@@ -407,7 +370,7 @@ class ModelRunner:
             prompt = (step.prompt.segments, prompt_arrays[0])
         if step.sampling is None:  # prefill chunks only: nothing to wait for, unless prompt logprobs come back
             handle = StepHandle(step.request_ids, step.rows, step.generations, prev_tokens, None, logits,
-                                RunnerOutput([], []) if prompt is None else None, prompt)
+                                RunnerOutput([], []) if prompt is None else None, prompt, step.index)
         else:
             md, *variant = step.sampling
             all_greedy, use_penalties, num_logprobs = variant
@@ -419,7 +382,7 @@ class ModelRunner:
                 result = compiled(logits, md) if compiled is not None else self._sample(logits, md, *variant)
             result.token_ids.copy_to_host_async()
             handle = StepHandle(step.request_ids, step.rows, step.generations, result.token_ids, result.logprobs,
-                                result.token_ids, prompt=prompt)
+                                result.token_ids, prompt=prompt, index=step.index)
         self._last = handle
         return handle
 
@@ -432,27 +395,27 @@ class ModelRunner:
         re-uploading it would be most of a decode step's host time (benchmarks/RESULTS.md).
         `keep_logits=False`: the logits get a buffer of their own (nothing will donate it), for a step
         whose logits are its readiness marker."""
-        t_pad, r_pad = batch.token_ids.shape[0], batch.seq_lens.shape[0]
+        t_pad, r_pad = batch.token_ids.shape[-1], batch.seq_lens.shape[-1]  # (per shard: [n, T] under EP)
         staged = self._staged.get((t_pad, r_pad))
         if staged is None:  # (precompile made those of every bucket)
             staged = self._zeros_like_batch(t_pad, r_pad)
         compiled = self._compiled.get(("stage", t_pad, r_pad))
-        stage = compiled if compiled is not None else stage_fn
+        stage = compiled if compiled is not None else self.stage_fn
         staged = self._staged[(t_pad, r_pad)] = stage(staged, pack_step(batch, prev_index), prev_tokens)
         logits_buffer = self._logits.pop(r_pad, None) if keep_logits else None
         if logits_buffer is None:
-            logits_buffer = self._zeros((r_pad, self.cfg.vocab_size), jnp.float32)
+            logits_buffer = zeros((r_pad * self.num_shards, self.cfg.vocab_size), jnp.float32, self.logits_sharding)
         # Decode steps alternate between two executables of the step: with overlap the step in flight
         # still holds its temporary buffer when the next one starts, so one executable would see its
         # temporaries move every step (and XLA update all of its graph); each twin keeps its own.
         twin = False
         if decode_only and self.use_twins:
             twin = self._twin[(t_pad, r_pad)] = not self._twin.get((t_pad, r_pad), True)
-        extra = {}
+        extra = self._expert_args()
         if prompt is not None:  # (the variant's own key: no twin, never decode_only)
             key = ("forward_prompt", t_pad, r_pad)
-            extra = {"prompt": (jax.device_put(prompt.indices, self.on_device),
-                                jax.device_put(prompt.targets, self.on_device))}
+            extra["prompt"] = (jax.device_put(prompt.indices, self.on_device),
+                               jax.device_put(prompt.targets, self.on_device))
         else:
             key = ("forward", t_pad, r_pad, decode_only, twin)
         compiled = self._compiled.get(key)
@@ -463,14 +426,19 @@ class ModelRunner:
             logits, self.kv_caches, tokens, *plp = self.forward_fn(
                 self.model.params, self.cfg, staged, self.kv_caches, logits_buffer, self.comm,
                 attention_backend=self.attention_backend, tp=self.tp, decode_only=decode_only, twin=twin,
-                out_rows=self.max_rows, num_prompt_logprobs=self.max_logprobs if extra else 0, **extra)
+                out_rows=self.max_rows, num_prompt_logprobs=self.max_logprobs if prompt is not None else 0,
+                **extra)
         if keep_logits:
             self._logits[r_pad] = logits
         return (logits, tokens, *plp)
 
+    def _expert_args(self) -> dict:
+        """The forward's expert-parallel arguments (the placement tables; ep_runner.py), none without EP."""
+        return {"placement": self.placement} if self.placement is not None else {}
+
     def _sample(self, logits, md, all_greedy: bool, use_penalties: bool, num_logprobs: int):
         return sampler.sample(logits, md, all_greedy=all_greedy, use_penalties=use_penalties,
-                              num_logprobs=num_logprobs, out_rows=self.max_rows)
+                              num_logprobs=num_logprobs, out_rows=self.max_rows, tokens_sharding=self.tokens_sharding)
 
     def collect(self, handle: StepHandle) -> RunnerOutput:
         """Waits for a dispatched step's sampled tokens; records them in the rows; returns them."""
@@ -480,7 +448,8 @@ class ModelRunner:
 
     def _collect(self, handle: StepHandle) -> None:
         rows = handle.rows
-        tokens = np.asarray(handle.tokens)[: len(rows)] if len(rows) else np.zeros(0, np.int32)
+        index = np.arange(len(rows)) if handle.index is None else handle.index
+        tokens = np.asarray(handle.tokens)[index] if len(rows) else np.zeros(0, np.int32)
         # A row reset since the dispatch (its request finished, or was preempted, and the row reused)
         # does not take the stale token; the scheduler drops it too.
         live = rows[self.row_generation[rows] == handle.generations]
@@ -495,8 +464,9 @@ class ModelRunner:
             for i, row in enumerate(rows):
                 wanted = self.row_data[row].sampling_params.logprobs
                 wanted = self.cfg.vocab_size if wanted == -1 else wanted
+                j = index[i]
                 logprobs.append(None if wanted is None else Logprobs(
-                    float(lp[i]), int(rank[i]), top_ids[i, :wanted].tolist(), top_lps[i, :wanted].tolist()))
+                    float(lp[j]), int(rank[j]), top_ids[j, :wanted].tolist(), top_lps[j, :wanted].tolist()))
         prompt = None
         if handle.prompt is not None:
             prompt = prompt_logprobs.chunks(*handle.prompt, self.row_generation, self.row_data, self.cfg.vocab_size)
@@ -522,16 +492,17 @@ class ModelRunner:
         on_device = self.on_device  # where the step's small arrays and the logits live
 
         def device_batch(t_pad: int, r_pad: int) -> ModelBatch:
-            return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_device),
+            return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.batch_sharding),
                                 self._host_batch(t_pad, r_pad))
 
         def forward(t_pad: int, r_pad: int, decode_only: bool, prompt: bool = False):
-            logits = jax.ShapeDtypeStruct((r_pad, self.cfg.vocab_size), jnp.float32, sharding=on_device)
-            extra = {}
+            logits = jax.ShapeDtypeStruct((r_pad * self.num_shards, self.cfg.vocab_size), jnp.float32,
+                                          sharding=self.logits_sharding)
+            extra = self._expert_args()
             if prompt:
                 num_rows = prompt_logprobs.num_rows(t_pad, self.max_prompt_logprob_rows)
                 rows = jax.ShapeDtypeStruct((num_rows,), jnp.int32, sharding=on_device)
-                extra = {"prompt": (rows, rows), "num_prompt_logprobs": self.max_logprobs}
+                extra |= {"prompt": (rows, rows), "num_prompt_logprobs": self.max_logprobs}
             lowered = self.forward_fn.lower(self.model.params, self.cfg, device_batch(t_pad, r_pad), self.kv_caches,
                                             logits, self.comm, attention_backend=self.attention_backend, tp=self.tp,
                                             decode_only=decode_only, out_rows=self.max_rows, **extra)
@@ -545,15 +516,16 @@ class ModelRunner:
                     ("forward", t_pad, r_pad, True, True): lowered.compile(TWIN_COMPILER_OPTIONS)}
 
         def stage(t_pad: int, r_pad: int):
-            packed = pack_step(self._host_batch(t_pad, r_pad), np.full(t_pad, -1, np.int32))
-            return stage_fn.lower(device_batch(t_pad, r_pad), packed, prev_tokens).compile()
+            batch = self._host_batch(t_pad, r_pad)
+            packed = pack_step(batch, np.full(batch.token_ids.shape, -1, np.int32))
+            return self.stage_fn.lower(device_batch(t_pad, r_pad), packed, prev_tokens).compile()
 
-        def sample(r_pad: int, all_greedy: bool, use_penalties: bool, num_logprobs: int):
-            md = sampler.empty_metadata(r_pad, MAX_BANNED, self.max_model_len if use_penalties else 1)
-            logits = jax.ShapeDtypeStruct((r_pad, self.cfg.vocab_size), jnp.float32,
-                                          sharding=prev_tokens.sharding)
+        def sample(rows: int, all_greedy: bool, use_penalties: bool, num_logprobs: int):
+            md = sampler.empty_metadata(rows, MAX_BANNED, self.max_model_len if use_penalties else 1)
+            logits = jax.ShapeDtypeStruct((rows, self.cfg.vocab_size), jnp.float32, sharding=self.logits_sharding)
             return sampler.sample.lower(logits, md, all_greedy=all_greedy, use_penalties=use_penalties,
-                                        num_logprobs=num_logprobs, out_rows=self.max_rows).compile()
+                                        num_logprobs=num_logprobs, out_rows=self.max_rows,
+                                        tokens_sharding=self.tokens_sharding).compile()
 
         jobs = {("forward", t_pad, r_pad, False): (forward, (t_pad, r_pad, False)) for t_pad, r_pad in plan}
         jobs.update({("forward", t_pad, r_pad, True): (forward, (t_pad, r_pad, True))
@@ -565,8 +537,9 @@ class ModelRunner:
         for t_pad, r_pad in self._step_shapes:
             self._staged.setdefault((t_pad, r_pad), self._zeros_like_batch(t_pad, r_pad))
         for r_pad in self.buckets.request_buckets:
-            self._logits.setdefault(r_pad, self._zeros((r_pad, self.cfg.vocab_size), jnp.float32))
-        jobs.update({("sample", r_pad, *variant): (sample, (r_pad, *variant))
+            self._logits.setdefault(r_pad, zeros((r_pad * self.num_shards, self.cfg.vocab_size), jnp.float32,
+                                                 self.logits_sharding))
+        jobs.update({("sample", r_pad * self.num_shards, *variant): (sample, (r_pad * self.num_shards, *variant))
                      for r_pad in self.buckets.request_buckets for variant in variants})
         bar = tqdm(total=len(jobs), desc="compiling buckets", disable=not progress, leave=False)
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:

@@ -192,7 +192,8 @@ def compute_logprobs(
     return sampled[:, 0], rank, top_ids.astype(jnp.int32), top_logprobs
 
 
-@functools.partial(jax.jit, static_argnames=("all_greedy", "use_penalties", "num_logprobs", "out_rows"))
+@functools.partial(jax.jit, static_argnames=("all_greedy", "use_penalties", "num_logprobs", "out_rows",
+                                             "tokens_sharding"))
 def sample(
     logits: jax.Array,
     md: SamplingMetadata,
@@ -201,11 +202,13 @@ def sample(
     use_penalties: bool,
     num_logprobs: int,
     out_rows: int | None = None,
+    tokens_sharding: jax.sharding.Sharding | None = None,
 ) -> SamplerOutput:
     """logits [R, V] -> SamplerOutput. all_greedy compiles only the argmax path (the caller must
     only set it when every row's temperature is < GREEDY_EPS); use_penalties compiles the penalty
     scatters; num_logprobs (0 = none) is the N of the top-N logprobs. out_rows pads the token ids
-    to a fixed length, so the next step can read them from the device with one compiled shape."""
+    to a fixed length, so the next step can read them from the device with one compiled shape, and
+    `tokens_sharding` fixes their sharding (rows split over expert shards would otherwise leave them split)."""
     processed = process_logits(logits, md, use_penalties)
     token_ids = jnp.argmax(processed, axis=-1).astype(jnp.int32)
     if not all_greedy:
@@ -218,4 +221,6 @@ def sample(
     logprobs = compute_logprobs(logits, token_ids, num_logprobs) if num_logprobs > 0 else None
     if out_rows is not None:
         token_ids = jnp.pad(token_ids, (0, out_rows - token_ids.shape[0]))
+    if tokens_sharding is not None:
+        token_ids = jax.lax.with_sharding_constraint(token_ids, tokens_sharding)
     return SamplerOutput(token_ids, logprobs)

@@ -1,0 +1,79 @@
+"""Expert parallelism's steps: one sub-batch per expert shard, stacked shard-major, in one SPMD program.
+
+    ShardedSchedulerOutput (one SchedulerOutput per shard; disjoint runner rows, shard-local block ids)
+      --ModelRunner.step_rows per shard--> layouts
+      --common (T, R) buckets, the largest shard's--> ModelRunner.fill_batch per shard --stack-->
+      ModelBatch of [n, T] / [n, R] / [n, R, max_blocks] arrays + prev_index [n, T], split over "expert"
+      --llama.forward: attention and dense layers per shard on its own KV cache [n, ...], MoE layers
+        exchange routed tokens over the expert axis (sharding/expert_parallel.py), placement tables as an
+        argument--> logits [n * R, V] shard-major --sample--> tokens [n * R]
+    shard s's i-th sampling request reads token s * R + i (HostStep.index); the RunnerOutput lists the
+    shards' requests shard after shard, which ShardedScheduler.update_from_output splits again.
+
+Everything else (row state, overlap through prev_index, staging into donated buffers, the sampler, the
+bucketed precompile) is ModelRunner's: every shard pads to the same (T, R) bucket, so the shapes a step
+compiles are ModelRunner's bucket ladder, each field with a leading shard axis. Prompt logprobs are
+not supported here yet (ShardedScheduler refuses such requests).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxserve.config import EngineConfig
+from jaxserve.core.sharded_scheduler import ShardedSchedulerOutput
+from jaxserve.models import loader
+from jaxserve.models.layers import ModelBatch
+from jaxserve.models.loader import LoadedModel
+from jaxserve.runner.model_runner import HostStep, ModelRunner
+from jaxserve.runner.step_program import sharded_stage_fn
+from sharding import TensorParallel
+
+
+def check_expert_parallel_model(model_config, expert: int) -> None:
+    """ValueError unless the model has MoE layers for parallel.expert to shard."""
+    if getattr(model_config, "moe", None) is None:
+        raise ValueError(f"parallel.expert={expert} shards the experts of MoE layers, but {model_config.architecture} "
+                         f"has none; set parallel.expert to 1 (parallel.data runs data-parallel replicas)")
+
+
+class ExpertParallelRunner(ModelRunner):
+    """ModelRunner over an [expert, model] mesh (tp.expert set): `dispatch` takes a ShardedSchedulerOutput."""
+
+    def __init__(self, config: EngineConfig, tp: TensorParallel, *, model: LoadedModel | None = None):
+        check_expert_parallel_model(model.config if model is not None else loader.load_config(config.model.path)[0],
+                                    tp.expert_size)
+        super().__init__(config, tp, model=model)
+        self.batch_sharding = self.logits_sharding = NamedSharding(tp.mesh, PartitionSpec(tp.expert.axis))
+        self.stage_fn = sharded_stage_fn(self.batch_sharding)
+        self.tokens_sharding = self.on_device  # the next step's stage reads them whole
+        spec = self.cfg.moe
+        self.placement = jax.device_put(
+            tp.expert.default_placement(len(spec.sparse_layers), spec.num_experts, self.num_shards), self.on_device)
+        self._prompt_requests = {}  # (no prompt-logprob variant to compile)
+
+    def _host_batch(self, t_pad: int, r_pad: int) -> ModelBatch:
+        one = super()._host_batch(t_pad, r_pad)
+        return ModelBatch(*(np.zeros((self.num_shards, *a.shape), a.dtype) for a in one))
+
+    def prepare(self, out: ShardedSchedulerOutput) -> HostStep:
+        layouts = [self.step_rows(shard_out) for shard_out in out.shards]
+        t_pad = self.buckets.pad_tokens(max(layout.num_tokens for layout in layouts))
+        r_pad = self.buckets.pad_requests(max(len(layout.rows) for layout in layouts))
+        decode_only = all(bool((layout.counts == 1).all()) for layout in layouts)
+        filled = [self.fill_batch(layout, t_pad, r_pad) for layout in layouts]
+        batch = ModelBatch(*(np.stack(field) for field in zip(*(shard_batch for shard_batch, _ in filled))))
+        prev_index = np.stack([shard_prev for _, shard_prev in filled])
+        sample_rows = np.concatenate([layout.rows[layout.sample_index] for layout in layouts])
+        index = np.concatenate([shard * r_pad + np.arange(len(layout.sample_index))
+                                for shard, layout in enumerate(layouts)])
+        request_ids = [request_id for shard_out in out.shards
+                       for request_id in shard_out.decode_ids + [i.request_id for i in shard_out.scheduled if i.samples]]
+        sampling = (self._sampling_metadata(sample_rows, r_pad * self.num_shards, index) if len(sample_rows)
+                    else None)
+        self.row_prev_index[sample_rows] = index
+        self.row_pending[sample_rows] += 1
+        return HostStep(batch, prev_index, sample_rows, self.row_generation[sample_rows], request_ids, sampling,
+                        decode_only, None, index)

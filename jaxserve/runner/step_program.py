@@ -1,0 +1,97 @@
+"""The jitted programs of one engine step: staging the host's step arrays into donated device buffers, and
+the forward (+ greedy tokens, + prompt logprobs), with the compiler options that keep a decode step one
+CUDA graph. ModelRunner (model_runner.py) calls them, ahead-of-time compiled per bucket."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.models import registry
+from jaxserve.models.layers import ModelBatch
+from jaxserve.runner import prompt_logprobs
+
+
+def pack_step(batch: ModelBatch, prev_index: np.ndarray) -> np.ndarray:
+    """The step's host arrays (all int32) as one flat array: one host-to-device copy per device, not eight."""
+    return np.concatenate([a.reshape(-1) for a in (*batch, prev_index)])
+
+
+def _stage_step(staged: ModelBatch, packed, prev_tokens) -> ModelBatch:
+    """The step's inputs (`pack_step`) copied into `staged` (donated: the same device buffers every
+    step), with the tokens sampled by the previous step still on device fed in where prev_index >= 0
+    (overlap scheduling: their values never went through the host)."""
+    fields, offset = [], 0
+    for like in (*staged, staged.token_ids):  # the batch's fields, then prev_index
+        fields.append(packed[offset: offset + like.size].reshape(like.shape))
+        offset += like.size
+    *fields, prev_index = fields
+    batch = ModelBatch(*fields)
+    from_prev = prev_tokens[jnp.maximum(prev_index, 0)]
+    batch = batch._replace(token_ids=jnp.where(prev_index >= 0, from_prev, batch.token_ids))
+    # Written into the donated arrays (returning `batch` itself would hand back its fresh buffers).
+    return jax.tree.map(lambda dst, src: jax.lax.dynamic_update_slice(dst, src, (0,) * src.ndim), staged, batch)
+
+
+stage_fn = jax.jit(_stage_step, donate_argnames=("staged",), keep_unused=True)
+
+
+@functools.cache
+def sharded_stage_fn(sharding: jax.sharding.Sharding):
+    """stage_fn whose staged batch comes out in `sharding` (expert parallelism's batch split over the expert
+    shards, which the forward expects; left to itself, XLA would hand it back replicated)."""
+    return jax.jit(_stage_step, donate_argnames=("staged",), keep_unused=True, out_shardings=sharding)
+
+
+def _forward_step(params, cfg, batch: ModelBatch, kv_caches, logits_buffer, comm, attention_backend, tp=None,
+                  decode_only=False, twin=False, out_rows=None, prompt=None, num_prompt_logprobs=0, placement=None):
+    """The model step -> (logits, kv_caches, greedy tokens or None), plus, when `prompt` (the flat token
+    indices and scored tokens of prompt_logprobs.PromptRows) is given, prompt_logprobs.compute's arrays
+    with `num_prompt_logprobs` top entries. `logits_buffer` (donated, never
+    read) gives the logits a buffer that is the same every step, as the staged batch and the donated
+    caches are: XLA then replays the step's CUDA graph without updating any node. `decode_only`: every
+    request has one query token, token r being request r's (the kernels' decode fast path); such a
+    step also returns each row's argmax padded to `out_rows`, which an all-greedy step takes as its
+    tokens without launching the sampler. `comm`: the state of tp.all_reduce (None: XLA's
+    all-reduces). `twin`: the same step as a second executable (ModelRunner._run_forward alternates).
+    `placement`: the expert placement tables under expert parallelism (runner/ep_runner.py), else None."""
+    del logits_buffer
+    family = registry.family_of(cfg)
+    expert = {"placement": placement} if placement is not None else {}
+    logits, kv_caches, *hidden = family.forward(params, cfg, batch, kv_caches, attention_backend=attention_backend,
+                                                tp=tp, decode_only=decode_only, comm=comm,
+                                                return_hidden=prompt is not None, **expert)
+    if twin:  # a no-op that only makes the program (and so the executable and its CUDA graph) another one
+        logits = logits + jnp.zeros((), logits.dtype)
+    tokens = None
+    if decode_only and out_rows is not None:  # sampler.sample's greedy path without banned ids or penalties
+        tokens = jnp.pad(jnp.argmax(logits, axis=-1).astype(jnp.int32), (0, out_rows - logits.shape[0]))
+        if tp is not None:  # replicated, as every step's tokens (the next step's stage reads them)
+            tokens = jax.lax.with_sharding_constraint(tokens, tp.sharding(()))
+    if prompt is not None:
+        return logits, kv_caches, tokens, prompt_logprobs.compute(params, cfg, hidden[0], *prompt,
+                                                                  num_prompt_logprobs)
+    return logits, kv_caches, tokens
+
+
+# XLA merges sibling matmuls that share an input into one (q/k/v; gate/up) only while the merged weights
+# stay under this size; its default (32 MB) leaves the 8B shape's gate/up (2 x 117 MB) as two launches.
+# Merged, the concatenation happens inside the GEMM's operand fetch (no copy), so a decode step reads each
+# weight pair with one launch and runs faster (benchmarks/RESULTS.md, the gate/up merge).
+GPU_COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 1024}
+# The decode step's twin executable (ModelRunner._run_forward): the same merges (no weight pair is near
+# 1 GB), a different option set, so XLA compiles (and the persistent cache keeps) a second executable.
+TWIN_COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 1025}
+
+
+@functools.cache
+def forward_fn(platform: str):
+    """The jitted step for a platform (GPU options only where XLA:GPU compiles), one per process so
+    engines with the same model config and shapes share compilations."""
+    return jax.jit(_forward_step, static_argnames=("cfg", "attention_backend", "tp", "decode_only", "twin", "out_rows",
+                                                   "num_prompt_logprobs"),
+                   donate_argnames=("kv_caches", "logits_buffer"), keep_unused=True,
+                   compiler_options=GPU_COMPILER_OPTIONS if platform == "gpu" else None)
