@@ -26,6 +26,7 @@ from jax.sharding import Mesh
 
 from jaxserve import distributed
 from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.core import eplb
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.sched_types import SchedulerOutput
 from jaxserve.core.scheduler import Scheduler
@@ -183,8 +184,13 @@ class Engine:
 
     def stats(self) -> EngineStats:
         kv = self.kv_cache.stats
+        expert = {}
+        if isinstance(self.runner, ExpertParallelRunner):  # (the last processed step's copy: never waits)
+            load = self.runner.collected_expert_load()
+            expert = dict(expert_load=tuple(map(tuple, load.tolist())), expert_device_load_max_over_mean=tuple(
+                eplb.max_mean_device_load(load, self.runner.host_placement).tolist()))
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv_cache.usage,
-                           kv.queries, kv.hits, self.scheduler.num_preemptions)
+                           kv.queries, kv.hits, self.scheduler.num_preemptions, **expert)
 
     # ---- one step ----
     def step(self, final_only: bool = False) -> list[RequestOutput]:

@@ -2,7 +2,7 @@
 fake CPU devices:
 
 - the on-device load accumulator equals the routed tokens: scheduled tokens x top-k per MoE layer, padding
-  rows excluded.
+  rows excluded; EngineStats and /metrics report it with each layer's max/mean device load.
 - after a warm-up rebalance, two more rebalances and the steps around them trace nothing, and greedy tokens
   stay the E=1 engine's (transformers' reference tokens).
 - a skewed router (a few experts favoured): max/mean device load, measured from the accumulator, drops to
@@ -22,6 +22,7 @@ from jaxserve import LLM
 from jaxserve.config import ParallelConfig, load_config
 from jaxserve.core import eplb
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.server.metrics import ServerMetrics
 from tests.conftest import HF_FIXTURES, HF_MOE_NAMES
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -71,6 +72,18 @@ def test_load_accumulator_counts_routed_tokens():
     assert load.shape == (len(spec.sparse_layers), spec.num_experts) and counter.tokens > 0
     assert load.sum(1).tolist() == [counter.tokens * spec.top_k] * len(spec.sparse_layers)
     assert (load >= 0).all() and (load > 0).sum() > spec.top_k  # spread over experts, not one column
+    # /metrics: the load up to the last processed step (a step still in flight, with no live request left,
+    # counts in the accumulator only), and each layer's max/mean device load for it
+    llm.engine.step()  # processes any step still in flight
+    stats = llm.engine.stats()
+    assert stats.expert_load == tuple(map(tuple, load.tolist()))
+    ratio = eplb.max_mean_device_load(load, llm.engine.runner.host_placement)
+    assert stats.expert_device_load_max_over_mean == tuple(ratio.tolist()) and (ratio >= 1).all()
+    metrics = ServerMetrics("m")
+    metrics.record_step(stats)
+    text = metrics.render().decode()
+    assert f'jaxserve:expert_load{{expert="3",layer="1",model_name="m"}} {float(load[1, 3])}' in text
+    assert f'jaxserve:expert_device_load_max_over_mean{{layer="0",model_name="m"}} {ratio[0]}' in text
 
 
 def test_rebalances_compile_nothing_and_keep_outputs():

@@ -30,7 +30,7 @@ from jaxserve.core.sharded_scheduler import ShardedSchedulerOutput
 from jaxserve.models import loader
 from jaxserve.models.layers import ModelBatch
 from jaxserve.models.loader import LoadedModel
-from jaxserve.runner.model_runner import HostStep, ModelRunner
+from jaxserve.runner.model_runner import HostStep, ModelRunner, StepHandle
 from jaxserve.runner.step_program import sharded_stage_fn
 from sharding import TensorParallel
 from sharding.expert_parallel import ExpertParallel
@@ -61,8 +61,27 @@ class ExpertParallelRunner(ModelRunner):
         # adds its own (the forward's donated argument and last output; no host sync in the step)
         self._load_shape = (len(spec.sparse_layers), spec.num_experts)
         self.expert_load = zeros(self._load_shape, jnp.int32, self.on_device)
+        self.step_expert_load = None  # the copy of it that the last dispatched step returned
+        self._collected_load = None  # ... and the last collected step's (None: no step since the rebalance)
         self._expert_parallel = ExpertParallel(tp.mesh, tp.expert.axis)
         self._prompt_requests = {}  # (no prompt-logprob variant to compile)
+
+    def dispatch(self, out: ShardedSchedulerOutput) -> StepHandle:
+        handle = super().dispatch(out)
+        handle.expert_load = self.step_expert_load
+        return handle
+
+    def _collect(self, handle: StepHandle) -> None:
+        super()._collect(handle)
+        self._collected_load = handle.expert_load
+
+    def collected_expert_load(self) -> np.ndarray:
+        """The load accumulated since the last rebalance up to the last collected step, [L, E] int64: read
+        from that step's own copy (on the host already, or arriving: the step is done), so it never waits
+        for a step in flight."""
+        if self._collected_load is None:
+            return np.zeros(self._load_shape, np.int64)
+        return np.asarray(self._collected_load).astype(np.int64)
 
     def read_expert_load(self) -> np.ndarray:
         """The load accumulated since the last rebalance, [L, E] int64 on the host. Waits for the steps
@@ -87,6 +106,7 @@ class ExpertParallelRunner(ModelRunner):
                                                for w, sharding in zip(moved, shardings))
         self.placement, self.host_placement = new, new_host
         self.expert_load = zeros(self._load_shape, jnp.int32, self.on_device)
+        self._collected_load = None
         return new_host
 
     def _host_batch(self, t_pad: int, r_pad: int) -> ModelBatch:

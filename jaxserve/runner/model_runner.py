@@ -102,6 +102,7 @@ class StepHandle:
     output: RunnerOutput | None = None
     prompt: tuple | None = None  # (PromptRows.segments, prompt_logprobs.compute's arrays) of the step
     index: np.ndarray | None = None  # HostStep.index
+    expert_load: jax.Array | None = None  # the expert load accumulated up to this step (ep_runner.py)
 
 
 class ModelRunner:
@@ -430,8 +431,9 @@ class ModelRunner:
                 **extra)
         if keep_logits:
             self._logits[r_pad] = logits
-        if self.placement is not None:  # the forward's last output: the expert-load accumulator, donated back
-            *plp, self.expert_load = plp
+        if self.placement is not None:  # the expert-load accumulator (donated back) and its readable copy
+            *plp, self.expert_load, self.step_expert_load = plp
+            self.step_expert_load.copy_to_host_async()
         return (logits, tokens, *plp)
 
     def _expert_args(self) -> dict:

@@ -60,7 +60,8 @@ def _forward_step(params, cfg, batch: ModelBatch, kv_caches, logits_buffer, comm
     all-reduces). `twin`: the same step as a second executable (ModelRunner._run_forward alternates).
     `placement`: the expert placement tables under expert parallelism (runner/ep_runner.py), else None; then
     `expert_load` is the running per-expert token count [L, E] int32 (donated) and the step returns it, plus
-    this step's load, as its last output (the count stays on device: nothing here waits for the host)."""
+    this step's load, as its last two outputs: the accumulator (to donate into the next step) and a copy of
+    it that is never donated, which the host reads once the step is done (nothing here waits for the host)."""
     del logits_buffer
     family = registry.family_of(cfg)
     expert = {"placement": placement} if placement is not None else {}
@@ -70,7 +71,8 @@ def _forward_step(params, cfg, batch: ModelBatch, kv_caches, logits_buffer, comm
     extra = ()
     if placement is not None:
         *hidden, load = hidden
-        extra = (expert_load + load,)
+        expert_load = expert_load + load
+        extra = (expert_load, jnp.copy(expert_load))
     if twin:  # a no-op that only makes the program (and so the executable and its CUDA graph) another one
         logits = logits + jnp.zeros((), logits.dtype)
     tokens = None
