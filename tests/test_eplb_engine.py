@@ -5,6 +5,7 @@ fake CPU devices:
   rows excluded; EngineStats and /metrics report it with each layer's max/mean device load.
 - after a warm-up rebalance, two more rebalances and the steps around them trace nothing, and greedy tokens
   stay the E=1 engine's (transformers' reference tokens).
+- parallel.rebalance_interval_steps rebalances mid-generation on an expert x model mesh, tokens unchanged.
 - a skewed router (a few experts favoured): max/mean device load, measured from the accumulator, drops to
   <= 1.15 after a rebalance with redundant slots, and the greedy tokens are unchanged by the move.
 """
@@ -31,12 +32,13 @@ pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu" or jax.device_cou
                                 reason="the expert-parallel engine tests run on 8 fake CPU devices")
 
 
-def engine_config(name: str, expert: int, redundant: int = 0, **overrides):
+def engine_config(name: str, expert: int, redundant: int = 0, model: int = 1, interval: int = 0, **overrides):
     options = dict(model=HF_FIXTURES / name, dtype="float32", skip_tokenizer_init=True, max_model_len=96, block_size=4,
                    num_blocks=96, max_num_batched_tokens=16, max_num_seqs=4, token_buckets=[16], request_buckets=[4],
                    precompile=False, compilation_cache_dir=None)
     base = load_config(None, **(options | overrides))
-    return dataclasses.replace(base, parallel=ParallelConfig(expert=expert, num_redundant_experts=redundant))
+    return dataclasses.replace(base, parallel=ParallelConfig(expert=expert, model=model, num_redundant_experts=redundant,
+                                                             rebalance_interval_steps=interval))
 
 
 def prompts(name: str) -> list[dict]:
@@ -134,3 +136,24 @@ def test_skewed_load_is_balanced_after_rebalance():
     after = eplb.max_mean_device_load(runner.read_expert_load(), runner.host_placement)
     assert after.max() <= 1.15, (before, after)
     assert after_tokens == before_tokens
+
+
+def test_interval_rebalances_with_experts_split_over_model():
+    """parallel.rebalance_interval_steps on an expert x model mesh (each expert's F split over "model", which
+    the weight move keeps): the engine rebalances every few steps mid-generation and the greedy tokens stay
+    the reference's."""
+    name = HF_MOE_NAMES[0]
+    reference = json.loads((HF_FIXTURES / name / "reference.json").read_text())
+    llm = LLM(config=engine_config(name, 2, redundant=2, model=2, interval=3), progress=False)
+    runner = llm.engine.runner
+    shardings = [runner.model.params["layers"][layer]["we_gate_up"].sharding
+                 for layer in llm.engine.model.config.moe.sparse_layers]
+    params = dataclasses.replace(GREEDY, max_tokens=len(reference["generated"][0]))
+    assert greedy_tokens(llm, prompts(name), params) == reference["generated"]
+    spec = llm.engine.model.config.moe
+    default = eplb.Placement.default(len(spec.sparse_layers), spec.num_experts, 2, 2)
+    assert not np.array_equal(runner.host_placement.phys_to_logical, default.phys_to_logical)
+    assert [runner.model.params["layers"][layer]["we_gate_up"].sharding
+            for layer in llm.engine.model.config.moe.sparse_layers] == shardings
+    with pytest.raises(ValueError, match="parallel.rebalance_interval_steps must be an integer >= 0"):
+        ParallelConfig(rebalance_interval_steps=-1)
