@@ -51,22 +51,24 @@ def greedy_tokens(llm: LLM, requests, params=GREEDY) -> list[list[int]]:
 
 
 class TokenCounter:
-    """A step observer summing the tokens of every dispatched step."""
+    """A step observer summing the tokens of every dispatched step and, as the server does, reading the
+    engine's stats after each processed step (with overlap the next step is in flight by then)."""
 
-    def __init__(self):
-        self.tokens = 0
+    def __init__(self, engine):
+        self.engine, self.tokens, self.processed_tokens, self.loads = engine, 0, 0, []
 
     def on_dispatch(self, out, handle, t_start, t_scheduled):
         self.tokens += out.num_scheduled_tokens
 
     def on_processed(self, out, t_collect, t_collected):
-        pass
+        self.processed_tokens += out.num_scheduled_tokens
+        self.loads.append((self.processed_tokens, np.array(self.engine.stats().expert_load)))
 
 
 def test_load_accumulator_counts_routed_tokens():
     name = HF_MOE_NAMES[0]
     llm = LLM(config=engine_config(name, 2), progress=False)
-    counter = TokenCounter()
+    counter = TokenCounter(llm.engine)
     llm.engine.add_observer(counter)
     greedy_tokens(llm, prompts(name))
     spec = llm.engine.model.config.moe
@@ -74,6 +76,10 @@ def test_load_accumulator_counts_routed_tokens():
     assert load.shape == (len(spec.sparse_layers), spec.num_experts) and counter.tokens > 0
     assert load.sum(1).tolist() == [counter.tokens * spec.top_k] * len(spec.sparse_layers)
     assert (load >= 0).all() and (load > 0).sum() > spec.top_k  # spread over experts, not one column
+    # stats read mid-run (a later step in flight, its accumulator donated) give each processed step's load
+    assert len(counter.loads) > 2
+    for processed, stats_load in counter.loads:
+        assert stats_load.sum(1).tolist() == [processed * spec.top_k] * len(spec.sparse_layers)
     # /metrics: the load up to the last processed step (a step still in flight, with no live request left,
     # counts in the accumulator only), and each layer's max/mean device load for it
     llm.engine.step()  # processes any step still in flight
