@@ -221,7 +221,7 @@ class Engine:
             outputs += self._process(*previous, final_only)
         return outputs
 
-    def rebalance_experts(self, final_only: bool = False):
+    def rebalance_experts(self, final_only: bool = False) -> eplb.Placement:
         """Expert parallelism: rebalance the expert placement by the load measured since the last rebalance
         (core/eplb.rebalance: hot experts replicated into the redundant slots, replicas packed by load), move
         the expert weights and swap the placement tables. Runs between steps: the step in flight, if any, is

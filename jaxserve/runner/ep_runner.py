@@ -91,10 +91,14 @@ class ExpertParallelRunner(ModelRunner):
     def rebalance(self, load: np.ndarray | None = None) -> Placement:
         """A new placement for `load` (default: the accumulated load) by eplb.rebalance; moves every MoE
         layer's expert weights into it (ExpertParallel.apply_placement, donated), swaps the placement
-        tables and resets the accumulator. Every array keeps its shape and sharding, so nothing compiles
-        after the first call. Call it with no step in flight (the step would read the old weights)."""
+        tables and resets the accumulator (an unchanged placement moves nothing). Every array keeps its shape
+        and sharding, so nothing compiles after the first move. Call it with no step in flight (the step
+        would read the old weights)."""
         load = self.read_expert_load() if load is None else load
         new_host = eplb.rebalance(load, self.host_placement)
+        self.expert_load, self._collected_load = zeros(self._load_shape, jnp.int32, self.on_device), None
+        if np.array_equal(new_host.phys_to_logical, self.host_placement.phys_to_logical):
+            return self.host_placement  # (already the best placement found: no weight moves)
         new = jax.device_put(new_host, self.on_device)
         for row, layer in enumerate(self.cfg.moe.sparse_layers):
             lp = self.model.params["layers"][layer]
@@ -105,8 +109,6 @@ class ExpertParallelRunner(ModelRunner):
             lp["we_gate_up"], lp["we_down"] = (w if w.sharding == sharding else jax.device_put(w, sharding)
                                                for w, sharding in zip(moved, shardings))
         self.placement, self.host_placement = new, new_host
-        self.expert_load = zeros(self._load_shape, jnp.int32, self.on_device)
-        self._collected_load = None
         return new_host
 
     def _host_batch(self, t_pad: int, r_pad: int) -> ModelBatch:
