@@ -179,22 +179,65 @@ def test_no_drafts_equals_the_plain_sampler():
 
 @pytest.mark.parametrize("all_greedy", [True, False])
 def test_greedy_accepts_the_matching_prefix(all_greedy):
-    argmax = np.array([[1, 2, 3], [1, 5, 6], [0, 4, 4], [7, 2, 3], [6, 6, 6]])  # [R, K+1]
+    argmax = np.array([[1, 2, 3], [1, 5, 6], [0, 4, 4], [7, 2, 3], [6, 6, 6], [2, 2, 2]])  # [R, K+1]
     R = len(argmax)
     logits = np.zeros((R, K + 1, V), np.float32)
     np.put_along_axis(logits, argmax[..., None], 4.0, axis=-1)
-    drafts = np.array([[1, 2], [1, 2], [3, 4], [7, 2], [6, 6]])
-    num_drafts = np.array([2, 2, 2, 1, 0])
-    md = make_md(R)
-    if not all_greedy:  # greedy rows inside a random batch take the same path
-        md = md._replace(temperature=np.array([0, 0, 0, 0, 0], np.float32))
+    drafts = np.array([[1, 2], [1, 2], [3, 4], [7, 2], [6, 6], [0, 0]])
+    num_drafts = np.array([2, 2, 2, 1, 0, 2])
+    # The last row samples (temperature 1) when the batch is not all greedy; the others are greedy.
+    md = make_md(R, temperature=[0, 0, 0, 0, 0, 0 if all_greedy else 1], seeds=many_seeds(R))
     tokens, num_accepted = run(logits, drafts, num_drafts, None, md, all_greedy=all_greedy)
-    assert tokens.tolist() == [[1, 2, 3],     # all accepted + the bonus
-                               [1, 5, -1],    # the first mismatch is replaced by the argmax
-                               [0, -1, -1],   # rejected at once
-                               [7, 2, -1],    # one draft, accepted, then the bonus at position 1
-                               [6, -1, -1]]   # no drafts: the plain argmax
-    assert num_accepted.tolist() == [2, 1, 0, 1, 0]
+    assert tokens[:5].tolist() == [[1, 2, 3],     # all accepted + the bonus
+                                   [1, 5, -1],    # the first mismatch is replaced by the argmax
+                                   [0, -1, -1],   # rejected at once
+                                   [7, 2, -1],    # one draft, accepted, then the bonus at position 1
+                                   [6, -1, -1]]   # no drafts: the plain argmax
+    assert num_accepted[:5].tolist() == [2, 1, 0, 1, 0]
+
+
+def test_drafts_sampled_from_the_draft_distribution_keep_the_target_distribution(case):
+    """A drafter with other logits, both under top_k: q from draft_distribution, drafts sampled
+    from q in the drafter's noise stream; the first output token follows the filtered p."""
+    rng = np.random.default_rng(4)
+    top_k = 5
+    draft_logits = np.broadcast_to(rng.normal(size=(K, V)).astype(np.float32) * 2, (NUM_SAMPLES, K, V))
+    md = case["md"]._replace(top_k=np.full(NUM_SAMPLES, top_k, np.int32))
+    unused = jnp.full((NUM_SAMPLES, K), -1, jnp.int32)  # no penalties: the drafts do not change q
+    q = rejection.draft_distribution(jnp.asarray(draft_logits), unused, md, use_penalties=False)
+    np.testing.assert_allclose(np.asarray(q).sum(-1), 1.0, rtol=1e-5)
+    assert ((np.asarray(q) > 0).sum(-1) == top_k).all()
+    steps = (jnp.asarray(md.steps)[:, None] + jnp.arange(K)[None, :]).reshape(-1)
+    seeds = jnp.repeat(jnp.asarray(md.seeds), K, axis=0)
+    target = case["logits"][0, 0]
+    kept = np.argsort(-target)[:top_k]
+    p = np.zeros(V)
+    p[kept] = softmax(target[kept] / TEMPERATURE)
+    critical = stats.chi2.ppf(1 - 1e-3, df=top_k - 1)
+
+    def first_token_chi_square(stream):
+        noise = sampler.gumbel_noise(seeds, rejection.salted_steps(steps, stream), V)
+        drafts = jnp.argmax(jnp.log(q).reshape(-1, V) + noise, axis=-1).reshape(NUM_SAMPLES, K)
+        tokens, num_accepted = run(case["logits"], drafts, np.full(NUM_SAMPLES, K), q, md)
+        counts = np.bincount(tokens[:, 0], minlength=V)
+        assert counts[p == 0].sum() == 0
+        assert 0.1 < (num_accepted >= 1).mean() < 0.95  # both branches are exercised
+        expected = p[kept] * NUM_SAMPLES
+        return (((counts[kept] - expected) ** 2) / expected).sum()
+
+    assert first_token_chi_square(rejection.DRAFT_STREAM) < critical
+    # Drafts drawn with the residual sample's own noise correlate a rejected draft with its
+    # replacement: the same test catches it.
+    assert first_token_chi_square(rejection.RESIDUAL_STREAM) > 5 * critical
+
+
+def test_draft_distribution_greedy_rows_are_one_hot():
+    logits = np.random.default_rng(5).normal(size=(2, K, V)).astype(np.float32)
+    md = make_md(2, temperature=[0.0, 0.7])
+    q = np.asarray(rejection.draft_distribution(jnp.asarray(logits), jnp.full((2, K), -1, jnp.int32), md,
+                                                use_penalties=False))
+    np.testing.assert_array_equal(q[0], np.eye(V)[logits[0].argmax(-1)])
+    np.testing.assert_allclose(q[1], softmax(logits[1] / 0.7), rtol=1e-5)
 
 
 def test_penalties_see_the_earlier_drafts():

@@ -78,15 +78,17 @@ def uniform_noise(seeds: jax.Array, steps: jax.Array) -> jax.Array:
     return ((bits >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))
 
 
-def expand_metadata(md: SamplingMetadata, draft_token_ids: jax.Array) -> SamplingMetadata:
-    """Per-request metadata [R] -> per-position metadata [R * (K+1)], row r * (K+1) + j for position j.
+def expand_metadata(md: SamplingMetadata, draft_token_ids: jax.Array, num_positions: int | None = None
+                    ) -> SamplingMetadata:
+    """Per-request metadata [R] -> per-position metadata [R * P], row r * P + j for position j
+    (P = num_positions, default K + 1: the K draft positions and the bonus).
 
     Position j samples output token `steps + j`, and its penalty history is the request's history
     followed by the drafts before j (draft_token_ids [R, K], -1 = padding, ignored by penalties).
     Banned ids are the request's at every position.
     """
     R, K = draft_token_ids.shape
-    P = K + 1
+    P = K + 1 if num_positions is None else num_positions
 
     def per_position(x):
         return jnp.repeat(x, P, axis=0)
@@ -110,6 +112,36 @@ def expand_metadata(md: SamplingMetadata, draft_token_ids: jax.Array) -> Samplin
         token_history=history.reshape(R * P, -1),
         prompt_lens=per_position(md.prompt_lens),
     )
+
+
+def _transformed(flat_logits: jax.Array, flat_md: SamplingMetadata, use_penalties: bool, all_greedy: bool
+                 ) -> tuple[jax.Array, jax.Array | None]:
+    """Raw logits [N, V] -> (penalised logits [N, V], the sampler's filtered logits [N, V] or None
+    when all_greedy): the same chain as `sampler.sample`, greedy rows filtered at temperature 1."""
+    processed = process_logits(flat_logits, flat_md, use_penalties)
+    if all_greedy:
+        return processed, None
+    greedy = flat_md.temperature < GREEDY_EPS
+    temperature = jnp.where(greedy, 1.0, flat_md.temperature).astype(jnp.float32)
+    return processed, filter_logits(processed / temperature[:, None], flat_md)
+
+
+@functools.partial(jax.jit, static_argnames=("use_penalties",))
+def draft_distribution(draft_logits: jax.Array, draft_token_ids: jax.Array, md: SamplingMetadata, *,
+                       use_penalties: bool) -> jax.Array:
+    """A drafter's raw logits [R, K, V] (position j conditioned on drafts < j) -> q [R, K, V], the
+    distribution the drafts must be sampled from: the engine sampler's transforms, one-hot argmax
+    for greedy rows. draft_token_ids [R, K] feed the penalties of later positions (-1 = padding).
+
+    A drafter samples d_j = argmax(log q_j + gumbel_noise(seeds, salted_steps(steps + j,
+    DRAFT_STREAM), V)), a noise stream the verification does not use.
+    """
+    R, K, V = draft_logits.shape
+    flat_md = expand_metadata(md, draft_token_ids, num_positions=K)
+    processed, filtered = _transformed(draft_logits.reshape(R * K, V), flat_md, use_penalties, False)
+    one_hot = jax.nn.one_hot(jnp.argmax(processed, axis=-1), V, dtype=jnp.float32)
+    q = jnp.where((flat_md.temperature < GREEDY_EPS)[:, None], one_hot, jax.nn.softmax(filtered, axis=-1))
+    return q.reshape(R, K, V)
 
 
 def residual_probs(p: jax.Array, q: jax.Array | None, drafts: jax.Array) -> jax.Array:
@@ -165,7 +197,7 @@ def _rejection_sample(target_logits, draft_token_ids, num_drafts, draft_probs, m
     safe_drafts = jnp.clip(drafts, 0, V - 1)
 
     flat_md = expand_metadata(md, drafts)
-    processed = process_logits(target_logits.reshape(R * P, V), flat_md, use_penalties)
+    processed, filtered = _transformed(target_logits.reshape(R * P, V), flat_md, use_penalties, all_greedy)
     target_argmax = jnp.argmax(processed, axis=-1).astype(jnp.int32).reshape(R, P)
     greedy_accept = drafts == target_argmax[:, :K]
 
@@ -173,9 +205,6 @@ def _rejection_sample(target_logits, draft_token_ids, num_drafts, draft_probs, m
         accept = greedy_accept
     else:
         greedy = md.temperature < GREEDY_EPS  # [R]
-        flat_greedy = flat_md.temperature < GREEDY_EPS
-        temperature = jnp.where(flat_greedy, 1.0, flat_md.temperature).astype(jnp.float32)
-        filtered = filter_logits(processed / temperature[:, None], flat_md)  # [R*P, V]
         noise = gumbel_noise(flat_md.seeds, flat_md.steps, V)
         plain = jnp.argmax(filtered + noise, axis=-1).astype(jnp.int32).reshape(R, P)
         p = jax.nn.softmax(filtered, axis=-1).reshape(R, P, V)[:, :K]  # [R, K, V]
