@@ -31,6 +31,7 @@ tokens depend only on its own logits, seed and steps (batch invariance). Positio
             request with num_drafts = 0 gets exactly `sampler.sample`'s token);
   stream 1: the acceptance uniform u_j in (0, 1) (24 random bits);
   stream 2: the Gumbel noise of the residual sample.
+Salting needs steps < 2**28 (far above any context length).
 A draft model that samples its drafts must use yet another stream (DRAFT_STREAM), since noise
 shared with the residual sample would correlate the rejected draft with its replacement.
 
@@ -86,6 +87,10 @@ def expand_metadata(md: SamplingMetadata, draft_token_ids: jax.Array, num_positi
     Position j samples output token `steps + j`, and its penalty history is the request's history
     followed by the drafts before j (draft_token_ids [R, K], -1 = padding, ignored by penalties).
     Banned ids are the request's at every position.
+
+    NOTE: min_tokens bans (eos + stop ids) therefore hold for all K + 1 positions even when
+    min_tokens is reached part-way; the caller must not draft past that point (or pass bans that
+    already reflect it), or such a request's outputs differ from non-speculative decoding.
     """
     R, K = draft_token_ids.shape
     P = K + 1 if num_positions is None else num_positions
