@@ -198,6 +198,9 @@ class ParallelConfig:
     expert: int = 1
     num_redundant_experts: int = 0  # extra expert slots (copies of hot experts), rounded up to fill the devices
     expert_dispatch: str = "auto"  # auto (by the step's size) | allgather | all_to_all: how MoE tokens travel
+    # Rebalance the expert placement by the measured load every this many steps (0: only on demand,
+    # Engine.rebalance_experts()); each rebalance waits for the step in flight and moves expert weights.
+    rebalance_interval_steps: int = 0
     coordinator_address: str | None = None  # "host:port" of process 0, when num_processes > 1
     num_processes: int = 1  # processes (hosts) running the same program
     process_id: int = 0  # this process; 0 schedules and the others follow its steps
@@ -214,6 +217,9 @@ class ParallelConfig:
                              f"got {self.expert_dispatch!r}")
         if self.num_redundant_experts < 0:
             raise ValueError(f"parallel.num_redundant_experts must be >= 0, got {self.num_redundant_experts}")
+        if not isinstance(self.rebalance_interval_steps, int) or self.rebalance_interval_steps < 0:
+            raise ValueError(f"parallel.rebalance_interval_steps must be an integer >= 0 (0: rebalance only on "
+                             f"demand), got {self.rebalance_interval_steps!r}")
         if self.expert > 1 and self.num_processes > 1:
             raise ValueError("parallel.expert > 1 runs in one process; set parallel.num_processes to 1")
         if self.expert > 1 and self.all_reduce == "one_shot":

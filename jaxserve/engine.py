@@ -26,6 +26,7 @@ from jax.sharding import Mesh
 
 from jaxserve import distributed
 from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.core import eplb
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.sched_types import SchedulerOutput
 from jaxserve.core.scheduler import Scheduler
@@ -109,6 +110,8 @@ class Engine:
         self.async_scheduling = sched.async_scheduling
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None  # dispatched, not yet processed
         self._observers: list[StepObserver] = []
+        self.rebalance_interval = config.parallel.rebalance_interval_steps if expert_parallel else 0
+        self._steps_since_rebalance = 0
         self.step_recorder = StepStatsRecorder() if record_step_stats else None
         if self.step_recorder is not None:
             self.add_observer(self.step_recorder)
@@ -181,8 +184,13 @@ class Engine:
 
     def stats(self) -> EngineStats:
         kv = self.kv_cache.stats
+        expert = {}
+        if isinstance(self.runner, ExpertParallelRunner):  # (the last processed step's copy: never waits)
+            load = self.runner.collected_expert_load()
+            expert = dict(expert_load=tuple(map(tuple, load.tolist())), expert_device_load_max_over_mean=tuple(
+                eplb.max_mean_device_load(load, self.runner.host_placement).tolist()))
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv_cache.usage,
-                           kv.queries, kv.hits, self.scheduler.num_preemptions)
+                           kv.queries, kv.hits, self.scheduler.num_preemptions, **expert)
 
     # ---- one step ----
     def step(self, final_only: bool = False) -> list[RequestOutput]:
@@ -193,6 +201,8 @@ class Engine:
         With async_scheduling (overlap), this dispatches step N+1 and then processes step N, whose
         device work ran while the host scheduled and prepared N+1 (docs/ARCHITECTURE.md §4).
         """
+        if self.rebalance_interval and self._steps_since_rebalance >= self.rebalance_interval:
+            self.rebalance_experts(final_only)
         outputs, self._pending = self._pending, []
         t_start = time.perf_counter()
         out = self.scheduler.schedule() if self.scheduler.has_unfinished_requests() else None
@@ -203,12 +213,27 @@ class Engine:
             for observer in self._observers:
                 observer.on_dispatch(out, handle, t_start, t_scheduled)
             current = (out, handle)
+            self._steps_since_rebalance += 1
         previous = current
         if self.async_scheduling:
             previous, self._in_flight = self._in_flight, current
         if previous is not None:
             outputs += self._process(*previous, final_only)
         return outputs
+
+    def rebalance_experts(self, final_only: bool = False) -> eplb.Placement:
+        """Expert parallelism: rebalance the expert placement by the load measured since the last rebalance
+        (core/eplb.rebalance: hot experts replicated into the redundant slots, replicas packed by load), move
+        the expert weights and swap the placement tables. Runs between steps: the step in flight, if any, is
+        processed first (its outputs come with the next step()), so no step reads weights while they move.
+        Compiles nothing after the first call. Returns the new core/eplb.Placement."""
+        if not isinstance(self.runner, ExpertParallelRunner):
+            raise ValueError("rebalance_experts needs expert parallelism: set parallel.expert > 1 on an MoE model")
+        if self._in_flight is not None:
+            previous, self._in_flight = self._in_flight, None
+            self._pending += self._process(*previous, final_only)
+        self._steps_since_rebalance = 0
+        return self.runner.rebalance()
 
     def _process(self, out: SchedulerOutput, handle: StepHandle, final_only: bool) -> list[RequestOutput]:
         """Reads a dispatched step's tokens back and turns them into request outputs."""

@@ -36,14 +36,25 @@ class EngineStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # prompt tokens found there
     num_preemptions: int = 0  # requests preempted because KV blocks ran out
+    # Expert parallelism (empty without): tokens routed to each logical expert, [MoE layer][expert], since
+    # the last rebalance (up to the last processed step); and per MoE layer, the busiest expert device's
+    # share of that load over the mean device's (1.0 = balanced; replicas split their expert's load evenly).
+    expert_load: tuple[tuple[int, ...], ...] = ()
+    expert_device_load_max_over_mean: tuple[float, ...] = ()
 
     @staticmethod
     def combine(stats: list[EngineStats]) -> EngineStats:
-        """Several replicas as one: counts summed, KV usage the mean."""
+        """Several replicas as one: counts summed, KV usage the mean; expert loads summed and each layer's
+        max/mean device load the worst replica's (only when every replica has the same expert layout)."""
+        loads = [s.expert_load for s in stats]
+        expert_load, max_over_mean = (), ()
+        if loads and loads[0] and all(len(load) == len(loads[0]) for load in loads):
+            expert_load = tuple(tuple(map(sum, zip(*layer))) for layer in zip(*loads))
+            max_over_mean = tuple(map(max, zip(*(s.expert_device_load_max_over_mean for s in stats))))
         return EngineStats(sum(s.num_running for s in stats), sum(s.num_waiting for s in stats),
                            sum(s.kv_cache_usage for s in stats) / max(len(stats), 1),
                            sum(s.prefix_cache_queries for s in stats), sum(s.prefix_cache_hits for s in stats),
-                           sum(s.num_preemptions for s in stats))
+                           sum(s.num_preemptions for s in stats), expert_load, max_over_mean)
 
 
 @runtime_checkable

@@ -40,9 +40,13 @@ def engine_config(name: str, expert: int, model: int = 1, dispatch: str = "auto"
     return dataclasses.replace(base, parallel=ParallelConfig(model=model, expert=expert, expert_dispatch=dispatch))
 
 
-# (expert, model, dispatch) per fixture: every fixture under every mesh, both paths on each
-MESHES = [(2, 1, "allgather"), (4, 1, "all_to_all"), (8, 1, "auto"), (2, 2, "all_to_all")]
-ROWS = [(name, *mesh) for name in HF_MOE_NAMES for mesh in MESHES]
+# (fixture, expert, model, dispatch): every mesh (E = 2, 4, 8 and 2 x model 2) and both dispatch paths appear
+# on two fixtures each; every fixture runs both paths. (E = 1 is the plain engine of test_engine_parity.)
+MIXTRAL, QWEN2_MOE, QWEN3_MOE = "mixtral_8x2_untied", "qwen2_moe_8x4_shared", "qwen3_moe_8x2_sparse2"
+ROWS = [(MIXTRAL, 2, 1, "allgather"), (MIXTRAL, 4, 1, "all_to_all"), (MIXTRAL, 8, 1, "auto"),
+        (QWEN2_MOE, 4, 1, "allgather"), (QWEN2_MOE, 2, 2, "all_to_all"), (QWEN2_MOE, 8, 1, "all_to_all"),
+        (QWEN3_MOE, 2, 2, "allgather"), (QWEN3_MOE, 2, 1, "all_to_all")]
+assert {name for name, *_ in ROWS} == set(HF_MOE_NAMES)
 
 
 @pytest.fixture

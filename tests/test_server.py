@@ -268,7 +268,8 @@ def test_no_tokenizer_worker_answers_503_until_one_is_back(live, http, monkeypat
     assert http.post("/v1/completions", json={"prompt": "1+1=", "temperature": 0}).json()["choices"][0]["text"] == "2"
 
 
-def test_models_health_metrics(live, http):
+def test_models_health_metrics(live, http, client):
+    client.completions.create(model=MODEL, prompt="1+1=", temperature=0, max_tokens=2)  # the request series exist
     models = http.get("/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL] and models["data"][0]["max_model_len"] == 32
     assert httpx.get(live.url + "/health").status_code == 200  # no key needed

@@ -241,13 +241,18 @@ def _head(params: Params, cfg: LlamaConfig, h: jax.Array, tp: TensorParallel | N
     return all_gather(logits, tp, "vocab", axis=-1, comm=comm)
 
 
-def _expert_parallel(tp: TensorParallel, placement, moe_layer: jax.Array, valid: jax.Array) -> Callable:
+def _expert_parallel(tp: TensorParallel, placement, moe_layer: jax.Array, valid: jax.Array,
+                     loads: list) -> Callable:
     """An MoE layer's `routed` under expert parallelism: this shard's tokens (`valid`: not padding) to their
-    experts' slots by `placement` row `moe_layer`, and back (sharding/expert_parallel.ep_moe)."""
+    experts' slots by `placement` row `moe_layer`, and back (sharding/expert_parallel.ep_moe). The call's
+    per-expert token count [E] is appended to `loads` (routed runs inside the caller's trace, so the
+    caller returns it as an output of the same program)."""
     def routed(x, weights, ids, lp):
-        return ep_moe(x, ids, weights, (lp["we_gate_up"], lp["we_down"]), placement, moe_layer,
-                      expert_fn=moe.slot_ffn, axis=tp.expert.axis, valid=valid, path=tp.expert.path,
-                      platform=tp.mesh.devices.flat[0].platform).out
+        result = ep_moe(x, ids, weights, (lp["we_gate_up"], lp["we_down"]), placement, moe_layer,
+                        expert_fn=moe.slot_ffn, axis=tp.expert.axis, valid=valid, path=tp.expert.path,
+                        platform=tp.mesh.devices.flat[0].platform)
+        loads.append(result.load)
+        return result.out
     return routed
 
 
@@ -255,24 +260,25 @@ def _expert_parallel(tp: TensorParallel, placement, moe_layer: jax.Array, valid:
 def _layer(lp: Params, h: jax.Array, x: jax.Array, next_norm: jax.Array, kv_cache: jax.Array, batch: ModelBatch,
            comm: jax.Array | None, placement=None, moe_layer: jax.Array | None = None, *, cfg: LlamaConfig,
            attention_backend: str, tp: TensorParallel | None,
-           decode_only: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+           decode_only: bool) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """One decoder layer: (h = rms_norm(x) * attn_norm, x) -> (the next block's h, x, kv_cache). Jitted
     on its own so the step traces it once per shape, not once per layer (XLA inlines the calls: the
     compiled step is the same; warm starts lower each step shape faster). `placement`, `moe_layer`: the
     expert placement tables and this layer's row in them (expert parallelism; the row is traced, so every
-    MoE layer shares one trace)."""
+    MoE layer shares one trace). The fourth output: an expert-parallel MoE layer's tokens per logical expert
+    [E] int32 (this shard's, padding excluded), else None."""
     inv_freq = layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     q, k, v = _qkv(lp, cfg, h, batch.positions, inv_freq)
     attn, kv_cache = layers.paged_attention(
         q, k, v, kv_cache, batch, sm_scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window,
         backend=attention_backend, decode_only=decode_only,
     )
-    routed = None
+    routed, loads = None, []
     if placement is not None and "router" in lp:
         valid = jnp.arange(h.shape[0]) < batch.query_start_loc[-1]  # the batch's tokens; the rest is padding
-        routed = _expert_parallel(tp, placement, moe_layer, valid)
+        routed = _expert_parallel(tp, placement, moe_layer, valid, loads)
     h, x = _out_and_mlp(lp, cfg, x, attn, next_norm, tp, comm, routed)
-    return h, x, kv_cache
+    return h, x, kv_cache, (loads[0] if loads else None)
 
 
 def head_logits(params: Params, cfg: LlamaConfig, h: jax.Array) -> jax.Array:
@@ -284,25 +290,33 @@ def head_logits(params: Params, cfg: LlamaConfig, h: jax.Array) -> jax.Array:
 def _step(params: Params, batch: ModelBatch, kv_caches: list[jax.Array], comm: jax.Array | None = None,
           placement=None, *, cfg: LlamaConfig, attention_backend: str, tp: TensorParallel | None,
           decode_only: bool = False, return_hidden: bool = False) -> tuple:
-    """The step on one device's params and caches: all of them, or (with `tp`) its shards."""
+    """The step on one device's params and caches: all of them, or (with `tp`) its shards. With `placement`
+    the last output is the step's expert load [L, E] int32: tokens per logical expert of each MoE layer,
+    summed over the expert shards (replicated)."""
     x = sharded_lookup(params["embed"], batch.token_ids, tp, "vocab", comm)  # [T, D]
     h = layers.rms_norm(x, params["layers"][0]["attn_norm"], cfg.rms_norm_eps)
-    new_caches = []
+    new_caches, loads = [], []
     moe_rows = {layer: row for row, layer in enumerate(cfg.moe.sparse_layers)} if cfg.moe is not None else {}
     for i, (lp, next_norm, kv_cache) in enumerate(zip(params["layers"], _next_norms(params), kv_caches)):
         moe_layer = jnp.int32(moe_rows[i]) if placement is not None and i in moe_rows else None
-        h, x, kv_cache = _layer(lp, h, x, next_norm, kv_cache, batch, comm, placement, moe_layer, cfg=cfg,
-                                attention_backend=attention_backend, tp=tp, decode_only=decode_only)
+        h, x, kv_cache, load = _layer(lp, h, x, next_norm, kv_cache, batch, comm, placement, moe_layer, cfg=cfg,
+                                      attention_backend=attention_backend, tp=tp, decode_only=decode_only)
         new_caches.append(kv_cache)
+        if load is not None:
+            loads.append(load)
     logits = _head(params, cfg, h[batch.logits_indices], tp, comm)
-    return (logits, new_caches, h) if return_hidden else (logits, new_caches)
+    out = (logits, new_caches, h) if return_hidden else (logits, new_caches)
+    if placement is None:
+        return out
+    load = jnp.stack(loads) if loads else jnp.zeros((0, cfg.moe.num_experts), jnp.int32)
+    return (*out, jax.lax.psum(load, tp.expert.axis))
 
 
 def _expert_shard_step(params, batch, kv_caches, comm, placement, **kwargs):
     """_step on one expert shard's slice of the [expert_shard, ...] batch and caches (one row each)."""
     batch = jax.tree.map(lambda a: a[0], batch)
-    logits, kv_caches, *hidden = _step(params, batch, [c[0] for c in kv_caches], comm, placement, **kwargs)
-    return (logits, [c[None] for c in kv_caches], *hidden)
+    logits, kv_caches, *rest = _step(params, batch, [c[0] for c in kv_caches], comm, placement, **kwargs)
+    return (logits, [c[None] for c in kv_caches], *rest)
 
 
 def forward(
@@ -328,7 +342,9 @@ def forward(
     Expert parallelism (`tp.expert`; `placement`: the expert placement tables, core/eplb.Placement of
     device arrays): every batch field and cache has a leading expert-shard axis [n, ...] split over the
     "expert" mesh axis, each shard attending over its own requests and cache; the logits come back
-    shard-major, [n * num_logits, V]; MoE layers exchange routed tokens over the expert axis."""
+    shard-major, [n * num_logits, V]; MoE layers exchange routed tokens over the expert axis, and the last
+    output is the step's expert load [L, E] int32 (tokens per logical expert of each MoE layer, padding
+    excluded; rows in cfg.moe.sparse_layers order, the placement tables' rows)."""
     if tp is None or tp.mesh.size == 1:
         return _step(params, batch, kv_caches, cfg=cfg, attention_backend=attention_backend, tp=None,
                      decode_only=decode_only, return_hidden=return_hidden)
@@ -336,14 +352,16 @@ def forward(
     cache_axes = [(*shard, *layers.kv_cache_axes(attention_backend))] * len(kv_caches)
     comm_axes = COMM_AXES if comm is not None else ()
     step = _expert_shard_step if shard else _step
+    out_axes = (shard, cache_axes, shard) if return_hidden else (shard, cache_axes)
+    if placement is not None:
+        out_axes = (*out_axes, ())  # the expert load, summed over the shards
     sharded_step = tp.shard_map(functools.partial(step, cfg=cfg, attention_backend=attention_backend, tp=tp,
                                                   decode_only=decode_only, return_hidden=return_hidden),
-                                in_axes=(param_axes(params), shard, cache_axes, comm_axes, ()),
-                                out_axes=(shard, cache_axes, shard) if return_hidden else (shard, cache_axes))
-    logits, kv_caches, *hidden = sharded_step(params, batch, kv_caches, comm, placement)
+                                in_axes=(param_axes(params), shard, cache_axes, comm_axes, ()), out_axes=out_axes)
+    logits, kv_caches, *rest = sharded_step(params, batch, kv_caches, comm, placement)
     if logits.shape[-1] != cfg.vocab_size:  # the vocabulary was padded to a multiple of tp
         logits = logits[:, : cfg.vocab_size]
-    return (logits, kv_caches, *hidden)
+    return (logits, kv_caches, *rest)
 
 
 def forward_dense(params: Params, cfg: LlamaConfig, token_ids: jax.Array) -> jax.Array:

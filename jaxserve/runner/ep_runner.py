@@ -19,17 +19,22 @@ not supported here yet (ShardedScheduler refuses such requests).
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve.config import EngineConfig
+from jaxserve.core import eplb
+from jaxserve.core.eplb import Placement
 from jaxserve.core.sharded_scheduler import ShardedSchedulerOutput
 from jaxserve.models import loader
 from jaxserve.models.layers import ModelBatch
 from jaxserve.models.loader import LoadedModel
-from jaxserve.runner.model_runner import HostStep, ModelRunner
+from jaxserve.runner.model_runner import HostStep, ModelRunner, StepHandle
 from jaxserve.runner.step_program import sharded_stage_fn
 from sharding import TensorParallel
+from sharding.expert_parallel import ExpertParallel
+from sharding.tensor_parallel import zeros
 
 
 def check_expert_parallel_model(model_config, expert: int) -> None:
@@ -50,9 +55,61 @@ class ExpertParallelRunner(ModelRunner):
         self.stage_fn = sharded_stage_fn(self.batch_sharding)
         self.tokens_sharding = self.on_device  # the next step's stage reads them whole
         spec = self.cfg.moe
-        self.placement = jax.device_put(
-            tp.expert.default_placement(len(spec.sparse_layers), spec.num_experts, self.num_shards), self.on_device)
+        self.host_placement = tp.expert.default_placement(len(spec.sparse_layers), spec.num_experts, self.num_shards)
+        self.placement = jax.device_put(self.host_placement, self.on_device)
+        # tokens per logical expert of each MoE layer since the last rebalance, [L, E] int32: every step
+        # adds its own (the forward's donated argument and last output; no host sync in the step)
+        self._load_shape = (len(spec.sparse_layers), spec.num_experts)
+        self.expert_load = zeros(self._load_shape, jnp.int32, self.on_device)
+        self.step_expert_load = None  # the copy of it that the last dispatched step returned
+        self._collected_load = None  # ... and the last collected step's (None: no step since the rebalance)
+        self._expert_parallel = ExpertParallel(tp.mesh, tp.expert.axis)
         self._prompt_requests = {}  # (no prompt-logprob variant to compile)
+
+    def dispatch(self, out: ShardedSchedulerOutput) -> StepHandle:
+        handle = super().dispatch(out)
+        handle.expert_load = self.step_expert_load
+        return handle
+
+    def _collect(self, handle: StepHandle) -> None:
+        super()._collect(handle)
+        self._collected_load = handle.expert_load
+
+    def collected_expert_load(self) -> np.ndarray:
+        """The load accumulated since the last rebalance up to the last collected step, [L, E] int64: read
+        from that step's own copy (on the host already, or arriving: the step is done), so it never waits
+        for a step in flight."""
+        if self._collected_load is None:
+            return np.zeros(self._load_shape, np.int64)
+        return np.asarray(self._collected_load).astype(np.int64)
+
+    def read_expert_load(self) -> np.ndarray:
+        """The load accumulated since the last rebalance, [L, E] int64 on the host. Waits for the steps
+        already dispatched: call it between steps with none in flight (Engine does) so nothing stalls."""
+        return np.asarray(self.expert_load).astype(np.int64)
+
+    def rebalance(self, load: np.ndarray | None = None) -> Placement:
+        """A new placement for `load` (default: the accumulated load) by eplb.rebalance; moves every MoE
+        layer's expert weights into it (ExpertParallel.apply_placement, donated), swaps the placement
+        tables and resets the accumulator (an unchanged placement moves nothing). Every array keeps its shape
+        and sharding, so nothing compiles after the first move. Call it with no step in flight (the step
+        would read the old weights)."""
+        load = self.read_expert_load() if load is None else load
+        new_host = eplb.rebalance(load, self.host_placement)
+        self.expert_load, self._collected_load = zeros(self._load_shape, jnp.int32, self.on_device), None
+        if np.array_equal(new_host.phys_to_logical, self.host_placement.phys_to_logical):
+            return self.host_placement  # (already the best placement found: no weight moves)
+        new = jax.device_put(new_host, self.on_device)
+        for row, layer in enumerate(self.cfg.moe.sparse_layers):
+            lp = self.model.params["layers"][layer]
+            shardings = (lp["we_gate_up"].sharding, lp["we_down"].sharding)
+            moved = self._expert_parallel.apply_placement((lp["we_gate_up"], lp["we_down"]), self.placement, new,
+                                                          layer=row)
+            # apply_placement splits only the expert axis: an expert's F split over "model" is put back
+            lp["we_gate_up"], lp["we_down"] = (w if w.sharding == sharding else jax.device_put(w, sharding)
+                                               for w, sharding in zip(moved, shardings))
+        self.placement, self.host_placement = new, new_host
+        return new_host
 
     def _host_batch(self, t_pad: int, r_pad: int) -> ModelBatch:
         one = super()._host_batch(t_pad, r_pad)

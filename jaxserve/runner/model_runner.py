@@ -102,6 +102,7 @@ class StepHandle:
     output: RunnerOutput | None = None
     prompt: tuple | None = None  # (PromptRows.segments, prompt_logprobs.compute's arrays) of the step
     index: np.ndarray | None = None  # HostStep.index
+    expert_load: jax.Array | None = None  # the expert load accumulated up to this step (ep_runner.py)
 
 
 class ModelRunner:
@@ -123,7 +124,7 @@ class ModelRunner:
         self.on_device = tp.sharding(()) if tp is not None else jax.tree.leaves(model.params)[0].sharding
         # where the staged batch and the logits live (split over the expert shards in ep_runner.py)
         self.batch_sharding = self.logits_sharding = self.on_device
-        self.placement = None  # the expert placement tables (ep_runner.py)
+        self.placement = self.expert_load = None  # the expert placement tables, load counts (ep_runner.py)
         self.stage_fn = stage_fn
         self.tokens_sharding = None  # the sampled tokens' (replicated: ep_runner.py), None: as XLA leaves them
         # the step's sub-batches: one per expert shard, each with max_num_seqs rows of its own (ep_runner.py)
@@ -430,11 +431,17 @@ class ModelRunner:
                 **extra)
         if keep_logits:
             self._logits[r_pad] = logits
+        if self.placement is not None:  # the expert-load accumulator (donated back) and its readable copy
+            *plp, self.expert_load, self.step_expert_load = plp
+            self.step_expert_load.copy_to_host_async()
         return (logits, tokens, *plp)
 
     def _expert_args(self) -> dict:
-        """The forward's expert-parallel arguments (the placement tables; ep_runner.py), none without EP."""
-        return {"placement": self.placement} if self.placement is not None else {}
+        """The forward's expert-parallel arguments (the placement tables and the expert-load accumulator;
+        ep_runner.py), none without EP."""
+        if self.placement is None:
+            return {}
+        return {"placement": self.placement, "expert_load": self.expert_load}
 
     def _sample(self, logits, md, all_greedy: bool, use_penalties: bool, num_logprobs: int):
         return sampler.sample(logits, md, all_greedy=all_greedy, use_penalties=use_penalties,

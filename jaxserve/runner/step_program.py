@@ -47,7 +47,8 @@ def sharded_stage_fn(sharding: jax.sharding.Sharding):
 
 
 def _forward_step(params, cfg, batch: ModelBatch, kv_caches, logits_buffer, comm, attention_backend, tp=None,
-                  decode_only=False, twin=False, out_rows=None, prompt=None, num_prompt_logprobs=0, placement=None):
+                  decode_only=False, twin=False, out_rows=None, prompt=None, num_prompt_logprobs=0, placement=None,
+                  expert_load=None):
     """The model step -> (logits, kv_caches, greedy tokens or None), plus, when `prompt` (the flat token
     indices and scored tokens of prompt_logprobs.PromptRows) is given, prompt_logprobs.compute's arrays
     with `num_prompt_logprobs` top entries. `logits_buffer` (donated, never
@@ -57,13 +58,21 @@ def _forward_step(params, cfg, batch: ModelBatch, kv_caches, logits_buffer, comm
     step also returns each row's argmax padded to `out_rows`, which an all-greedy step takes as its
     tokens without launching the sampler. `comm`: the state of tp.all_reduce (None: XLA's
     all-reduces). `twin`: the same step as a second executable (ModelRunner._run_forward alternates).
-    `placement`: the expert placement tables under expert parallelism (runner/ep_runner.py), else None."""
+    `placement`: the expert placement tables under expert parallelism (runner/ep_runner.py), else None; then
+    `expert_load` is the running per-expert token count [L, E] int32 (donated) and the step returns it, plus
+    this step's load, as its last two outputs: the accumulator (to donate into the next step) and a copy of
+    it that is never donated, which the host reads once the step is done (nothing here waits for the host)."""
     del logits_buffer
     family = registry.family_of(cfg)
     expert = {"placement": placement} if placement is not None else {}
     logits, kv_caches, *hidden = family.forward(params, cfg, batch, kv_caches, attention_backend=attention_backend,
                                                 tp=tp, decode_only=decode_only, comm=comm,
                                                 return_hidden=prompt is not None, **expert)
+    extra = ()
+    if placement is not None:
+        *hidden, load = hidden
+        expert_load = expert_load + load
+        extra = (expert_load, jnp.copy(expert_load))
     if twin:  # a no-op that only makes the program (and so the executable and its CUDA graph) another one
         logits = logits + jnp.zeros((), logits.dtype)
     tokens = None
@@ -73,8 +82,8 @@ def _forward_step(params, cfg, batch: ModelBatch, kv_caches, logits_buffer, comm
             tokens = jax.lax.with_sharding_constraint(tokens, tp.sharding(()))
     if prompt is not None:
         return logits, kv_caches, tokens, prompt_logprobs.compute(params, cfg, hidden[0], *prompt,
-                                                                  num_prompt_logprobs)
-    return logits, kv_caches, tokens
+                                                                  num_prompt_logprobs), *extra
+    return logits, kv_caches, tokens, *extra
 
 
 # XLA merges sibling matmuls that share an input into one (q/k/v; gate/up) only while the merged weights
@@ -93,5 +102,5 @@ def forward_fn(platform: str):
     engines with the same model config and shapes share compilations."""
     return jax.jit(_forward_step, static_argnames=("cfg", "attention_backend", "tp", "decode_only", "twin", "out_rows",
                                                    "num_prompt_logprobs"),
-                   donate_argnames=("kv_caches", "logits_buffer"), keep_unused=True,
+                   donate_argnames=("kv_caches", "logits_buffer", "expert_load"), keep_unused=True,
                    compiler_options=GPU_COMPILER_OPTIONS if platform == "gpu" else None)

@@ -3,7 +3,9 @@
     engine thread, after each step:  record_step(engine.stats()) -> gauges (running, waiting, KV usage)
                                                       and the prefix-cache / preemption counters (from the
                                                       engine's totals; with data parallelism, over the
-                                                      replicas: counts summed, KV usage the mean)
+                                                      replicas: counts summed, KV usage the mean); with
+                                                      expert parallelism the per-expert load and each MoE
+                                                      layer's max/mean expert-device load
     engine thread, per output:       record_arrival / record_tokens / record_finished
                                                    -> token counters, TTFT / ITL / E2E histograms
     GET /metrics:                    render() -> text exposition format
@@ -59,6 +61,15 @@ class ServerMetrics:
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to the last token.", _E2E_BUCKETS)
         self._success = Counter(PREFIX + "request_success", "Finished requests, by finish reason.",
                                 ["model_name", "finished_reason"], registry=self.registry)
+        # Expert parallelism only (no series without it): labelled by MoE layer (its index among the MoE
+        # layers, the placement tables' row) and logical expert.
+        self._expert_load = Gauge(PREFIX + "expert_load", "Tokens routed to each logical expert since the last "
+                                  "expert rebalance, per MoE layer.", ["model_name", "layer", "expert"],
+                                  registry=self.registry)
+        self._expert_balance = Gauge(PREFIX + "expert_device_load_max_over_mean",
+                                     "Busiest expert device's load over the mean device's, per MoE layer "
+                                     "(1 = balanced), for the load since the last expert rebalance.",
+                                     ["model_name", "layer"], registry=self.registry)
         self._model_name = model_name
         self._seen_queries = self._seen_hits = self._seen_preemptions = 0
 
@@ -72,6 +83,11 @@ class ServerMetrics:
         self.prefix_hits.inc(hits - self._seen_hits)
         self.preemptions.inc(preemptions - self._seen_preemptions)
         self._seen_queries, self._seen_hits, self._seen_preemptions = queries, hits, preemptions
+        for layer, loads in enumerate(stats.expert_load):
+            for expert, tokens in enumerate(loads):
+                self._expert_load.labels(self._model_name, str(layer), str(expert)).set(tokens)
+        for layer, ratio in enumerate(stats.expert_device_load_max_over_mean):
+            self._expert_balance.labels(self._model_name, str(layer)).set(ratio)
 
     def record_arrival(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)
