@@ -69,6 +69,9 @@ class Engine:
         if mesh is None and config.parallel.data > 1:
             raise ValueError(f"parallel.data={config.parallel.data} runs one engine per replica: use LLM or "
                              "jaxserve.data_parallel.DataParallelEngine, or give each Engine its mesh")
+        if config.speculative.enabled:
+            raise ValueError(f"speculative.method={config.speculative.method!r}: the engine does not run "
+                             f"speculative decoding yet; leave speculative_config unset")
         distributed.check_leader(config.parallel)
         self.config = config
         self.tp = distributed.engine_devices(config.parallel, mesh)
