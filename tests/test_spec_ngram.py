@@ -77,3 +77,11 @@ def test_batch_matches_the_loop_on_random_sequences():
         assert (drafts[b, num[b]:] == -1).all()
         some += bool(expected)
     assert 0 < some < B  # both matched and unmatched rows were exercised
+
+
+def test_propose_sequences_takes_ragged_lists():
+    from jaxserve.spec_decode.ngram import propose_sequences
+
+    sequences = [[1, 2, 3, 1, 2], [5], [], [7, 8, 7, 8, 7]]
+    assert propose_sequences(sequences, 2, 1, 2) == [reference(s, 2, 1, 2) for s in sequences]
+    assert propose_sequences([], 2, 1, 2) == []

@@ -24,12 +24,13 @@ import collections
 import dataclasses
 import heapq
 
-from jaxserve.config import SchedulerConfig
+from jaxserve.config import SchedulerConfig, SpeculativeConfig
 from jaxserve.core.fairness import FairWaitingQueue
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.sched_types import (MAX_PROMPT_LOGPROB_ROWS, Logprobs, NewRequestData, RunnerOutput,
                                        ScheduledRequest, SchedulerOutput)
 from jaxserve.request import Request, RequestStatus
+from jaxserve.spec_decode.ngram import propose_sequences
 
 
 @dataclasses.dataclass(slots=True)
@@ -49,18 +50,21 @@ class StepUpdates:
     every step). Iterating gives RequestUpdate items."""
 
     requests: list[Request]  # requests that received a token, in sampling order
-    tokens: list[int]
+    tokens: list[int]  # each request's last new token
     logprobs: list[Logprobs | None] | None  # per request when any asked for logprobs
     finished: dict[str, tuple[RequestStatus, int | None]]  # request id -> (finish status, stop reason)
+    # index into `requests` -> all its new tokens, for requests that got more than one (accepted guesses
+    # of speculative decoding; the last is tokens[index])
+    runs: dict[int, list[int]] = dataclasses.field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.requests)
 
     def __iter__(self):
         logprobs = self.logprobs or [None] * len(self.requests)
-        for request, token, token_logprobs in zip(self.requests, self.tokens, logprobs):
+        for i, (request, token, token_logprobs) in enumerate(zip(self.requests, self.tokens, logprobs)):
             status, stop_reason = self.finished.get(request.request_id, (None, None))
-            yield RequestUpdate(request.request_id, [token], status, stop_reason, token_logprobs)
+            yield RequestUpdate(request.request_id, self.runs.get(i, [token]), status, stop_reason, token_logprobs)
 
     def __getitem__(self, index: int) -> RequestUpdate:
         return list(self)[index]
@@ -104,11 +108,13 @@ class WaitingQueue:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int,
-                 max_prompt_logprob_rows: int = MAX_PROMPT_LOGPROB_ROWS, first_row: int = 0):
+                 max_prompt_logprob_rows: int = MAX_PROMPT_LOGPROB_ROWS, first_row: int = 0,
+                 speculative: SpeculativeConfig | None = None):
         """`max_prompt_logprob_rows`: prompt positions one step may score for prompt_logprobs (the
         runner's bound); prefill chunks of requests asking for them are shortened to fit. The runner rows
         it assigns are first_row .. first_row + max_num_seqs - 1 (several schedulers feeding one runner,
-        core/sharded_scheduler.py, each get their own)."""
+        core/sharded_scheduler.py, each get their own). `speculative` (enabled): decode rows carry n-gram
+        guesses (sched_types: draft_token_ids)."""
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({config.max_num_batched_tokens}) is smaller than max_model_len "
@@ -129,6 +135,11 @@ class Scheduler:
         self._in_flight: dict[int, tuple[list[Request], list[int]]] = {}
         self.step_count = 0
         self.num_preemptions = 0
+        self.speculative = speculative if speculative is not None and speculative.enabled else None
+        # request id -> (row, blocks kept): block tables cut after a speculative step, sent with the next step
+        self._truncated: dict[str, tuple[int, int]] = {}
+        self.num_draft_tokens = 0  # guesses scored, and of those accepted (speculative decoding's counters)
+        self.num_accepted_tokens = 0
 
     # ---- requests in and out ----
     def add_request(self, request: Request) -> None:
@@ -162,6 +173,8 @@ class Scheduler:
             self._free_rows.append(request.row)
             request.row = -1
         request.num_pending = 0
+        request.draft_token_ids = []
+        self._truncated.pop(request.request_id, None)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
@@ -200,8 +213,36 @@ class Scheduler:
             num_new = min(num_new, self.config.long_prefill_token_threshold)
         return min(num_new, budget)
 
+    def _propose(self) -> dict[str, list[int]]:
+        """N-gram guesses for the running decode rows, capped so that the guesses and the step's own token
+        stay within the request's token limit.
+
+        Under overlap a row's input token may still be in flight (num_pending == 1): the guesses then
+        come from the tokens on the host, the match's first continuation token standing for the pending
+        one and dropped. The device verifies every guess against the real tokens, so a wrong stand-in
+        costs only acceptance, never correctness.
+        """
+        eligible = [request for request in self.running
+                    if request.num_pending <= 1 and not request.draft_token_ids
+                    and request.num_computed_tokens == len(request.all_token_ids) + request.num_pending - 1
+                    and len(request.all_token_ids) + request.num_pending + 2 <= request.token_limit]
+        if not eligible:
+            return {}
+        spec = self.speculative
+        low, high = spec.lookup_range
+        drafts = propose_sequences([request.all_token_ids for request in eligible], spec.num_speculative_tokens + 1,
+                                   low, high)
+        proposals = {}
+        for request, guesses in zip(eligible, drafts):
+            known = len(request.all_token_ids) + request.num_pending
+            guesses = guesses[request.num_pending:request.num_pending + spec.num_speculative_tokens]
+            if guesses:
+                proposals[request.request_id] = guesses[:request.token_limit - known - 1]
+        return proposals
+
     def schedule(self) -> SchedulerOutput:
         self._make_room_for_priority_arrival()
+        proposals = self._propose() if self.speculative is not None else None
         budget = self.config.max_num_batched_tokens
         threshold = self.config.long_prefill_token_threshold
         allocate = self.kv_cache.allocate_slots
@@ -224,9 +265,22 @@ class Scheduler:
                 break
             if preempted and request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
+            if request.draft_token_ids:
+                continue  # its speculative step is in flight: how many tokens it adds is not known yet
             computed = request.num_computed_tokens
             known = len(request.all_token_ids) + request.num_pending
             remaining = known - computed
+            if proposals and (guesses := proposals.get(request.request_id)) and budget > 1:
+                guesses = guesses[:budget - 1]
+                # No room for the guesses: the row goes on without them (before anything is preempted).
+                new_blocks = allocate(request, 1 + len(guesses))
+                if new_blocks is not None:
+                    request.draft_token_ids = guesses
+                    scheduled.append((request, ScheduledRequest(request.request_id, request.row, computed,
+                                                                1 + len(guesses), new_blocks,
+                                                                draft_token_ids=guesses)))
+                    budget -= 1 + len(guesses)
+                    continue
             if remaining == 1 and computed < fast_until.get(request.request_id, 0):  # hot path: its blocks have room
                 if request.num_pending and known >= request.token_limit:
                     continue  # its pending token ends it (length): nothing more to compute
@@ -304,23 +358,31 @@ class Scheduler:
             for request, item in scheduled:
                 charge(request.tenant, item.num_new_tokens)
         sampled = list(decode)
+        step_guesses: dict[int, list[int]] = {}  # sampling index -> the row's guesses
         for request, item in scheduled:
             request.num_computed_tokens += item.num_new_tokens
-            item.samples = request.num_computed_tokens == len(request.all_token_ids) + request.num_pending
+            # A row with guesses computes past its known tokens (the guesses) and always samples.
+            item.samples = (request.num_computed_tokens - len(item.draft_token_ids or ())
+                            == len(request.all_token_ids) + request.num_pending)
             if item.samples:
                 request.num_pending += 1
+                if item.draft_token_ids:
+                    step_guesses[len(sampled)] = item.draft_token_ids
                 sampled.append(request)
         decode_new_blocks = [(i, block_id) for i, block_ids in decode_blocks.values() for block_id in block_ids]
         finished, self._finished_ids = self._finished_ids, set()
+        truncated = list(self._truncated.values()) if self._truncated else []
+        self._truncated.clear()
         self.step_count += 1
         if sampled:
             # With each request, its preemption count: a request preempted and re-admitted before this
             # step's tokens come back (the priority policy can do both in one schedule() call) must not
             # take them.
-            self._in_flight[self.step_count] = (sampled, [request.num_preemptions for request in sampled])
+            self._in_flight[self.step_count] = (sampled, [request.num_preemptions for request in sampled],
+                                                step_guesses)
         return SchedulerOutput([request.request_id for request in decode], [request.row for request in decode],
                                decode_positions, decode_new_blocks, [item for _, item in scheduled],
-                               self.config.max_num_batched_tokens - budget, finished, self.step_count)
+                               self.config.max_num_batched_tokens - budget, finished, self.step_count, truncated)
 
     @staticmethod
     def _unschedule(victim: Request, decode: list[Request], decode_positions: list[int],
@@ -367,20 +429,38 @@ class Scheduler:
         With overlap the next step was scheduled already: a request that finishes here had one more
         token in flight, which is dropped when it arrives (the request is no longer running).
         """
-        sampled, epochs = self._in_flight.pop(scheduler_output.step, ([], []))
+        sampled, epochs, step_guesses = self._in_flight.pop(scheduler_output.step, ([], [], {}))
         tokens = runner_output.sampled_token_ids
         if len(tokens) != len(sampled):
             raise ValueError(f"step {scheduler_output.step} sampled {len(sampled)} requests but the runner returned "
                              f"{len(tokens)} tokens")
-        requests, kept_tokens, finished = [], [], {}
+        requests, kept_tokens, finished, runs = [], [], {}, {}
         logprobs = runner_output.logprobs
         kept_logprobs = [] if logprobs is not None else None
+        num_accepted = runner_output.num_accepted
         running_status = RequestStatus.RUNNING
         for i, (request, token, epoch) in enumerate(zip(sampled, tokens, epochs)):
             if request.status != running_status or request.num_preemptions != epoch:
                 continue  # finished or preempted since it was scheduled: the token is dropped
             request.num_pending -= 1
             all_tokens = request.all_token_ids
+            if step_guesses and i in step_guesses:
+                if num_accepted is None:
+                    raise ValueError(f"step {scheduler_output.step} scheduled guesses for {request.request_id!r} "
+                                     f"but the runner returned no num_accepted")
+                run, status, stop_reason = self._accept(request, step_guesses[i], token, num_accepted[i])
+                requests.append(request)
+                kept_tokens.append(run[-1])
+                if len(run) > 1:
+                    runs[len(requests) - 1] = run
+                if kept_logprobs is not None:
+                    kept_logprobs.append(logprobs[i])
+                if status is not None:
+                    request.stop_reason = stop_reason
+                    self.running.remove(request)
+                    self._finish(request, status)
+                    finished[request.request_id] = (status, stop_reason)
+                continue
             all_tokens.append(token)
             requests.append(request)
             kept_tokens.append(token)
@@ -401,4 +481,31 @@ class Scheduler:
             self.running.remove(request)
             self._finish(request, status)
             finished[request.request_id] = (status, stop_reason)
-        return StepUpdates(requests, kept_tokens, kept_logprobs, finished)
+        return StepUpdates(requests, kept_tokens, kept_logprobs, finished, runs)
+
+    def _accept(self, request: Request, guesses: list[int], token: int,
+                accepted: int) -> tuple[list[int], RequestStatus | None, int | None]:
+        """A speculative row's result: its first `accepted` guesses, then `token`, appended one by one with
+        the stop checks of update_from_output (a stop inside the run ends it exactly there); the rejected
+        positions leave num_computed_tokens and the blocks only they used are freed. -> (new tokens,
+        finish status or None, stop reason)."""
+        request.draft_token_ids = []  # (a request's step with guesses is its last one in flight)
+        if not 0 <= accepted <= len(guesses):
+            raise ValueError(f"{request.request_id!r}: the runner accepted {accepted} of {len(guesses)} guesses")
+        self.num_draft_tokens += len(guesses)
+        self.num_accepted_tokens += accepted
+        request.num_computed_tokens -= len(guesses) - accepted
+        all_tokens = request.all_token_ids
+        run = []
+        for new_token in guesses[:accepted] + [token]:
+            all_tokens.append(new_token)
+            run.append(new_token)
+            if len(all_tokens) >= request.token_limit:
+                return run, RequestStatus.FINISHED_LENGTH, None
+            if new_token in request.stop_ids and len(all_tokens) >= request.min_stop_len:
+                eos = new_token in request.eos_token_ids and not request.sampling_params.ignore_eos
+                return run, RequestStatus.FINISHED_STOPPED, None if eos else new_token
+        kept = self.kv_cache.trim(request)
+        if kept is not None:
+            self._truncated[request.request_id] = (request.row, kept)
+        return run, None, None

@@ -74,3 +74,16 @@ def propose_batch(
     valid = (match_start[:, None] >= 0) & (follow < lengths[:, None])
     drafts = np.where(valid, tokens[rows[:, None], np.clip(follow, 0, L - 1)], -1).astype(np.int32)
     return drafts, valid.sum(axis=1).astype(np.int32)
+
+
+def propose_sequences(sequences, k: int, min_n: int, max_n: int) -> list[list[int]]:
+    """Token lists of any lengths -> each one's drafts (at most k; [] when nothing matches): the
+    scheduler's entry point, one propose_batch over the sequences padded to the longest."""
+    lengths = np.fromiter((len(sequence) for sequence in sequences), np.int64, len(sequences))
+    if not len(sequences):
+        return []
+    tokens = np.zeros((len(sequences), int(lengths.max())), np.int64)
+    for row, sequence in enumerate(sequences):
+        tokens[row, : len(sequence)] = sequence
+    drafts, num = propose_batch(tokens, lengths, k, min_n, max_n)
+    return [row[:count].tolist() for row, count in zip(drafts, num.tolist())]
