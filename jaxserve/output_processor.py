@@ -95,7 +95,7 @@ class OutputProcessor:
         changed: dict[str, _Parent] = {}
         stopped: list[str] = []
         now = time.monotonic()
-        finished, logprobs = updates.finished, updates.logprobs
+        finished, logprobs, runs = updates.finished, updates.logprobs, updates.runs
         for i, (request, token) in enumerate(zip(updates.requests, updates.tokens)):
             request_id = request.request_id
             parent_id, index = self._child_to_parent[request_id]
@@ -104,7 +104,10 @@ class OutputProcessor:
             status, stop_reason = finished.get(request_id, (None, None)) if finished else (None, None)
             by_token = status == RequestStatus.FINISHED_STOPPED
             token_logprobs = logprobs[i] if logprobs is not None else None
-            stop_str = stream.append([token], [token_logprobs] if token_logprobs else None, by_token)
+            # (requests asking logprobs get no guesses, so a run of several tokens has none)
+            new_tokens = runs.get(i, [token]) if runs else [token]
+            stop_str = stream.append(new_tokens, [token_logprobs] if token_logprobs else None, by_token,
+                                     cut_at_stop=True)
             if stop_str is not None and status is None:
                 stopped.append(request_id)
                 status, stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
