@@ -99,7 +99,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def _add(self, prompt, max_tokens, priority, salt, ignore_eos, stop, min_tokens, tenant, arrival):
         request_id = f"r{self.next_id}"
         self.next_id += 1
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos,
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, temperature=0.0,
                                 stop_token_ids=[STOP_ID] if stop else None, min_tokens=min(min_tokens, max_tokens))
         request = Request(request_id, prompt, params, eos_token_ids=(EOS,), max_tokens=max_tokens,
                           arrival_time=float(arrival), priority=priority, cache_salt=salt, tenant=tenant)

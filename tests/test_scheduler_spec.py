@@ -60,7 +60,7 @@ def generate(speculative=None, overlap=False, num_blocks=64, prompts=None, max_t
     scheduler = make_scheduler(num_blocks=num_blocks, block_size=4, speculative=speculative, **config)
     driver = (OverlapDriver if overlap else Driver)(scheduler, cyclic)
     prompts = prompts or {f"r{i}": prompt(i) for i in range(4)}
-    requests = [make_request(request_id, tokens, max_tokens=max_tokens) for request_id, tokens in prompts.items()]
+    requests = [make_request(request_id, tokens, max_tokens=max_tokens, temperature=0.0) for request_id, tokens in prompts.items()]
     driver.add(*requests)
     driver.run()
     assert scheduler.kv_cache.num_free_blocks == num_blocks - 1  # nothing leaked, rejected tails included
@@ -93,7 +93,8 @@ def test_overlap_request_with_guesses_in_flight_sits_out_one_step():
 def test_budget_counts_guesses_and_caps_them():
     scheduler = make_scheduler(block_size=4, speculative=SPEC, max_num_batched_tokens=6)
     driver = Driver(scheduler, cyclic)
-    requests = [make_request("a", prompt(0, 6), max_tokens=10), make_request("b", prompt(1, 6), max_tokens=10)]
+    requests = [make_request("a", prompt(0, 6), max_tokens=10, temperature=0.0),
+                make_request("b", prompt(1, 6), max_tokens=10, temperature=0.0)]
     driver.add(*requests)
     driver.run()
     rows = [item for out in driver.outputs for item in out.all_rows()]
@@ -107,7 +108,7 @@ def test_budget_counts_guesses_and_caps_them():
     assert {request.request_id: request.output_token_ids for request in requests} == plain
     tight = make_scheduler(block_size=4, speculative=SPEC, max_num_batched_tokens=2)
     driver = Driver(tight, cyclic)
-    driver.add(make_request("c", prompt(0, 6), max_tokens=10))
+    driver.add(make_request("c", prompt(0, 6), max_tokens=10, temperature=0.0))
     driver.run()
     rows = [item for out in driver.outputs for item in out.all_rows() if item.draft_token_ids]
     assert rows and all(len(item.draft_token_ids) == 1 for item in rows)
@@ -133,7 +134,7 @@ def test_eos_inside_an_accepted_run_ends_it_there():
         outputs = []
         for speculative in (None, SPEC):
             driver = Driver(make_scheduler(block_size=4, speculative=speculative), with_eos)
-            request = make_request("a", cycle * 2, max_tokens=9, ignore_eos=ignore_eos)
+            request = make_request("a", cycle * 2, max_tokens=9, ignore_eos=ignore_eos, temperature=0.0)
             driver.add(request)
             driver.run()
             outputs.append((request.output_token_ids, request.status, driver.finished["a"].new_token_ids))
@@ -155,10 +156,31 @@ def test_preemption_and_prefix_caching_with_guesses():
     # (the fake runner checks every slot it reads: a cached rejected guess would fail it).
     scheduler = make_scheduler(block_size=4, speculative=SPEC)
     driver = Driver(scheduler, cyclic)
-    first = make_request("first", prompt(0), max_tokens=20)
+    first = make_request("first", prompt(0), max_tokens=20, temperature=0.0)
     driver.add(first)
     driver.run()
-    second = make_request("second", first.all_token_ids, max_tokens=8)
+    second = make_request("second", first.all_token_ids, max_tokens=8, temperature=0.0)
     driver.add(second)
     driver.run()
     assert second.num_cached_tokens >= 20
+
+
+def test_only_plain_greedy_rows_guess_and_guesses_fit_the_logits_rows():
+    scheduler = make_scheduler(block_size=4, speculative=SPEC, max_num_seqs=7)
+    driver = Driver(scheduler, cyclic)
+    greedy = dict(max_tokens=20, temperature=0.0)
+    requests = [make_request("greedy", prompt(0), **greedy), make_request("random", prompt(0), max_tokens=20),
+                make_request("logprobs", prompt(0), logprobs=1, **greedy),
+                make_request("penalty", prompt(0), repetition_penalty=1.2, **greedy),
+                make_request("min", prompt(0), min_tokens=4, **greedy)]
+    driver.add(*requests)
+    driver.run()
+    guessed = {item.request_id for out in driver.outputs for item in out.scheduled if item.draft_token_ids}
+    assert guessed == {"greedy", "min"}
+    for out in driver.outputs:
+        guesses = sum(len(item.draft_token_ids or ()) for item in out.scheduled)
+        assert out.num_sampled + guesses <= 7
+    min_tokens = next(r for r in requests if r.request_id == "min")
+    first_guess = next(out for out in driver.outputs for item in out.scheduled
+                       if item.request_id == "min" and item.draft_token_ids)
+    assert first_guess.step > 4 and min_tokens.num_output_tokens == 20

@@ -221,11 +221,15 @@ class Scheduler:
         come from the tokens on the host, the match's first continuation token standing for the pending
         one and dropped. The device verifies every guess against the real tokens, so a wrong stand-in
         costs only acceptance, never correctness.
+
+        Only greedy requests without logprobs, penalties or a min_tokens ban left guess (verification is
+        greedy and scores every position alike).
         """
         eligible = [request for request in self.running
                     if request.num_pending <= 1 and not request.draft_token_ids
                     and request.num_computed_tokens == len(request.all_token_ids) + request.num_pending - 1
-                    and len(request.all_token_ids) + request.num_pending + 2 <= request.token_limit]
+                    and len(request.all_token_ids) + request.num_pending + 2 <= request.token_limit
+                    and self._may_guess(request)]
         if not eligible:
             return {}
         spec = self.speculative
@@ -240,9 +244,19 @@ class Scheduler:
                 proposals[request.request_id] = guesses[:request.token_limit - known - 1]
         return proposals
 
+    @staticmethod
+    def _may_guess(request: Request) -> bool:
+        params = request.sampling_params
+        return (params.temperature < 1e-5 and params.logprobs is None and params.repetition_penalty == 1.0
+                and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
+                and len(request.all_token_ids) + request.num_pending - request.num_prompt_tokens >= params.min_tokens)
+
     def schedule(self) -> SchedulerOutput:
         self._make_room_for_priority_arrival()
         proposals = self._propose() if self.speculative is not None else None
+        # Each guess is one more logits row of the runner, which has max_num_seqs of them: guesses take
+        # rows no running request holds, and admitted requests what is left.
+        num_guesses = 0
         budget = self.config.max_num_batched_tokens
         threshold = self.config.long_prefill_token_threshold
         allocate = self.kv_cache.allocate_slots
@@ -270,12 +284,14 @@ class Scheduler:
             computed = request.num_computed_tokens
             known = len(request.all_token_ids) + request.num_pending
             remaining = known - computed
-            if proposals and (guesses := proposals.get(request.request_id)) and budget > 1:
-                guesses = guesses[:budget - 1]
+            if (proposals and (guesses := proposals.get(request.request_id)) and budget > 1
+                    and (guess_rows := self.config.max_num_seqs - len(running) - num_guesses) > 0):
+                guesses = guesses[:min(budget - 1, guess_rows)]
                 # No room for the guesses: the row goes on without them (before anything is preempted).
                 new_blocks = allocate(request, 1 + len(guesses))
                 if new_blocks is not None:
                     request.draft_token_ids = guesses
+                    num_guesses += len(guesses)
                     scheduled.append((request, ScheduledRequest(request.request_id, request.row, computed,
                                                                 1 + len(guesses), new_blocks,
                                                                 draft_token_ids=guesses)))
@@ -323,7 +339,8 @@ class Scheduler:
             budget -= num_new
 
         # Then waiting requests, unless this step had to preempt.
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) + num_guesses < self.config.max_num_seqs):
             request = self.waiting.peek()
             # As vLLM, a request asking for prompt logprobs takes no prefix-cache hit: they need every
             # prompt position computed (its blocks are still cached for others).
