@@ -69,9 +69,9 @@ class Engine:
         if mesh is None and config.parallel.data > 1:
             raise ValueError(f"parallel.data={config.parallel.data} runs one engine per replica: use LLM or "
                              "jaxserve.data_parallel.DataParallelEngine, or give each Engine its mesh")
-        if config.speculative.enabled:
-            raise ValueError(f"speculative.method={config.speculative.method!r}: the engine does not run "
-                             f"speculative decoding yet; leave speculative_config unset")
+        if config.speculative.enabled and (config.parallel.expert > 1 or config.parallel.num_processes > 1):
+            raise ValueError("speculative decoding is not supported yet with parallel.expert > 1 or "
+                             "parallel.num_processes > 1; leave speculative_config unset there")
         distributed.check_leader(config.parallel)
         self.config = config
         self.tp = distributed.engine_devices(config.parallel, mesh)
@@ -97,7 +97,7 @@ class Engine:
                                     hash_algo=config.cache.prefix_hash) for _ in range(shards)]
         schedulers = [Scheduler(config.scheduler, kv_cache, self.max_model_len,
                                 max_prompt_logprob_rows=self.runner.max_prompt_logprob_rows,
-                                first_row=shard * config.scheduler.max_num_seqs)
+                                first_row=shard * config.scheduler.max_num_seqs, speculative=config.speculative)
                       for shard, kv_cache in enumerate(kv_caches)]
         self.kv_cache = kv_caches[0] if shards == 1 else ShardedKVCache(kv_caches)
         self.scheduler = schedulers[0] if shards == 1 else ShardedScheduler(schedulers)
