@@ -25,12 +25,12 @@ import dataclasses
 import heapq
 
 from jaxserve.config import SchedulerConfig, SpeculativeConfig
+from jaxserve.core import spec_schedule
 from jaxserve.core.fairness import FairWaitingQueue
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.sched_types import (MAX_PROMPT_LOGPROB_ROWS, Logprobs, NewRequestData, RunnerOutput,
                                        ScheduledRequest, SchedulerOutput)
 from jaxserve.request import Request, RequestStatus
-from jaxserve.spec_decode.ngram import propose_sequences
 
 
 @dataclasses.dataclass(slots=True)
@@ -213,47 +213,9 @@ class Scheduler:
             num_new = min(num_new, self.config.long_prefill_token_threshold)
         return min(num_new, budget)
 
-    def _propose(self) -> dict[str, list[int]]:
-        """N-gram guesses for the running decode rows, capped so that the guesses and the step's own token
-        stay within the request's token limit.
-
-        Under overlap a row's input token may still be in flight (num_pending == 1): the guesses then
-        come from the tokens on the host, the match's first continuation token standing for the pending
-        one and dropped. The device verifies every guess against the real tokens, so a wrong stand-in
-        costs only acceptance, never correctness.
-
-        Only greedy requests without logprobs, penalties or a min_tokens ban left guess (verification is
-        greedy and scores every position alike).
-        """
-        eligible = [request for request in self.running
-                    if request.num_pending <= 1 and not request.draft_token_ids
-                    and request.num_computed_tokens == len(request.all_token_ids) + request.num_pending - 1
-                    and len(request.all_token_ids) + request.num_pending + 2 <= request.token_limit
-                    and self._may_guess(request)]
-        if not eligible:
-            return {}
-        spec = self.speculative
-        low, high = spec.lookup_range
-        drafts = propose_sequences([request.all_token_ids for request in eligible], spec.num_speculative_tokens + 1,
-                                   low, high)
-        proposals = {}
-        for request, guesses in zip(eligible, drafts):
-            known = len(request.all_token_ids) + request.num_pending
-            guesses = guesses[request.num_pending:request.num_pending + spec.num_speculative_tokens]
-            if guesses:
-                proposals[request.request_id] = guesses[:request.token_limit - known - 1]
-        return proposals
-
-    @staticmethod
-    def _may_guess(request: Request) -> bool:
-        params = request.sampling_params
-        return (params.temperature < 1e-5 and params.logprobs is None and params.repetition_penalty == 1.0
-                and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
-                and len(request.all_token_ids) + request.num_pending - request.num_prompt_tokens >= params.min_tokens)
-
     def schedule(self) -> SchedulerOutput:
         self._make_room_for_priority_arrival()
-        proposals = self._propose() if self.speculative is not None else None
+        proposals = spec_schedule.propose(self.running, self.speculative) if self.speculative is not None else None
         # Each guess is one more logits row of the runner, which has max_num_seqs of them: guesses take
         # rows no running request holds, and admitted requests what is left.
         num_guesses = 0
@@ -465,7 +427,11 @@ class Scheduler:
                 if num_accepted is None:
                     raise ValueError(f"step {scheduler_output.step} scheduled guesses for {request.request_id!r} "
                                      f"but the runner returned no num_accepted")
-                run, status, stop_reason = self._accept(request, step_guesses[i], token, num_accepted[i])
+                run, status, stop_reason = spec_schedule.accept(request, step_guesses[i], token, num_accepted[i])
+                self.num_draft_tokens += len(step_guesses[i])
+                self.num_accepted_tokens += num_accepted[i]
+                if status is None and (kept := self.kv_cache.trim(request)) is not None:
+                    self._truncated[request.request_id] = (request.row, kept)  # rejected guesses' blocks
                 requests.append(request)
                 kept_tokens.append(run[-1])
                 if len(run) > 1:
@@ -499,30 +465,3 @@ class Scheduler:
             self._finish(request, status)
             finished[request.request_id] = (status, stop_reason)
         return StepUpdates(requests, kept_tokens, kept_logprobs, finished, runs)
-
-    def _accept(self, request: Request, guesses: list[int], token: int,
-                accepted: int) -> tuple[list[int], RequestStatus | None, int | None]:
-        """A speculative row's result: its first `accepted` guesses, then `token`, appended one by one with
-        the stop checks of update_from_output (a stop inside the run ends it exactly there); the rejected
-        positions leave num_computed_tokens and the blocks only they used are freed. -> (new tokens,
-        finish status or None, stop reason)."""
-        request.draft_token_ids = []  # (a request's step with guesses is its last one in flight)
-        if not 0 <= accepted <= len(guesses):
-            raise ValueError(f"{request.request_id!r}: the runner accepted {accepted} of {len(guesses)} guesses")
-        self.num_draft_tokens += len(guesses)
-        self.num_accepted_tokens += accepted
-        request.num_computed_tokens -= len(guesses) - accepted
-        all_tokens = request.all_token_ids
-        run = []
-        for new_token in guesses[:accepted] + [token]:
-            all_tokens.append(new_token)
-            run.append(new_token)
-            if len(all_tokens) >= request.token_limit:
-                return run, RequestStatus.FINISHED_LENGTH, None
-            if new_token in request.stop_ids and len(all_tokens) >= request.min_stop_len:
-                eos = new_token in request.eos_token_ids and not request.sampling_params.ignore_eos
-                return run, RequestStatus.FINISHED_STOPPED, None if eos else new_token
-        kept = self.kv_cache.trim(request)
-        if kept is not None:
-            self._truncated[request.request_id] = (request.row, kept)
-        return run, None, None
