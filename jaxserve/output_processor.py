@@ -104,10 +104,12 @@ class OutputProcessor:
             status, stop_reason = finished.get(request_id, (None, None)) if finished else (None, None)
             by_token = status == RequestStatus.FINISHED_STOPPED
             token_logprobs = logprobs[i] if logprobs is not None else None
-            # (requests asking logprobs get no guesses, so a run of several tokens has none)
             new_tokens = runs.get(i, [token]) if runs else [token]
-            stop_str = stream.append(new_tokens, [token_logprobs] if token_logprobs else None, by_token,
-                                     cut_at_stop=True)
+            if len(new_tokens) > 1:  # a run of accepted guesses: logprobs per token
+                token_logprobs = updates.run_logprobs.get(i) if token_logprobs else None
+            else:
+                token_logprobs = [token_logprobs] if token_logprobs else None
+            stop_str = stream.append(new_tokens, token_logprobs, by_token, cut_at_stop=True)
             if stop_str is not None and status is None:
                 stopped.append(request_id)
                 status, stop_reason = RequestStatus.FINISHED_STOPPED, stop_str

@@ -43,6 +43,24 @@ def test_greedy_tokens_identical_with_preemption_and_prefix_caching(reference, a
     assert_no_leaks(llm)
 
 
+def test_logprobs_of_accepted_guesses(reference):
+    params = SamplingParams(temperature=0.0, max_tokens=10, logprobs=2)
+    plain = make_llm(precompile=False).generate(PROMPTS, params, use_tqdm=False)
+    llm = make_llm(precompile=False, speculative_config=SPEC)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert llm.engine.scheduler.num_accepted_tokens > 0
+    assert token_ids(outputs) == token_ids(plain)
+    for ours, theirs in zip(outputs, plain):
+        ours, theirs = ours.outputs[0], theirs.outputs[0]
+        assert len(ours.logprobs) == len(ours.token_ids)
+        for entry, expected in zip(ours.logprobs, theirs.logprobs):
+            assert list(entry) == list(expected)  # the token, then the top 2, in order
+            assert [e.logprob for e in entry.values()] == pytest.approx([e.logprob for e in expected.values()],
+                                                                        abs=1e-4)
+            assert [e.rank for e in entry.values()] == [e.rank for e in expected.values()]
+        assert ours.cumulative_logprob == pytest.approx(theirs.cumulative_logprob, abs=1e-3)
+
+
 def test_no_compiles_after_start_up_with_guesses():
     llm = make_llm(speculative_config=SPEC)
     llm.generate(["1+1="], GREEDY, use_tqdm=False)

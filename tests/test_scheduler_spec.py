@@ -165,7 +165,7 @@ def test_preemption_and_prefix_caching_with_guesses():
     assert second.num_cached_tokens >= 20
 
 
-def test_only_plain_greedy_rows_guess_and_guesses_fit_the_logits_rows():
+def test_only_greedy_rows_without_penalties_guess_and_guesses_fit_the_logits_rows():
     scheduler = make_scheduler(block_size=4, speculative=SPEC, max_num_seqs=7)
     driver = Driver(scheduler, cyclic)
     greedy = dict(max_tokens=20, temperature=0.0)
@@ -176,7 +176,7 @@ def test_only_plain_greedy_rows_guess_and_guesses_fit_the_logits_rows():
     driver.add(*requests)
     driver.run()
     guessed = {item.request_id for out in driver.outputs for item in out.scheduled if item.draft_token_ids}
-    assert guessed == {"greedy", "min"}
+    assert guessed == {"greedy", "min", "logprobs"}
     for out in driver.outputs:
         guesses = sum(len(item.draft_token_ids or ()) for item in out.scheduled)
         assert out.num_sampled + guesses <= 7

@@ -136,3 +136,5 @@ class RunnerOutput:
     # None when the step had no guesses. The request's new tokens are its first num_accepted guesses, then
     # its sampled_token_ids entry (the correction or the bonus token).
     num_accepted: list[int] | None = None
+    # sampling index -> Logprobs of its accepted guesses (requests asking logprobs that accepted any)
+    guess_logprobs: dict[int, list[Logprobs]] | None = None

@@ -56,6 +56,7 @@ class StepUpdates:
     # index into `requests` -> all its new tokens, for requests that got more than one (accepted guesses
     # of speculative decoding; the last is tokens[index])
     runs: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    run_logprobs: dict[int, list[Logprobs]] = dataclasses.field(default_factory=dict)  # per token of those runs
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -246,9 +247,9 @@ class Scheduler:
             computed = request.num_computed_tokens
             known = len(request.all_token_ids) + request.num_pending
             remaining = known - computed
-            if (proposals and (guesses := proposals.get(request.request_id)) and budget > 1
+            if (proposals and (guesses := proposals.get(request.request_id)) and budget > 1 and threshold != 1
                     and (guess_rows := self.config.max_num_seqs - len(running) - num_guesses) > 0):
-                guesses = guesses[:min(budget - 1, guess_rows)]
+                guesses = guesses[:min(budget - 1, guess_rows, (threshold or budget) - 1)]
                 # No room for the guesses: the row goes on without them (before anything is preempted).
                 new_blocks = allocate(request, 1 + len(guesses))
                 if new_blocks is not None:
@@ -413,7 +414,7 @@ class Scheduler:
         if len(tokens) != len(sampled):
             raise ValueError(f"step {scheduler_output.step} sampled {len(sampled)} requests but the runner returned "
                              f"{len(tokens)} tokens")
-        requests, kept_tokens, finished, runs = [], [], {}, {}
+        requests, kept_tokens, finished, runs, run_logprobs = [], [], {}, {}, {}
         logprobs = runner_output.logprobs
         kept_logprobs = [] if logprobs is not None else None
         num_accepted = runner_output.num_accepted
@@ -437,7 +438,11 @@ class Scheduler:
                 if len(run) > 1:
                     runs[len(requests) - 1] = run
                 if kept_logprobs is not None:
-                    kept_logprobs.append(logprobs[i])
+                    # per token of the run (cut with it): the accepted guesses', then the token's
+                    run_lps = ((runner_output.guess_logprobs or {}).get(i, []) + [logprobs[i]])[:len(run)]
+                    kept_logprobs.append(run_lps[-1])
+                    if len(run) > 1 and run_lps[-1] is not None:
+                        run_logprobs[len(requests) - 1] = run_lps
                 if status is not None:
                     request.stop_reason = stop_reason
                     self.running.remove(request)
@@ -464,4 +469,4 @@ class Scheduler:
             self.running.remove(request)
             self._finish(request, status)
             finished[request.request_id] = (status, stop_reason)
-        return StepUpdates(requests, kept_tokens, kept_logprobs, finished, runs)
+        return StepUpdates(requests, kept_tokens, kept_logprobs, finished, runs, run_logprobs)

@@ -21,10 +21,10 @@ from jaxserve.spec_decode.ngram import propose_sequences
 
 
 def may_guess(request: Request) -> bool:
-    """Verification is greedy and scores every position alike: only greedy requests without logprobs,
-    penalties or a min_tokens ban still to come guess."""
+    """Verification is greedy and scores every position alike: only greedy requests without penalties or
+    a min_tokens ban still to come guess."""
     params = request.sampling_params
-    return (params.is_greedy and params.logprobs is None and params.repetition_penalty == 1.0
+    return (params.is_greedy and params.repetition_penalty == 1.0
             and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
             and len(request.all_token_ids) + request.num_pending - request.num_prompt_tokens >= params.min_tokens)
 

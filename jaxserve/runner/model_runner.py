@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.buckets import BucketLadders
-from jaxserve.core.sched_types import (MAX_PROMPT_LOGPROB_ROWS, Logprobs, NewRequestData, RunnerOutput,
+from jaxserve.core.sched_types import (MAX_PROMPT_LOGPROB_ROWS, NewRequestData, RunnerOutput,
                                        SchedulerOutput)
 from jaxserve.models import registry
 from jaxserve.models.layers import ModelBatch
@@ -400,14 +400,10 @@ class ModelRunner:
             else:
                 compiled = self._compiled.get(("sample", logits.shape[0], *variant))
                 result = compiled(logits, md) if compiled is not None else self._sample(logits, md, *variant)
-            tokens = num_accepted = None
+            tokens, num_accepted = result.token_ids, None
             if step.guesses is not None:
-                compiled = self._compiled.get(("verify",))
-                tokens, num_accepted = (compiled or spec_verify.verify)(
-                    result.token_ids, jax.device_put(step.guesses.checks, self.on_device),
-                    jax.device_put(step.guesses.first, self.on_device))
-                num_accepted.copy_to_host_async()
-            tokens = result.token_ids if tokens is None else tokens
+                tokens, num_accepted = spec_verify.run(self._compiled.get(("verify",)), result.token_ids,
+                                                       step.guesses, self.on_device)
             tokens.copy_to_host_async()
             handle = StepHandle(step.request_ids, step.rows, step.generations, tokens, result.logprobs,
                                 tokens, prompt=prompt, index=step.index, guesses=step.guesses,
@@ -497,19 +493,15 @@ class ModelRunner:
         self.row_num_tokens[live] += 1
         self.row_pending[live] -= 1
         logprobs = None
+        logprobs = guess_logprobs = None
         if handle.logprobs is not None:
-            lp, rank, top_ids, top_lps = jax.device_get(handle.logprobs)
-            logprobs = []
-            for i, row in enumerate(rows):
-                wanted = self.row_data[row].sampling_params.logprobs
-                wanted = self.cfg.vocab_size if wanted == -1 else wanted
-                j = index[i] if handle.guesses is None else handle.guesses.first[i]
-                logprobs.append(None if wanted is None else Logprobs(
-                    float(lp[j]), int(rank[j]), top_ids[j, :wanted].tolist(), top_lps[j, :wanted].tolist()))
+            logprobs, guess_logprobs = spec_verify.read_logprobs(handle, index, num_accepted, self.row_data,
+                                                                 self.cfg.vocab_size)
         prompt = None
         if handle.prompt is not None:
             prompt = prompt_logprobs.chunks(*handle.prompt, self.row_generation, self.row_data, self.cfg.vocab_size)
-        handle.output = RunnerOutput(handle.request_ids, tokens.tolist(), logprobs, prompt, num_accepted)
+        handle.output = RunnerOutput(handle.request_ids, tokens.tolist(), logprobs, prompt, num_accepted,
+                                     guess_logprobs)
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """One step without overlap: dispatch, then wait for its tokens."""

@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.core.sched_types import Logprobs
+
 
 class Guesses(NamedTuple):
     """The logits rows of a step with guesses (host arrays)."""
@@ -80,6 +82,29 @@ def append_accepted(handle, token_buf: np.ndarray, row_num_tokens: np.ndarray,
     return num_accepted
 
 
+def read_logprobs(handle, index: np.ndarray, num_accepted: list[int] | None, row_data: list,
+                  vocab_size: int) -> tuple[list[Logprobs | None], dict[int, list[Logprobs]] | None]:
+    """A collected step's logprobs: (per sampling request, for its token or None when it asked none;
+    sampling index -> those of its accepted guesses). Without guesses the token of request i was sampled
+    at logits row index[i]; with guesses a request's logits rows start at guesses.first, one per guess
+    checked, and its token's is the first row after its accepted guesses."""
+    lp, rank, top_ids, top_lps = jax.device_get(handle.logprobs)
+
+    def entry(j: int, wanted: int) -> Logprobs:
+        return Logprobs(float(lp[j]), int(rank[j]), top_ids[j, :wanted].tolist(), top_lps[j, :wanted].tolist())
+
+    first = handle.guesses.first if handle.guesses is not None else None
+    logprobs, guess_logprobs = [], {}
+    for i, row in enumerate(handle.rows):
+        wanted = row_data[row].sampling_params.logprobs
+        wanted = vocab_size if wanted == -1 else wanted
+        j = index[i] if first is None else first[i] + num_accepted[i]
+        logprobs.append(None if wanted is None else entry(j, wanted))
+        if wanted is not None and first is not None and num_accepted[i]:
+            guess_logprobs[i] = [entry(first[i] + g, wanted) for g in range(num_accepted[i])]
+    return logprobs, guess_logprobs or None
+
+
 def _verify(tokens: jax.Array, checks: jax.Array, first: jax.Array) -> tuple[jax.Array, jax.Array]:
     """tokens [N] (the sampler's token of every logits row), checks [N], first [N] -> (the token after each
     request's accepted guesses [N], num_accepted [N]). A row without a guess always 'mismatches', so the
@@ -93,3 +118,12 @@ def _verify(tokens: jax.Array, checks: jax.Array, first: jax.Array) -> tuple[jax
 
 
 verify = jax.jit(_verify)
+
+
+def run(compiled, sampled: jax.Array, guesses: Guesses, on_device) -> tuple[jax.Array, jax.Array]:
+    """The step's verification (`compiled`: verify's precompiled executable, or None) on the sampler's
+    tokens -> (tokens, num_accepted), both copying to the host."""
+    tokens, num_accepted = (compiled or verify)(sampled, jax.device_put(guesses.checks, on_device),
+                                                jax.device_put(guesses.first, on_device))
+    num_accepted.copy_to_host_async()
+    return tokens, num_accepted
