@@ -193,7 +193,9 @@ class Engine:
             expert = dict(expert_load=tuple(map(tuple, load.tolist())), expert_device_load_max_over_mean=tuple(
                 eplb.max_mean_device_load(load, self.runner.host_placement).tolist()))
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv_cache.usage,
-                           kv.queries, kv.hits, self.scheduler.num_preemptions, **expert)
+                           kv.queries, kv.hits, self.scheduler.num_preemptions, **expert,
+                           spec_draft_tokens=self.scheduler.num_draft_tokens,
+                           spec_accepted_tokens=self.scheduler.num_accepted_tokens)
 
     # ---- one step ----
     def step(self, final_only: bool = False) -> list[RequestOutput]:

@@ -36,6 +36,9 @@ def test_greedy_tokens_identical_with_preemption_and_prefix_caching(reference, a
     assert token_ids(outputs) == token_ids(reference["greedy"])
     scheduler = llm.engine.scheduler
     assert scheduler.num_accepted_tokens > 0 and scheduler.num_preemptions > 0
+    stats = llm.engine.stats()
+    assert (stats.spec_draft_tokens, stats.spec_accepted_tokens) == (scheduler.num_draft_tokens,
+                                                                     scheduler.num_accepted_tokens)
     assert llm.engine.kv_cache.stats.hits > 0
     assert_no_leaks(llm)
     # Requests that do not guess (sampling, penalties, logprobs, n > 1) and stops inside accepted runs.
