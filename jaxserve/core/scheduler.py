@@ -131,9 +131,9 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_ids: set[str] = set()  # runner state to drop at the next step
         self._free_rows = list(range(first_row + config.max_num_seqs - 1, first_row - 1, -1))
-        # Per scheduled step not yet updated: the requests that sample, in the step's sampling order, and
-        # their preemption counts then.
-        self._in_flight: dict[int, tuple[list[Request], list[int]]] = {}
+        # Per scheduled step not yet updated: the requests that sample, in the step's sampling order, their
+        # preemption counts then, and the guesses of rows that had any (sampling index -> guesses).
+        self._in_flight: dict[int, tuple[list[Request], list[int], dict[int, list[int]]]] = {}
         self.step_count = 0
         self.num_preemptions = 0
         self.speculative = speculative if speculative is not None and speculative.enabled else None
