@@ -78,7 +78,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.clock = 0  # arrival times
         # Overlap scheduling: step N+1 is scheduled (and run) before step N's tokens are given back.
         self.overlap = setup["overlap"]
-        self.in_flight: tuple[SchedulerOutput, RunnerOutput] | None = None
+        self.in_flight: tuple[SchedulerOutput, RunnerOutput, dict[str, int]] | None = None
 
     # ---- rules ----
     @rule(specs=st.lists(st.fixed_dictionaries(dict(
@@ -165,13 +165,18 @@ class SchedulerMachine(RuleBasedStateMachine):
             if self.config.long_prefill_token_threshold:
                 assert item.num_new_tokens <= self.config.long_prefill_token_threshold
         runner_output = self.runner.execute(out, tokens)
+        # Each sampling request's preemption count when the step was scheduled: one preempted and readmitted
+        # since (the priority policy can do both in one schedule() call) must not take the step's token.
+        epochs = {request_id: scheduler.requests[request_id].num_preemptions
+                  for request_id in runner_output.request_ids}
         if self.overlap:
-            (out, runner_output), self.in_flight = self.in_flight or (None, None), (
-                None if out.is_empty else (out, runner_output))
+            (out, runner_output, epochs), self.in_flight = self.in_flight or (None, None, None), (
+                None if out.is_empty else (out, runner_output, epochs))
             if out is None:
                 return 1 if self.in_flight else 0
         live = [request_id for request_id in runner_output.request_ids
-                if request_id in scheduler.requests and scheduler.requests[request_id].status == RequestStatus.RUNNING]
+                if request_id in scheduler.requests and scheduler.requests[request_id].status == RequestStatus.RUNNING
+                and scheduler.requests[request_id].num_preemptions == epochs[request_id]]
         if not self.overlap:
             assert live == runner_output.request_ids
         updates = scheduler.update_from_output(out, runner_output)
