@@ -1,7 +1,7 @@
 """One explicit engine config: frozen dataclasses that map 1:1 onto YAML sections.
 
     configs/x.yaml --load_config--> EngineConfig(model=ModelConfig, cache=CacheConfig,
-                                                 scheduler=SchedulerConfig, runner=RunnerConfig)
+                                                 scheduler=SchedulerConfig, runner=RunnerConfig, ...)
     LLM(model=..., **overrides) --EngineConfig.with_overrides--> the same, flat names routed to sections
                                   (a field's name, `section.field`, or vLLM's engine-argument name: VLLM_NAMES)
 
@@ -289,8 +289,78 @@ class ServerConfig:
                              "must be > 0")
 
 
+# Speculative-decoding methods vLLM has that jaxserve does not implement (yet).
+SPECULATIVE_NOT_SUPPORTED = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (off unless `method` is set). ngram: each step a request's next tokens are
+    guessed on the host from its own earlier tokens (prompt lookup, spec_decode/ngram.py) and the model
+    scores the guesses and one more position in the same step; greedy outputs are unchanged."""
+
+    method: str | None = None  # null: off | ngram
+    num_speculative_tokens: int | None = None  # k: tokens guessed per request per step (required with a method)
+    # n-gram lengths matched against the request's tokens, longest first; one given: the other equals it;
+    # neither: both 5 (vLLM's defaults).
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+
+    def __post_init__(self):
+        _check_fields(self, "speculative")
+        if self.method is None:
+            set_fields = [name for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+                          if getattr(self, name) is not None]
+            if set_fields:
+                raise ValueError(f"speculative.{set_fields[0]} is set but speculative.method is not; set "
+                                 f"method: ngram to speculate, or leave {', '.join(set_fields)} unset")
+            return
+        if self.method in SPECULATIVE_NOT_SUPPORTED:
+            raise ValueError(f"speculative.method={self.method!r} is not supported yet; use 'ngram' "
+                             f"(prompt lookup) or leave method unset")
+        if self.method != "ngram":
+            raise ValueError(f"speculative.method must be ngram (or null: off), got {self.method!r}")
+        if self.num_speculative_tokens is None or self.num_speculative_tokens < 1:
+            raise ValueError(f"speculative.num_speculative_tokens must be an integer >= 1 with method ngram, "
+                             f"got {self.num_speculative_tokens!r}")
+        low, high = self.lookup_range
+        if not 1 <= low <= high:
+            raise ValueError(f"speculative.prompt_lookup_min ({low}) and prompt_lookup_max ({high}) must satisfy "
+                             f"1 <= prompt_lookup_min <= prompt_lookup_max")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+    @property
+    def lookup_range(self) -> tuple[int, int]:
+        """(min_n, max_n) of the n-gram match, the unset bounds resolved (the fields keep what was given, so
+        a later override of one bound resolves afresh)."""
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low is None and high is None:
+            return 5, 5
+        return (high if low is None else low), (low if high is None else high)
+
+
+def speculative_from_vllm(value: Any) -> dict[str, Any]:
+    """vLLM's `speculative_config` dict (or None: off) -> the speculative section's values."""
+    check_type("speculative_config", value, dict | None)
+    if value is None:
+        return {}
+    value = dict(value)
+    draft_model = value.pop("model", None)
+    if draft_model is not None:
+        raise ValueError(f"speculative_config model={draft_model!r}: a draft model is not supported yet; use "
+                         f"method 'ngram' (prompt lookup) without a model")
+    known = {field.name for field in dataclasses.fields(SpeculativeConfig)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"speculative_config has unknown or unsupported key(s) {unknown}; known: {sorted(known)}")
+    return value
+
+
 SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "runner": RunnerConfig,
-            "parallel": ParallelConfig, "server": ServerConfig}
+            "parallel": ParallelConfig, "server": ServerConfig, "speculative": SpeculativeConfig}
 
 # vLLM's engine-argument names (`LLM(...)` keywords, `vllm serve` flags) for fields jaxserve names otherwise.
 # vLLM names equal to a field's name (max_num_seqs, max_num_batched_tokens, max_model_len, seed, block_size,
@@ -308,12 +378,18 @@ VLLM_NAMES = {
 NOT_SUPPORTED = {
     "kv_cache_dtype": (("auto", None), str | None, "is not supported yet: the KV cache has the model's dtype"),
     "quantization": ((None,), str | None, "is not supported yet: weights load in model.dtype"),
-    "speculative_config": ((None,), dict | None, "is not supported yet: there is no speculative decoding"),
     "pipeline_parallel_size": ((1,), int, "is not supported yet: use tensor_parallel_size to spread a model"),
     "trust_remote_code": ((False,), bool, "is refused: jaxserve never runs code from a checkpoint (auto_map); "
                                           "it runs the architectures it implements (README: Checkpoints)"),
 }
 
+
+# vLLM's names for a whole section given as one mapping: name -> (section, its translation, help)
+VLLM_SECTIONS = {
+    "speculative_config": ("speculative", speculative_from_vllm,
+                           "vLLM's mapping for the speculative section, e.g. "
+                           "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3}'"),
+}
 
 # vLLM's switches that set other fields (applied after every other override): name -> (annotation, help)
 VLLM_SWITCHES = {
@@ -376,6 +452,7 @@ class EngineConfig:
     runner: RunnerConfig = RunnerConfig()
     parallel: ParallelConfig = ParallelConfig()
     server: ServerConfig = ServerConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "config") -> EngineConfig:
@@ -400,9 +477,16 @@ class EngineConfig:
 
     def with_overrides(self, **overrides: Any) -> EngineConfig:
         """Flat overrides routed to their sections: a field's name (`max_num_seqs=8`), `section.field`, `model`
-        for model.path, or vLLM's name (`tensor_parallel_size=2`; see resolve_option; VLLM_SWITCHES last)."""
+        for model.path, or vLLM's name (`tensor_parallel_size=2`; see resolve_option; VLLM_SWITCHES last). A
+        VLLM_SECTIONS mapping (`speculative_config={...}`) replaces its whole section first; field overrides
+        refine it."""
         data = self.to_dict()
+        for key, (section, translate, _) in VLLM_SECTIONS.items():
+            if key in overrides:
+                data[section] = translate(overrides[key])
         for key, value in overrides.items():
+            if key in VLLM_SECTIONS:
+                continue
             resolved = resolve_option(key, value) if key not in VLLM_SWITCHES else None
             if resolved is not None:
                 section, name, value = resolved

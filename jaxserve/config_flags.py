@@ -21,9 +21,14 @@ from typing import Any
 
 import yaml
 
-from jaxserve.config import NOT_SUPPORTED, SECTIONS, VLLM_NAMES, VLLM_SWITCHES, field_types, matches_type
+from jaxserve.config import (NOT_SUPPORTED, SECTIONS, VLLM_NAMES, VLLM_SECTIONS, VLLM_SWITCHES, field_types,
+                             matches_type)
 
 NULLS = ("null", "none", "None")
+
+
+# Fields whose bare name says too little on a command line: their flag is always --section-name.
+SECTION_PREFIXED = {("speculative", "method")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +51,7 @@ def config_flags(reserved: Collection[str] = (), skip_sections: Collection[str] 
             is_path = (section, name) == ("model", "path")
             bare = "model" if is_path else name
             flag = "--" + bare.replace("_", "-")
-            if flag in flags or flag in reserved:
+            if flag in flags or flag in reserved or (section, name) in SECTION_PREFIXED:
                 flag = f"--{section}-{bare.replace('_', '-')}"
             flags[flag] = ConfigFlag(flag, "model" if is_path else f"{section}.{name}", section, hint,
                                      f"{section}.{name} ({_name(hint)})")
@@ -56,6 +61,10 @@ def config_flags(reserved: Collection[str] = (), skip_sections: Collection[str] 
         flags["--" + name.replace("_", "-")] = ConfigFlag(
             "--" + name.replace("_", "-"), name, "vllm", field_types(SECTIONS[section])[field],
             f"vLLM's name for {section}.{field}")
+    for name, (section, _, text) in VLLM_SECTIONS.items():
+        if section not in skip_sections:
+            flags["--" + name.replace("_", "-")] = ConfigFlag("--" + name.replace("_", "-"), name, "vllm",
+                                                              dict | None, text)
     for name, (hint, text) in VLLM_SWITCHES.items():
         flags["--" + name.replace("_", "-")] = ConfigFlag("--" + name.replace("_", "-"), name, "vllm", hint, text)
     for name, (accepted, hint, _) in NOT_SUPPORTED.items():

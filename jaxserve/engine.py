@@ -69,6 +69,9 @@ class Engine:
         if mesh is None and config.parallel.data > 1:
             raise ValueError(f"parallel.data={config.parallel.data} runs one engine per replica: use LLM or "
                              "jaxserve.data_parallel.DataParallelEngine, or give each Engine its mesh")
+        if config.speculative.enabled and (config.parallel.expert > 1 or config.parallel.num_processes > 1):
+            raise ValueError("speculative decoding is not supported yet with parallel.expert > 1 or "
+                             "parallel.num_processes > 1; leave speculative_config unset there")
         distributed.check_leader(config.parallel)
         self.config = config
         self.tp = distributed.engine_devices(config.parallel, mesh)
@@ -94,7 +97,7 @@ class Engine:
                                     hash_algo=config.cache.prefix_hash) for _ in range(shards)]
         schedulers = [Scheduler(config.scheduler, kv_cache, self.max_model_len,
                                 max_prompt_logprob_rows=self.runner.max_prompt_logprob_rows,
-                                first_row=shard * config.scheduler.max_num_seqs)
+                                first_row=shard * config.scheduler.max_num_seqs, speculative=config.speculative)
                       for shard, kv_cache in enumerate(kv_caches)]
         self.kv_cache = kv_caches[0] if shards == 1 else ShardedKVCache(kv_caches)
         self.scheduler = schedulers[0] if shards == 1 else ShardedScheduler(schedulers)
@@ -190,7 +193,9 @@ class Engine:
             expert = dict(expert_load=tuple(map(tuple, load.tolist())), expert_device_load_max_over_mean=tuple(
                 eplb.max_mean_device_load(load, self.runner.host_placement).tolist()))
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv_cache.usage,
-                           kv.queries, kv.hits, self.scheduler.num_preemptions, **expert)
+                           kv.queries, kv.hits, self.scheduler.num_preemptions, **expert,
+                           spec_draft_tokens=self.scheduler.num_draft_tokens,
+                           spec_accepted_tokens=self.scheduler.num_accepted_tokens)
 
     # ---- one step ----
     def step(self, final_only: bool = False) -> list[RequestOutput]:

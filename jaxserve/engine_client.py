@@ -41,6 +41,9 @@ class EngineStats:
     # share of that load over the mean device's (1.0 = balanced; replicas split their expert's load evenly).
     expert_load: tuple[tuple[int, ...], ...] = ()
     expert_device_load_max_over_mean: tuple[float, ...] = ()
+    # Speculative decoding: guesses scored, and of those accepted (their ratio is the acceptance rate).
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @staticmethod
     def combine(stats: list[EngineStats]) -> EngineStats:
@@ -54,7 +57,8 @@ class EngineStats:
         return EngineStats(sum(s.num_running for s in stats), sum(s.num_waiting for s in stats),
                            sum(s.kv_cache_usage for s in stats) / max(len(stats), 1),
                            sum(s.prefix_cache_queries for s in stats), sum(s.prefix_cache_hits for s in stats),
-                           sum(s.num_preemptions for s in stats), expert_load, max_over_mean)
+                           sum(s.num_preemptions for s in stats), expert_load, max_over_mean,
+                           sum(s.spec_draft_tokens for s in stats), sum(s.spec_accepted_tokens for s in stats))
 
 
 @runtime_checkable

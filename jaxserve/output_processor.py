@@ -95,7 +95,7 @@ class OutputProcessor:
         changed: dict[str, _Parent] = {}
         stopped: list[str] = []
         now = time.monotonic()
-        finished, logprobs = updates.finished, updates.logprobs
+        finished, logprobs, runs = updates.finished, updates.logprobs, updates.runs
         for i, (request, token) in enumerate(zip(updates.requests, updates.tokens)):
             request_id = request.request_id
             parent_id, index = self._child_to_parent[request_id]
@@ -104,7 +104,12 @@ class OutputProcessor:
             status, stop_reason = finished.get(request_id, (None, None)) if finished else (None, None)
             by_token = status == RequestStatus.FINISHED_STOPPED
             token_logprobs = logprobs[i] if logprobs is not None else None
-            stop_str = stream.append([token], [token_logprobs] if token_logprobs else None, by_token)
+            new_tokens = runs.get(i, [token]) if runs else [token]
+            if len(new_tokens) > 1:  # a run of accepted guesses: logprobs per token
+                token_logprobs = updates.run_logprobs.get(i) if token_logprobs else None
+            else:
+                token_logprobs = [token_logprobs] if token_logprobs else None
+            stop_str = stream.append(new_tokens, token_logprobs, by_token, cut_at_stop=True)
             if stop_str is not None and status is None:
                 stopped.append(request_id)
                 status, stop_reason = RequestStatus.FINISHED_STOPPED, stop_str

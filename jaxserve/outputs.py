@@ -115,10 +115,13 @@ class OutputStream:
         return self.finish_reason is not None
 
     def append(self, new_token_ids: Sequence[int], logprobs_per_token: Sequence[Logprobs | None] | None,
-               finished_by_token: bool) -> str | None:
+               finished_by_token: bool, cut_at_stop: bool = False) -> str | None:
         """Add this step's tokens; return the stop string they completed (the sequence must then finish with
-        stop_reason = that string), else None. `finished_by_token`: the last token is an eos or stop token id
-        that ends the sequence. `logprobs_per_token`: one runner Logprobs per token when logprobs were asked."""
+        stop_reason = that string), else None. Tokens after the one that completed a stop string stay, as
+        vLLM keeps the rest of a step's tokens, unless `cut_at_stop` (speculative decoding's accepted runs:
+        the output must equal appending one token per step). `finished_by_token`: the last token is an eos
+        or stop token id that ends the sequence. `logprobs_per_token`: one runner Logprobs per token when
+        logprobs were asked."""
         if self.finished or self._stop_matched is not None:
             raise RuntimeError(f"OutputStream.append after the sequence ended (finish_reason={self.finish_reason}, "
                                f"stop string={self._stop_matched!r})")
@@ -140,12 +143,23 @@ class OutputStream:
             self.text += self._detokenizer.add_tokens(to_text[num_unchecked:])
             return None
         # Token by token, so appending k tokens at once stops where appending them one by one would have.
-        for token_id in to_text[num_unchecked:]:
+        for i, token_id in enumerate(to_text[num_unchecked:], num_before + num_unchecked + 1):
             check_from = len(self.text)
             self.text += self._detokenizer.add_tokens([token_id])
             if (stop := self._check_stop(check_from)) is not None:
+                if cut_at_stop:
+                    self._drop_after(i)
                 return stop
         return None
+
+    def _drop_after(self, num_tokens: int) -> None:
+        """Keep the first num_tokens token ids (and their logprobs)."""
+        if num_tokens < len(self.token_ids):
+            del self.token_ids[num_tokens:]
+            if self.logprobs is not None:
+                for entry in self.logprobs[num_tokens:]:
+                    self.cumulative_logprob -= next(iter(entry.values())).logprob
+                del self.logprobs[num_tokens:]
 
     def _check_stop(self, check_from: int) -> str | None:
         """Find a stop string completed in text[check_from:] (the text of one token, or the final flush);

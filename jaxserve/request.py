@@ -41,7 +41,7 @@ class Request:
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_ids", "max_tokens", "arrival_time",
                  "priority", "cache_salt", "lora_id", "seed", "tenant", "status", "all_token_ids",
                  "num_computed_tokens", "num_pending", "row", "token_limit", "stop_ids", "min_stop_len",
-                 "num_cached_tokens", "num_preemptions", "stop_reason")
+                 "num_cached_tokens", "num_preemptions", "stop_reason", "draft_token_ids")
 
     def __init__(
         self,
@@ -82,6 +82,7 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 until then
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
+        self.draft_token_ids: list[int] = []  # guesses of its speculative step in flight ([]: none)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -11,7 +11,7 @@ import dataclasses
 import itertools
 import zlib
 
-from jaxserve.config import SchedulerConfig
+from jaxserve.config import SchedulerConfig, SpeculativeConfig
 from jaxserve.core.kv_cache_manager import NULL_BLOCK_ID, KVCacheManager
 from jaxserve.core.sched_types import RunnerOutput, SchedulerOutput
 from jaxserve.core.scheduler import RequestUpdate, Scheduler
@@ -51,6 +51,7 @@ class FakeRunner:
         self.states: dict[str, _RunnerState] = {}
         self.slots: dict[int, tuple] = {}  # slot -> (salt, tuple(token prefix through that position))
         self.row_owner: dict[int, str] = {}
+        self.num_accepted = 0  # guesses accepted, over every step
 
     def _slot(self, state: _RunnerState, position: int) -> int:
         block_id = state.block_ids[position // self.block_size]
@@ -62,9 +63,14 @@ class FakeRunner:
         return state.cache_salt, tuple(state.token_ids[: position + 1])
 
     def execute(self, out: SchedulerOutput, tokens=None) -> RunnerOutput:
-        """Runs one step; `tokens` (a list) gives the sampled tokens in order, else token_fn decides."""
+        """Runs one step; `tokens` (a list) gives the model's tokens in order (cycled; a row with guesses
+        takes one per position it verifies), else token_fn decides."""
         for request_id in out.finished_request_ids:
             self.states.pop(request_id, None)
+        for row, num_blocks in out.truncated_block_tables:
+            state = self.states[self.row_owner[row]]
+            assert num_blocks * self.block_size >= state.num_computed_tokens, "a cut dropped a computed slot"
+            del state.block_ids[num_blocks:]
         rows = out.all_rows()
         assert len({item.request_id for item in rows}) == len(rows), "a request scheduled twice"
         assert len({item.row for item in rows}) == len(rows), "two requests share a runner row"
@@ -90,17 +96,22 @@ class FakeRunner:
                     f"{item.request_id}: scheduled from position {item.num_computed_tokens}, runner is at "
                     f"{state.num_computed_tokens}")
             state.block_ids += item.new_block_ids
+            num_known = len(state.token_ids)
+            if item.draft_token_ids:  # the guesses are the row's inputs after its last known token
+                assert item.samples and item.num_computed_tokens == num_known - 1
+                assert item.num_new_tokens == 1 + len(item.draft_token_ids)
+                state.token_ids = state.token_ids + list(item.draft_token_ids)
             assert state.block_ids == self.kv.get_block_ids(item.request_id), "block table is not append-only"
             end = item.num_computed_tokens + item.num_new_tokens
             assert item.num_new_tokens >= 1
             assert end <= len(state.token_ids), "scheduled past the known tokens"
             assert len(state.block_ids) * self.block_size >= end, "too few blocks for the step's tokens"
             assert item.samples == (end == len(state.token_ids))
-            steps.append((item, state, end))
-        for item, state, end in steps:  # every K/V write of the step lands before any read (as in the model)
+            steps.append((item, state, end, num_known))
+        for item, state, end, _ in steps:  # every K/V write of the step lands before any read (as in the model)
             for position in range(item.num_computed_tokens, end):
                 self.slots[self._slot(state, position)] = self._content(state, position)
-        for item, state, end in steps:
+        for item, state, end, _ in steps:
             for position in range(end):
                 held = self.slots.get(self._slot(state, position))
                 assert held == self._content(state, position), (
@@ -108,24 +119,50 @@ class FakeRunner:
                     f"{state.block_ids[position // self.block_size]}, which holds "
                     f"{'nothing (never written)' if held is None else 'another sequence'}")
             state.num_computed_tokens = end
-        request_ids, sampled = [], []
-        for item, state, _ in steps:
-            if item.samples:
+        request_ids, sampled, num_accepted = [], [], []
+        drawn = iter(tokens * (1 + self.scheduler.config.max_num_batched_tokens)) if tokens else None
+
+        def model(request_id, token_ids):
+            return next(drawn) if drawn is not None else self.token_fn(request_id, token_ids)
+
+        for item, state, _, num_known in steps:
+            if item.draft_token_ids:  # greedy verification: guesses are kept while the model agrees
+                del state.token_ids[num_known:]
+                accepted = 0
+                for guess in item.draft_token_ids:
+                    token = model(item.request_id, state.token_ids)
+                    if token != guess:
+                        break  # `token`, the model's own, replaces the rejected guess
+                    state.token_ids.append(guess)
+                    accepted += 1
+                else:
+                    token = model(item.request_id, state.token_ids)  # the bonus token after every guess
+                state.num_computed_tokens = num_known + accepted
+                state.token_ids.append(token)
+                self.num_accepted += accepted
+            elif item.samples:
                 token = tokens[len(sampled) % len(tokens)] if tokens else self.token_fn(item.request_id,
                                                                                            state.token_ids)
                 state.token_ids.append(token)
-                request_ids.append(item.request_id)
-                sampled.append(token)
-        return RunnerOutput(request_ids, sampled)
+                accepted = 0
+            else:
+                continue
+            request_ids.append(item.request_id)
+            sampled.append(token)
+            num_accepted.append(accepted)
+        spec = any(item.draft_token_ids for item, *_ in steps)
+        return RunnerOutput(request_ids, sampled, num_accepted=num_accepted if spec else None)
 
 
 # ---------------------------------------------------------------- helpers
 
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_model_len: int = 128, caching: bool = True,
-                   max_prompt_logprob_rows: int = 512, **config) -> Scheduler:
+                   max_prompt_logprob_rows: int = 512, speculative: SpeculativeConfig | None = None,
+                   **config) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, enable_caching=caching, hash_seed=SEED)
-    return Scheduler(SchedulerConfig(**config), kv, max_model_len, max_prompt_logprob_rows=max_prompt_logprob_rows)
+    return Scheduler(SchedulerConfig(**config), kv, max_model_len, max_prompt_logprob_rows=max_prompt_logprob_rows,
+                     speculative=speculative)
 
 
 _arrivals = itertools.count()

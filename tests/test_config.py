@@ -213,14 +213,46 @@ def test_unsupported_vllm_names_accept_their_defaults_only():
                                              trust_remote_code=False)
     assert defaults == EngineConfig().with_overrides(kv_cache_dtype=None)
     assert defaults == EngineConfig()
-    for overrides in ({"kv_cache_dtype": "fp8"}, {"quantization": "awq"},
-                      {"speculative_config": {"method": "ngram", "num_speculative_tokens": 4}},
-                      {"pipeline_parallel_size": 2}):
+    for overrides in ({"kv_cache_dtype": "fp8"}, {"quantization": "awq"}, {"pipeline_parallel_size": 2}):
         (name, value), = overrides.items()
         with pytest.raises(ValueError, match=rf"^{name}=.* is not supported yet.*leave {name} at "):
             EngineConfig().with_overrides(**overrides)
     with pytest.raises(ValueError, match="trust_remote_code=True is refused: jaxserve never runs code from a checkpoint"):
         EngineConfig().with_overrides(trust_remote_code=True)
+
+
+def test_speculative_section_and_vllm_speculative_config():
+    assert not EngineConfig().speculative.enabled
+    config = EngineConfig().with_overrides(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                               "prompt_lookup_max": 4})
+    spec = config.speculative
+    assert spec.enabled and spec.num_speculative_tokens == 3 and spec.lookup_range == (4, 4)
+    assert EngineConfig().with_overrides(speculative_config={"method": "ngram", "num_speculative_tokens": 1}
+                                         ).speculative.lookup_range == (5, 5)
+    # Field overrides refine the mapping; a bound resolved from the other is not frozen into the config.
+    refined = config.with_overrides(speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+                                    prompt_lookup_min=2, prompt_lookup_max=3)
+    assert (refined.speculative.num_speculative_tokens, refined.speculative.lookup_range) == (2, (2, 3))
+    assert config.with_overrides(prompt_lookup_min=2).speculative.lookup_range == (2, 4)
+    assert EngineConfig().with_overrides(speculative_config=None) == EngineConfig()
+    assert EngineConfig.from_dict({"speculative": {"method": "ngram", "num_speculative_tokens": 2}}) == \
+        EngineConfig().with_overrides(**{"speculative.method": "ngram", "num_speculative_tokens": 2})
+    for value, message in [
+        ({"method": "eagle", "num_speculative_tokens": 2}, r"speculative.method='eagle' is not supported yet"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "'draft_model' is not supported yet"),
+        ({"model": "/draft", "num_speculative_tokens": 2}, r"model='/draft': a draft model is not supported yet"),
+        ({"method": "ngram"}, r"num_speculative_tokens must be an integer >= 1 with method ngram, got None"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+         r"prompt_lookup_min \(4\) and prompt_lookup_max \(2\) must satisfy"),
+        ({"method": "ngrams", "num_speculative_tokens": 2}, "speculative.method must be ngram"),
+        ({"num_speculative_tokens": 2}, "num_speculative_tokens is set but speculative.method is not"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1},
+         r"unknown or unsupported key\(s\) \['draft_tensor_parallel_size'\]"),
+        ("ngram", r"speculative_config must be a mapping or null"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            EngineConfig().with_overrides(speculative_config=value)
 
 
 def test_enable_expert_parallel_turns_data_parallel_ranks_into_expert_shards():
@@ -331,3 +363,6 @@ def test_command_line_flags_take_vllm_names():
         parse("--kv-cache-dtype", "fp8")
     with pytest.raises(ValueError, match=r"tensor_parallel_size \(jaxserve's parallel.model\) must be an integer"):
         parse("--tensor-parallel-size", "two")
+    spec = parse("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+                 "--prompt-lookup-max", "2").speculative
+    assert (spec.method, spec.num_speculative_tokens, spec.lookup_range) == ("ngram", 3, (2, 2))

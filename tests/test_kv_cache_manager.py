@@ -530,3 +530,25 @@ class KVCacheMachine(RuleBasedStateMachine):
 TestKVCacheMachine = KVCacheMachine.TestCase
 TestKVCacheMachine.settings = settings(max_examples=200, stateful_step_count=50, deadline=None,
                                        suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_trim_frees_the_blocks_of_rejected_guesses_and_keeps_the_cache_clean():
+    manager = make(num_blocks=8, block_size=2)
+    a = FakeRequest("a", [1, 2, 3])
+    start(manager, a)
+    a.num_computed_tokens = 3
+    free_before = manager.num_free_blocks
+    # A step with the last token and 4 guesses: slots for positions 2..6 (blocks 1..3).
+    assert len(manager.allocate_slots(a, 5)) == 2
+    a.num_computed_tokens = 8
+    cached = dict(manager.pool.cached_blocks)
+    assert len(cached) == 1  # only block 0 is full of known tokens: guesses are never registered
+    # One guess accepted: tokens 3 and 4 known (the second one sampled), positions 0..3 computed.
+    a.all_token_ids += [4, 9]
+    a.num_computed_tokens = 4
+    assert manager.trim(a) == 2 and manager.num_free_blocks == free_before
+    assert manager.pool.cached_blocks == cached and manager.fast_until["a"] == 4
+    assert manager.trim(a) is None  # nothing past the computed tokens any more
+    assert manager.allocate_slots(a, 1) == [manager.get_block_ids("a")[-1]]  # position 4 needs a block again
+    manager.free(a)
+    assert manager.num_free_blocks == 7

@@ -101,6 +101,16 @@ def test_stop_string_spanning_tokens_keeps_later_token_ids(char):
         assert out.token_ids == ids[:end_of_chunk_with_d]
 
 
+def test_stop_string_inside_a_run_cuts_it_there_with_cut_at_stop(char):
+    ids = _ids(char, "hello world!")
+    stream = OutputStream(char, SamplingParams(stop="wor"), [])
+    assert stream.append(ids[:4], None, False, cut_at_stop=True) is None
+    assert stream.append(ids[4:], None, False, cut_at_stop=True) == "wor"
+    assert stream.token_ids == ids[:len("hello wor")]  # as if appended one token per step
+    stream.finish("length")
+    assert (stream.finish_reason, stream.stop_reason, stream.text) == ("stop", "wor", "hello ")
+
+
 def test_stop_string_at_the_very_start(char, bpe):
     for tok in (char, bpe):
         stream, stop, _ = _run(tok, SamplingParams(stop=["hello"]), _ids(tok, "hello world"))

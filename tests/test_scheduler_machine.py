@@ -1,6 +1,7 @@
 """The scheduler as a Hypothesis state machine: random arrivals, steps with random tokens (eos included),
-aborts and preemptions under random configs (block size, budget, chunking, policy, overlap); the block
-pool's and the fake runner's invariants are checked after every rule (tests/scheduler_harness.py)."""
+aborts and preemptions under random configs (block size, budget, chunking, policy, overlap, n-gram
+speculation); the block pool's and the fake runner's invariants are checked after every rule
+(tests/scheduler_harness.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from jaxserve.config import SchedulerConfig
+from jaxserve.config import SchedulerConfig, SpeculativeConfig
 from jaxserve.core.kv_cache_manager import NULL_BLOCK_ID, KVCacheManager
 from jaxserve.core.sched_types import RunnerOutput, SchedulerOutput
 from jaxserve.core.scheduler import RequestUpdate, Scheduler
@@ -43,6 +44,10 @@ def configs(draw):
                                long_prefill_token_threshold=draw(st.sampled_from([0, 0, 3, 8])),
                                policy=draw(st.sampled_from(["fcfs", "priority", "fair"]))),
         overlap=draw(st.booleans()),
+        speculative=draw(st.one_of(st.none(), st.builds(
+            lambda k, high: SpeculativeConfig(method="ngram", num_speculative_tokens=k, prompt_lookup_min=1,
+                                              prompt_lookup_max=high),
+            st.integers(1, 3), st.integers(1, 3)))),
     )
 
 
@@ -62,7 +67,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     def setup(self, setup):
         self.kv = KVCacheManager(setup["num_blocks"], setup["block_size"], enable_caching=setup["caching"],
                                  hash_seed=SEED)
-        self.scheduler = Scheduler(setup["config"], self.kv, setup["max_model_len"])
+        self.scheduler = Scheduler(setup["config"], self.kv, setup["max_model_len"],
+                                   speculative=setup["speculative"])
         self.config = setup["config"]
         self.runner = FakeRunner(self.scheduler)
         self.added: dict[str, Request] = {}
@@ -93,7 +99,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def _add(self, prompt, max_tokens, priority, salt, ignore_eos, stop, min_tokens, tenant, arrival):
         request_id = f"r{self.next_id}"
         self.next_id += 1
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos,
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, temperature=0.0,
                                 stop_token_ids=[STOP_ID] if stop else None, min_tokens=min(min_tokens, max_tokens))
         request = Request(request_id, prompt, params, eos_token_ids=(EOS,), max_tokens=max_tokens,
                           arrival_time=float(arrival), priority=priority, cache_salt=salt, tenant=tenant)
@@ -140,6 +146,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             event(f"preemptions: {'3+' if num_preemptions >= 3 else num_preemptions}")
             event(f"prefix hits: {self.kv.stats.hits > 0}")
             event(f"overlap: {self.overlap}")
+            event(f"guesses accepted: {self.scheduler.num_accepted_tokens > 0}")
             assert not self.scheduler._in_flight, "a step's sampled requests were never given back"
 
     def _step(self, tokens):
@@ -177,17 +184,32 @@ class SchedulerMachine(RuleBasedStateMachine):
         for update in updates:
             request = self.added[update.request_id]
             assert not self.finish_events[update.request_id], f"update for finished {update.request_id}"
-            self.outputs[update.request_id] += update.new_token_ids
+            for token in update.new_token_ids[:-1]:  # a run of accepted guesses: no stop before its end
+                self.outputs[update.request_id].append(token)
+                assert not self._should_stop(request), f"{request} ran past a stop in {update.new_token_ids}"
+            self.outputs[update.request_id].append(update.new_token_ids[-1])
             self._check_finish(request, update)
         return len(updates)
 
-    def _check_finish(self, request: Request, update: RequestUpdate):
+    def _stops(self, request: Request) -> tuple[bool, bool]:
+        """(may stop by token, at length) after the tokens reported so far."""
         params = request.sampling_params
         output = self.outputs[request.request_id]
         last = output[-1]
         may_stop = len(output) >= params.min_tokens and (
             (not params.ignore_eos and last in request.eos_token_ids) or last in params.stop_token_ids)
-        at_length = len(output) >= request.max_tokens or request.num_tokens >= self.scheduler.max_model_len
+        at_length = (len(output) >= request.max_tokens
+                     or request.num_prompt_tokens + len(output) >= self.scheduler.max_model_len)
+        return may_stop, at_length
+
+    def _should_stop(self, request: Request) -> bool:
+        return any(self._stops(request))
+
+    def _check_finish(self, request: Request, update: RequestUpdate):
+        params = request.sampling_params
+        output = self.outputs[request.request_id]
+        last = output[-1]
+        may_stop, at_length = self._stops(request)
         assert len(output) <= request.max_tokens
         assert request.num_tokens <= self.scheduler.max_model_len
         if update.finish_status is None:
@@ -224,13 +246,15 @@ class SchedulerMachine(RuleBasedStateMachine):
             if not live:
                 assert block_ids == []
                 continue
-            assert request.num_computed_tokens <= request.num_tokens + request.num_pending
+            guesses = len(request.draft_token_ids)  # of a speculative step in flight
+            assert request.num_computed_tokens <= request.num_tokens + request.num_pending + guesses
             assert request.num_pending >= 0
             state = self.runner.states.get(request_id)
             if request.status == RequestStatus.RUNNING and state is not None:
                 # The runner knows every token the scheduler has, and with overlap the pending ones too.
                 assert state.token_ids[:request.num_tokens] == request.all_token_ids
-                assert len(state.token_ids) == request.num_tokens + request.num_pending
+                # (a step in flight with guesses adds 1 + its accepted guesses)
+                assert 0 <= len(state.token_ids) - request.num_tokens - request.num_pending <= guesses
             assert len(block_ids) * self.kv.block_size >= request.num_computed_tokens
             if request.status != RequestStatus.RUNNING:
                 assert block_ids == [] and request.num_computed_tokens == 0

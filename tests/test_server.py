@@ -279,7 +279,8 @@ def test_models_health_metrics(live, http, client):
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries_total",
                  "prefix_cache_hits_total", "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",
                  "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
-                 "e2e_request_latency_seconds_count", "request_success_total"):
+                 "e2e_request_latency_seconds_count", "request_success_total",
+                 "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total"):
         assert f"jaxserve:{name}{{" in text, name
     generated = next(line for line in text.splitlines() if line.startswith("jaxserve:generation_tokens_total"))
     assert float(generated.split()[-1]) > 0

@@ -357,6 +357,29 @@ class KVCacheManager:
         self.fast_until[request.request_id] = len(state.blocks) * self.block_size
         return [block.block_id for block in (computed + new_blocks if computed else new_blocks)]
 
+    def trim(self, request: Request) -> int | None:
+        """Frees the request's blocks past those holding its request.num_computed_tokens tokens (the
+        slots of rejected speculative positions); returns the blocks kept, or None when none was freed.
+
+        The freed blocks were never registered in the prefix cache: registration covers full blocks of
+        known tokens only (allocate_slots and free() cap it at request.num_tokens), and every known
+        token's slot lies in a kept block.
+        """
+        state = self._requests.get(request.request_id)
+        if state is None:
+            return None
+        keep = -(-request.num_computed_tokens // self.block_size)
+        if len(state.blocks) <= keep:
+            return None
+        if state.num_cached_blocks > keep:
+            raise RuntimeError(f"request {request.request_id!r}: block {state.blocks[keep].block_id} past its "
+                               f"{request.num_computed_tokens} computed tokens is in the prefix cache")
+        tail = state.blocks[keep:]
+        del state.blocks[keep:]
+        self.pool.free_blocks(reversed(tail))
+        self.fast_until[request.request_id] = keep * self.block_size
+        return keep
+
     def free(self, request: Request) -> None:
         """Releases the request's blocks, deepest first, and forgets it (a no-op when unknown).
 

@@ -15,6 +15,14 @@ the step is the host's cost.
 With overlap scheduling, step N+1 is scheduled before step N's sampled tokens reach the host: a
 request's token sampled at N is "pending" (Request.num_pending) and the runner feeds it to N+1
 from the device.
+
+Speculative decoding (n-gram): a decode row may carry guessed tokens (`draft_token_ids`) after its
+input token (which may be pending: the runner feeds it from the device as for any decode row); the runner scores all 1 + k positions and returns
+how many guesses it accepted plus one sampled token. The scheduler then rolls num_computed_tokens back
+past the rejected positions and frees the blocks that only they used; the runner learns it from
+`truncated_block_tables` of a later step (block tables are append-only between such cuts). Until the
+step is processed the request's token count is unknown, so it is not scheduled again (under overlap it
+sits out one step).
 """
 
 from __future__ import annotations
@@ -44,6 +52,10 @@ class ScheduledRequest:
     new: NewRequestData | None = None  # set when the request (re)starts: the runner resets the row
     # True when this step reaches the end of the request's known tokens, so a token is sampled.
     samples: bool = True
+    # Speculative verification: the guessed tokens fed after the request's last known token (positions
+    # num_computed_tokens + 1 ..); num_new_tokens is 1 + len(draft_token_ids) and the row is scored at
+    # every one of its positions. None: no guesses.
+    draft_token_ids: list[int] | None = None
 
 
 @dataclasses.dataclass
@@ -61,6 +73,9 @@ class SchedulerOutput:
     num_scheduled_tokens: int
     finished_request_ids: set[str]  # finished, aborted or preempted since the last step
     step: int = 0
+    # (row, number of blocks): cut that row's block table to that length before this step's appends (the
+    # slots of rejected speculative positions, freed after the step that guessed them).
+    truncated_block_tables: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -117,3 +132,9 @@ class RunnerOutput:
     sampled_token_ids: list[int]
     logprobs: list[Logprobs | None] | None = None  # per sampled request when any asked for logprobs
     prompt_logprobs: list[PromptLogprobs] | None = None  # the step's chunks of requests asking prompt_logprobs
+    # Per sampled request, how many of its draft_token_ids were accepted (0 for a row without guesses);
+    # None when the step had no guesses. The request's new tokens are its first num_accepted guesses, then
+    # its sampled_token_ids entry (the correction or the bonus token).
+    num_accepted: list[int] | None = None
+    # sampling index -> Logprobs of its accepted guesses (requests asking logprobs that accepted any)
+    guess_logprobs: dict[int, list[Logprobs]] | None = None

@@ -24,7 +24,8 @@ import collections
 import dataclasses
 import heapq
 
-from jaxserve.config import SchedulerConfig
+from jaxserve.config import SchedulerConfig, SpeculativeConfig
+from jaxserve.core import spec_schedule
 from jaxserve.core.fairness import FairWaitingQueue
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.sched_types import (MAX_PROMPT_LOGPROB_ROWS, Logprobs, NewRequestData, RunnerOutput,
@@ -49,18 +50,22 @@ class StepUpdates:
     every step). Iterating gives RequestUpdate items."""
 
     requests: list[Request]  # requests that received a token, in sampling order
-    tokens: list[int]
+    tokens: list[int]  # each request's last new token
     logprobs: list[Logprobs | None] | None  # per request when any asked for logprobs
     finished: dict[str, tuple[RequestStatus, int | None]]  # request id -> (finish status, stop reason)
+    # index into `requests` -> all its new tokens, for requests that got more than one (accepted guesses
+    # of speculative decoding; the last is tokens[index])
+    runs: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    run_logprobs: dict[int, list[Logprobs]] = dataclasses.field(default_factory=dict)  # per token of those runs
 
     def __len__(self) -> int:
         return len(self.requests)
 
     def __iter__(self):
         logprobs = self.logprobs or [None] * len(self.requests)
-        for request, token, token_logprobs in zip(self.requests, self.tokens, logprobs):
+        for i, (request, token, token_logprobs) in enumerate(zip(self.requests, self.tokens, logprobs)):
             status, stop_reason = self.finished.get(request.request_id, (None, None))
-            yield RequestUpdate(request.request_id, [token], status, stop_reason, token_logprobs)
+            yield RequestUpdate(request.request_id, self.runs.get(i, [token]), status, stop_reason, token_logprobs)
 
     def __getitem__(self, index: int) -> RequestUpdate:
         return list(self)[index]
@@ -104,11 +109,13 @@ class WaitingQueue:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int,
-                 max_prompt_logprob_rows: int = MAX_PROMPT_LOGPROB_ROWS, first_row: int = 0):
+                 max_prompt_logprob_rows: int = MAX_PROMPT_LOGPROB_ROWS, first_row: int = 0,
+                 speculative: SpeculativeConfig | None = None):
         """`max_prompt_logprob_rows`: prompt positions one step may score for prompt_logprobs (the
         runner's bound); prefill chunks of requests asking for them are shortened to fit. The runner rows
         it assigns are first_row .. first_row + max_num_seqs - 1 (several schedulers feeding one runner,
-        core/sharded_scheduler.py, each get their own)."""
+        core/sharded_scheduler.py, each get their own). `speculative` (enabled): decode rows carry n-gram
+        guesses (sched_types: draft_token_ids)."""
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({config.max_num_batched_tokens}) is smaller than max_model_len "
@@ -124,11 +131,16 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_ids: set[str] = set()  # runner state to drop at the next step
         self._free_rows = list(range(first_row + config.max_num_seqs - 1, first_row - 1, -1))
-        # Per scheduled step not yet updated: the requests that sample, in the step's sampling order, and
-        # their preemption counts then.
-        self._in_flight: dict[int, tuple[list[Request], list[int]]] = {}
+        # Per scheduled step not yet updated: the requests that sample, in the step's sampling order, their
+        # preemption counts then, and the guesses of rows that had any (sampling index -> guesses).
+        self._in_flight: dict[int, tuple[list[Request], list[int], dict[int, list[int]]]] = {}
         self.step_count = 0
         self.num_preemptions = 0
+        self.speculative = speculative if speculative is not None and speculative.enabled else None
+        # request id -> (row, blocks kept): block tables cut after a speculative step, sent with the next step
+        self._truncated: dict[str, tuple[int, int]] = {}
+        self.num_draft_tokens = 0  # guesses scored, and of those accepted (speculative decoding's counters)
+        self.num_accepted_tokens = 0
 
     # ---- requests in and out ----
     def add_request(self, request: Request) -> None:
@@ -162,6 +174,8 @@ class Scheduler:
             self._free_rows.append(request.row)
             request.row = -1
         request.num_pending = 0
+        request.draft_token_ids = []
+        self._truncated.pop(request.request_id, None)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
@@ -202,6 +216,10 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self._make_room_for_priority_arrival()
+        proposals = spec_schedule.propose(self.running, self.speculative) if self.speculative is not None else None
+        # Each guess is one more logits row of the runner, which has max_num_seqs of them: guesses take
+        # rows no running request holds, and admitted requests what is left.
+        num_guesses = 0
         budget = self.config.max_num_batched_tokens
         threshold = self.config.long_prefill_token_threshold
         allocate = self.kv_cache.allocate_slots
@@ -224,9 +242,24 @@ class Scheduler:
                 break
             if preempted and request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
+            if request.draft_token_ids:
+                continue  # its speculative step is in flight: how many tokens it adds is not known yet
             computed = request.num_computed_tokens
             known = len(request.all_token_ids) + request.num_pending
             remaining = known - computed
+            if (proposals and (guesses := proposals.get(request.request_id)) and budget > 1 and threshold != 1
+                    and (guess_rows := self.config.max_num_seqs - len(running) - num_guesses) > 0):
+                guesses = guesses[:min(budget - 1, guess_rows, (threshold or budget) - 1)]
+                # No room for the guesses: the row goes on without them (before anything is preempted).
+                new_blocks = allocate(request, 1 + len(guesses))
+                if new_blocks is not None:
+                    request.draft_token_ids = guesses
+                    num_guesses += len(guesses)
+                    scheduled.append((request, ScheduledRequest(request.request_id, request.row, computed,
+                                                                1 + len(guesses), new_blocks,
+                                                                draft_token_ids=guesses)))
+                    budget -= 1 + len(guesses)
+                    continue
             if remaining == 1 and computed < fast_until.get(request.request_id, 0):  # hot path: its blocks have room
                 if request.num_pending and known >= request.token_limit:
                     continue  # its pending token ends it (length): nothing more to compute
@@ -269,7 +302,8 @@ class Scheduler:
             budget -= num_new
 
         # Then waiting requests, unless this step had to preempt.
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) + num_guesses < self.config.max_num_seqs):
             request = self.waiting.peek()
             # As vLLM, a request asking for prompt logprobs takes no prefix-cache hit: they need every
             # prompt position computed (its blocks are still cached for others).
@@ -304,23 +338,31 @@ class Scheduler:
             for request, item in scheduled:
                 charge(request.tenant, item.num_new_tokens)
         sampled = list(decode)
+        step_guesses: dict[int, list[int]] = {}  # sampling index -> the row's guesses
         for request, item in scheduled:
             request.num_computed_tokens += item.num_new_tokens
-            item.samples = request.num_computed_tokens == len(request.all_token_ids) + request.num_pending
+            # A row with guesses computes past its known tokens (the guesses) and always samples.
+            item.samples = (request.num_computed_tokens - len(item.draft_token_ids or ())
+                            == len(request.all_token_ids) + request.num_pending)
             if item.samples:
                 request.num_pending += 1
+                if item.draft_token_ids:
+                    step_guesses[len(sampled)] = item.draft_token_ids
                 sampled.append(request)
         decode_new_blocks = [(i, block_id) for i, block_ids in decode_blocks.values() for block_id in block_ids]
         finished, self._finished_ids = self._finished_ids, set()
+        truncated = list(self._truncated.values()) if self._truncated else []
+        self._truncated.clear()
         self.step_count += 1
         if sampled:
             # With each request, its preemption count: a request preempted and re-admitted before this
             # step's tokens come back (the priority policy can do both in one schedule() call) must not
             # take them.
-            self._in_flight[self.step_count] = (sampled, [request.num_preemptions for request in sampled])
+            self._in_flight[self.step_count] = (sampled, [request.num_preemptions for request in sampled],
+                                                step_guesses)
         return SchedulerOutput([request.request_id for request in decode], [request.row for request in decode],
                                decode_positions, decode_new_blocks, [item for _, item in scheduled],
-                               self.config.max_num_batched_tokens - budget, finished, self.step_count)
+                               self.config.max_num_batched_tokens - budget, finished, self.step_count, truncated)
 
     @staticmethod
     def _unschedule(victim: Request, decode: list[Request], decode_positions: list[int],
@@ -367,20 +409,46 @@ class Scheduler:
         With overlap the next step was scheduled already: a request that finishes here had one more
         token in flight, which is dropped when it arrives (the request is no longer running).
         """
-        sampled, epochs = self._in_flight.pop(scheduler_output.step, ([], []))
+        sampled, epochs, step_guesses = self._in_flight.pop(scheduler_output.step, ([], [], {}))
         tokens = runner_output.sampled_token_ids
         if len(tokens) != len(sampled):
             raise ValueError(f"step {scheduler_output.step} sampled {len(sampled)} requests but the runner returned "
                              f"{len(tokens)} tokens")
-        requests, kept_tokens, finished = [], [], {}
+        requests, kept_tokens, finished, runs, run_logprobs = [], [], {}, {}, {}
         logprobs = runner_output.logprobs
         kept_logprobs = [] if logprobs is not None else None
+        num_accepted = runner_output.num_accepted
         running_status = RequestStatus.RUNNING
         for i, (request, token, epoch) in enumerate(zip(sampled, tokens, epochs)):
             if request.status != running_status or request.num_preemptions != epoch:
                 continue  # finished or preempted since it was scheduled: the token is dropped
             request.num_pending -= 1
             all_tokens = request.all_token_ids
+            if step_guesses and i in step_guesses:
+                if num_accepted is None:
+                    raise ValueError(f"step {scheduler_output.step} scheduled guesses for {request.request_id!r} "
+                                     f"but the runner returned no num_accepted")
+                run, status, stop_reason = spec_schedule.accept(request, step_guesses[i], token, num_accepted[i])
+                self.num_draft_tokens += len(step_guesses[i])
+                self.num_accepted_tokens += num_accepted[i]
+                if status is None and (kept := self.kv_cache.trim(request)) is not None:
+                    self._truncated[request.request_id] = (request.row, kept)  # rejected guesses' blocks
+                requests.append(request)
+                kept_tokens.append(run[-1])
+                if len(run) > 1:
+                    runs[len(requests) - 1] = run
+                if kept_logprobs is not None:
+                    # per token of the run (cut with it): the accepted guesses', then the token's
+                    run_lps = ((runner_output.guess_logprobs or {}).get(i, []) + [logprobs[i]])[:len(run)]
+                    kept_logprobs.append(run_lps[-1])
+                    if len(run) > 1 and run_lps[-1] is not None:
+                        run_logprobs[len(requests) - 1] = run_lps
+                if status is not None:
+                    request.stop_reason = stop_reason
+                    self.running.remove(request)
+                    self._finish(request, status)
+                    finished[request.request_id] = (status, stop_reason)
+                continue
             all_tokens.append(token)
             requests.append(request)
             kept_tokens.append(token)
@@ -401,4 +469,4 @@ class Scheduler:
             self.running.remove(request)
             self._finish(request, status)
             finished[request.request_id] = (status, stop_reason)
-        return StepUpdates(requests, kept_tokens, kept_logprobs, finished)
+        return StepUpdates(requests, kept_tokens, kept_logprobs, finished, runs, run_logprobs)

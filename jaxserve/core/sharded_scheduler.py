@@ -139,6 +139,14 @@ class ShardedScheduler:
     def num_preemptions(self) -> int:
         return sum(s.num_preemptions for s in self.shards)
 
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(s.num_draft_tokens for s in self.shards)
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        return sum(s.num_accepted_tokens for s in self.shards)
+
     # ---- one step ----
     def schedule(self) -> ShardedSchedulerOutput:
         self.step_count += 1

@@ -41,12 +41,12 @@ from tqdm import tqdm
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.buckets import BucketLadders
-from jaxserve.core.sched_types import (MAX_PROMPT_LOGPROB_ROWS, Logprobs, NewRequestData, RunnerOutput,
+from jaxserve.core.sched_types import (MAX_PROMPT_LOGPROB_ROWS, NewRequestData, RunnerOutput,
                                        SchedulerOutput)
 from jaxserve.models import registry
 from jaxserve.models.layers import ModelBatch
 from jaxserve.models.loader import LoadedModel
-from jaxserve.runner import prompt_logprobs, sampler
+from jaxserve.runner import prompt_logprobs, sampler, spec_verify
 from jaxserve.runner.device_setup import (enable_compilation_cache, kv_cache_num_blocks, load_model,
                                          resolve_attention_backend, resolve_max_model_len,
                                          setup_all_reduce)
@@ -87,6 +87,7 @@ class HostStep(NamedTuple):
     decode_only: bool = False  # one token per request, token r being request r's
     prompt: prompt_logprobs.PromptRows | None = None  # rows that give prompt logprobs
     index: np.ndarray | None = None  # where each sampling row's token lies in the step's tokens (None: in order)
+    guesses: spec_verify.Guesses | None = None  # the logits rows of speculative rows (spec_verify.py)
 
 
 @dataclasses.dataclass
@@ -103,6 +104,8 @@ class StepHandle:
     prompt: tuple | None = None  # (PromptRows.segments, prompt_logprobs.compute's arrays) of the step
     index: np.ndarray | None = None  # HostStep.index
     expert_load: jax.Array | None = None  # the expert load accumulated up to this step (ep_runner.py)
+    guesses: spec_verify.Guesses | None = None  # HostStep.guesses
+    num_accepted: jax.Array | None = None  # [max_rows] guesses accepted per sampling row (with `guesses`)
 
 
 class ModelRunner:
@@ -198,6 +201,7 @@ class ModelRunner:
         platform = (tp.mesh.devices.flat[0] if tp is not None else jax.devices()[0]).platform
         self.forward_fn = forward_fn(platform)
         self.use_twins = platform == "gpu"  # (only XLA:GPU replays graphs; see _run_forward)
+        self.speculative = config.speculative.enabled  # steps may carry guesses (spec_verify.py)
 
     def _zeros(self, shape: tuple[int, ...], dtype) -> jax.Array:
         return zeros(shape, dtype, self.on_device)
@@ -248,11 +252,16 @@ class ModelRunner:
     def step_rows(self, out: SchedulerOutput) -> StepRows:
         """Applies a scheduler output's row updates (resets, new blocks) and lays out its requests."""
         items = out.scheduled
+        for row, num_blocks in out.truncated_block_tables:  # (slots of rejected guesses, freed)
+            self.row_num_blocks[row] = num_blocks
         for item in items:
             if item.new is not None:
                 self._reset_row(item.row, item.new)
             if item.new_block_ids:
                 self._append_blocks(item.row, item.new_block_ids)
+            if item.draft_token_ids:  # the guesses follow the input token (which may be pending)
+                start = item.num_computed_tokens + 1
+                self.token_buf[item.row, start: start + len(item.draft_token_ids)] = item.draft_token_ids
         decode_rows = np.array(out.decode_rows, np.int64)
         if out.decode_new_blocks:  # a decode row gains at most one block per step
             index, block_ids = zip(*out.decode_new_blocks)
@@ -275,14 +284,17 @@ class ModelRunner:
                                        num_decode + np.flatnonzero([item.samples for item in items])])
         return StepRows(rows, starts, counts, ends, rows[req], pos, sample_index.astype(np.int64), num_decode)
 
-    def fill_batch(self, layout: StepRows, t_pad: int, r_pad: int) -> tuple[ModelBatch, np.ndarray]:
-        """The (T, R)-padded step arrays of `layout`, and prev_index [T]."""
+    def fill_batch(self, layout: StepRows, t_pad: int, r_pad: int,
+                   logits_rows: np.ndarray | None = None) -> tuple[ModelBatch, np.ndarray]:
+        """The (T, R)-padded step arrays of `layout`, and prev_index [T]; `logits_rows`: the token indices
+        scored (default: each sampling request's last token)."""
         num_tokens, num_reqs = layout.num_tokens, len(layout.rows)
         token_rows, pos = layout.token_rows, layout.pos
         token_ids = np.zeros(t_pad, np.int32)
         token_ids[:num_tokens] = self.token_buf[token_rows, pos]
         prev_index = np.full(t_pad, -1, np.int32)
-        pending = pos >= self.row_num_tokens[token_rows]
+        num_known = self.row_num_tokens[token_rows]
+        pending = (pos >= num_known) & (pos < num_known + self.row_pending[token_rows])  # (not guesses)
         prev_index[:num_tokens][pending] = self.row_prev_index[token_rows[pending]]
         positions = np.zeros(t_pad, np.int32)
         positions[:num_tokens] = pos
@@ -297,7 +309,9 @@ class ModelRunner:
         tables = np.zeros((r_pad, self.max_blocks), np.int32)
         tables[:num_reqs] = self.block_table[layout.rows]
         logits_idx = np.zeros(r_pad, np.int32)
-        logits_idx[: len(layout.sample_index)] = layout.ends[layout.sample_index] - 1
+        if logits_rows is None:
+            logits_rows = layout.ends[layout.sample_index] - 1
+        logits_idx[: len(logits_rows)] = logits_rows
         return ModelBatch(token_ids, positions, slots, qsl, seq_lens, tables, logits_idx), prev_index
 
     def prepare(self, out: SchedulerOutput) -> HostStep:
@@ -317,14 +331,19 @@ class ModelRunner:
                                             prompt_logprobs.num_rows(t_pad, self.max_prompt_logprob_rows))
             if prompt is not None:  # the variant: compiled for this T with its largest request bucket
                 r_pad, decode_only = self._prompt_requests[t_pad], False
-        batch, prev_index = self.fill_batch(layout, t_pad, r_pad)
         sample_rows = rows[layout.sample_index]
+        guesses = spec_verify.step_guesses(out, layout, self.max_rows) if self.speculative else None
+        if guesses is not None:  # a logits row per position of a row with guesses
+            r_pad = max(r_pad, self.buckets.pad_requests(len(guesses.logits_rows)))
+        batch, prev_index = self.fill_batch(layout, t_pad, r_pad,
+                                            guesses.logits_rows if guesses is not None else None)
         request_ids = out.decode_ids + [item.request_id for item in items if item.samples]
-        sampling = self._sampling_metadata(sample_rows, r_pad) if len(sample_rows) else None
+        sampling = (self._sampling_metadata(sample_rows if guesses is None else sample_rows[guesses.row_of], r_pad)
+                    if len(sample_rows) else None)
         self.row_prev_index[sample_rows] = np.arange(len(sample_rows))
         self.row_pending[sample_rows] += 1
         return HostStep(batch, prev_index, sample_rows, self.row_generation[sample_rows], request_ids, sampling,
-                        decode_only, prompt)
+                        decode_only, prompt, guesses=guesses)
 
     def _sampling_metadata(self, rows: np.ndarray, r_pad: int, index: np.ndarray | None = None):
         """Sampling metadata of `r_pad` logits rows: row i of `rows` at index[i] (default: i)."""
@@ -381,9 +400,14 @@ class ModelRunner:
             else:
                 compiled = self._compiled.get(("sample", logits.shape[0], *variant))
                 result = compiled(logits, md) if compiled is not None else self._sample(logits, md, *variant)
-            result.token_ids.copy_to_host_async()
-            handle = StepHandle(step.request_ids, step.rows, step.generations, result.token_ids, result.logprobs,
-                                result.token_ids, prompt=prompt, index=step.index)
+            tokens, num_accepted = result.token_ids, None
+            if step.guesses is not None:
+                tokens, num_accepted = spec_verify.run(self._compiled.get(("verify",)), result.token_ids,
+                                                       step.guesses, self.on_device)
+            tokens.copy_to_host_async()
+            handle = StepHandle(step.request_ids, step.rows, step.generations, tokens, result.logprobs,
+                                tokens, prompt=prompt, index=step.index, guesses=step.guesses,
+                                num_accepted=num_accepted)
         self._last = handle
         return handle
 
@@ -461,23 +485,23 @@ class ModelRunner:
         # does not take the stale token; the scheduler drops it too.
         live = rows[self.row_generation[rows] == handle.generations]
         live_tokens = tokens[self.row_generation[rows] == handle.generations]
+        num_accepted = None
+        if handle.guesses is not None:  # accepted guesses go in before the sampled token
+            num_accepted = spec_verify.append_accepted(handle, self.token_buf, self.row_num_tokens,
+                                                       self.row_generation)
         self.token_buf[live, self.row_num_tokens[live]] = live_tokens
         self.row_num_tokens[live] += 1
         self.row_pending[live] -= 1
         logprobs = None
+        logprobs = guess_logprobs = None
         if handle.logprobs is not None:
-            lp, rank, top_ids, top_lps = jax.device_get(handle.logprobs)
-            logprobs = []
-            for i, row in enumerate(rows):
-                wanted = self.row_data[row].sampling_params.logprobs
-                wanted = self.cfg.vocab_size if wanted == -1 else wanted
-                j = index[i]
-                logprobs.append(None if wanted is None else Logprobs(
-                    float(lp[j]), int(rank[j]), top_ids[j, :wanted].tolist(), top_lps[j, :wanted].tolist()))
+            logprobs, guess_logprobs = spec_verify.read_logprobs(handle, index, num_accepted, self.row_data,
+                                                                 self.cfg.vocab_size)
         prompt = None
         if handle.prompt is not None:
             prompt = prompt_logprobs.chunks(*handle.prompt, self.row_generation, self.row_data, self.cfg.vocab_size)
-        handle.output = RunnerOutput(handle.request_ids, tokens.tolist(), logprobs, prompt)
+        handle.output = RunnerOutput(handle.request_ids, tokens.tolist(), logprobs, prompt, num_accepted,
+                                     guess_logprobs)
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """One step without overlap: dispatch, then wait for its tokens."""
@@ -548,6 +572,9 @@ class ModelRunner:
                                                  self.logits_sharding))
         jobs.update({("sample", r_pad * self.num_shards, *variant): (sample, (r_pad * self.num_shards, *variant))
                      for r_pad in self.buckets.request_buckets for variant in variants})
+        if self.speculative:
+            rows = jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=on_device)
+            jobs[("verify",)] = (lambda: spec_verify.verify.lower(rows, rows, rows).compile(), ())
         bar = tqdm(total=len(jobs), desc="compiling buckets", disable=not progress, leave=False)
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
             futures = {pool.submit(fn, *args): key for key, (fn, args) in jobs.items()}

@@ -53,6 +53,8 @@ class ServerMetrics:
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = counter("num_preemptions", "Requests preempted (KV blocks ran out).")
+        self.spec_drafts = counter("spec_decode_num_draft_tokens", "Speculative guesses scored.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Speculative guesses accepted.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of accepted requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first generated token.", _TTFT_BUCKETS)
@@ -72,6 +74,7 @@ class ServerMetrics:
                                      ["model_name", "layer"], registry=self.registry)
         self._model_name = model_name
         self._seen_queries = self._seen_hits = self._seen_preemptions = 0
+        self._seen_drafts = self._seen_accepted = 0
 
     def record_step(self, stats: EngineStats) -> None:
         """The engine's state after a step (its counters are totals: the counters here advance by the change)."""
@@ -83,6 +86,9 @@ class ServerMetrics:
         self.prefix_hits.inc(hits - self._seen_hits)
         self.preemptions.inc(preemptions - self._seen_preemptions)
         self._seen_queries, self._seen_hits, self._seen_preemptions = queries, hits, preemptions
+        self.spec_drafts.inc(stats.spec_draft_tokens - self._seen_drafts)
+        self.spec_accepted.inc(stats.spec_accepted_tokens - self._seen_accepted)
+        self._seen_drafts, self._seen_accepted = stats.spec_draft_tokens, stats.spec_accepted_tokens
         for layer, loads in enumerate(stats.expert_load):
             for expert, tokens in enumerate(loads):
                 self._expert_load.labels(self._model_name, str(layer), str(expert)).set(tokens)

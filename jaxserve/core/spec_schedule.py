@@ -1,0 +1,78 @@
+"""The scheduler's side of n-gram speculative decoding (host only; numpy, no JAX).
+
+    Scheduler.schedule():  propose(running) -> request id -> guesses; a decode row with guesses is a
+                           ScheduledRequest of 1 + n tokens (draft_token_ids), counted in the budget,
+                           its KV slots allocated, and one logits row per guess taken from those no
+                           running request holds (the runner has max_num_seqs)
+    update_from_output():  accept(request, guesses, token, num_accepted) appends the accepted guesses and
+                           the runner's token with the usual stop checks, rolls num_computed_tokens back
+                           past the rejected positions; the scheduler then frees the blocks only they used
+                           (KVCacheManager.trim) and tells the runner (SchedulerOutput.truncated_block_tables)
+
+A request's token count after a step with guesses is unknown until that step is processed, so under
+overlap it sits out the next step (Request.draft_token_ids marks the step in flight).
+"""
+
+from __future__ import annotations
+
+from jaxserve.config import SpeculativeConfig
+from jaxserve.request import Request, RequestStatus
+from jaxserve.spec_decode.ngram import propose_sequences
+
+
+def may_guess(request: Request) -> bool:
+    """Verification is greedy and scores every position alike: only greedy requests without penalties or
+    a min_tokens ban still to come guess."""
+    params = request.sampling_params
+    return (params.is_greedy and params.repetition_penalty == 1.0
+            and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
+            and len(request.all_token_ids) + request.num_pending - request.num_prompt_tokens >= params.min_tokens)
+
+
+def propose(running: list[Request], spec: SpeculativeConfig) -> dict[str, list[int]]:
+    """N-gram guesses for the running decode rows, capped so that the guesses and the step's own token
+    stay within each request's token limit.
+
+    Under overlap a row's input token may still be in flight (num_pending == 1): the guesses then come
+    from the tokens on the host, the match's first continuation token standing for the pending one and
+    dropped. The device verifies every guess against the real tokens, so a wrong stand-in costs only
+    acceptance, never correctness.
+    """
+    eligible = [request for request in running
+                if request.num_pending <= 1 and not request.draft_token_ids
+                and request.num_computed_tokens == len(request.all_token_ids) + request.num_pending - 1
+                and len(request.all_token_ids) + request.num_pending + 2 <= request.token_limit
+                and may_guess(request)]
+    if not eligible:
+        return {}
+    k = spec.num_speculative_tokens
+    drafts = propose_sequences([request.all_token_ids for request in eligible], k + 1, *spec.lookup_range)
+    proposals = {}
+    for request, guesses in zip(eligible, drafts):
+        known = len(request.all_token_ids) + request.num_pending
+        guesses = guesses[request.num_pending:request.num_pending + k]
+        if guesses:
+            proposals[request.request_id] = guesses[:request.token_limit - known - 1]
+    return proposals
+
+
+def accept(request: Request, guesses: list[int], token: int,
+           accepted: int) -> tuple[list[int], RequestStatus | None, int | None]:
+    """A row's verified step: its first `accepted` guesses, then `token`, appended one by one with the
+    stop checks of Scheduler.update_from_output (a stop inside the run ends it exactly there); the
+    rejected positions leave num_computed_tokens. -> (new tokens, finish status or None, stop reason)."""
+    request.draft_token_ids = []  # (a request's step with guesses is its last one in flight)
+    if not 0 <= accepted <= len(guesses):
+        raise ValueError(f"{request.request_id!r}: the runner accepted {accepted} of {len(guesses)} guesses")
+    request.num_computed_tokens -= len(guesses) - accepted
+    all_tokens = request.all_token_ids
+    run = []
+    for new_token in guesses[:accepted] + [token]:
+        all_tokens.append(new_token)
+        run.append(new_token)
+        if len(all_tokens) >= request.token_limit:
+            return run, RequestStatus.FINISHED_LENGTH, None
+        if new_token in request.stop_ids and len(all_tokens) >= request.min_stop_len:
+            eos = new_token in request.eos_token_ids and not request.sampling_params.ignore_eos
+            return run, RequestStatus.FINISHED_STOPPED, None if eos else new_token
+    return run, None, None

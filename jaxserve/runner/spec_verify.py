@@ -1,0 +1,129 @@
+"""Greedy verification of speculative guesses inside an ordinary step (no shapes of its own but one).
+
+A request scheduled with guesses (ScheduledRequest.draft_token_ids d_0..d_{n-1}) is a ragged row of
+1 + n tokens: its input token, then the guesses. Each of its positions gets a logits row, so the
+step's logits rows are, per sampling request in sampling order, 1 (a plain row) or 1 + n (the last
+n + 1 positions of a row with guesses); R is padded to hold them all (the scheduler keeps their
+number within max_num_seqs). The sampler runs on those rows as on any (the rows with guesses are
+greedy), and `verify` then reads, per request, how many guesses match the argmax before the first
+mismatch and takes the token at that row: the correction, or the bonus token after every guess.
+
+    logits row:   a0 | b0 b1 b2 b3 | c0          (request b: 3 guesses)
+    checks:       -1 | d0 d1 d2 -1 | -1          (the guess each row's argmax must equal)
+    first:        0, 1, 5                        (each request's first logits row)
+    -> tokens [max_rows] (one per sampling request, the next step's input), num_accepted [max_rows]
+
+Every array has the fixed length max_rows, so verification is one executable for every step.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.core.sched_types import Logprobs
+
+
+class Guesses(NamedTuple):
+    """The logits rows of a step with guesses (host arrays)."""
+
+    logits_rows: np.ndarray  # [L] the token index of each scored position, L = the step's logits rows
+    row_of: np.ndarray  # [L] each logits row's sampling request (an index into the sampling rows)
+    checks: np.ndarray  # [max_rows] i32: the guess each logits row checks; -1 for none
+    first: np.ndarray  # [max_rows] i32: each sampling request's first logits row
+    drafts: dict[int, list[int]]  # sampling index -> the request's guesses
+
+
+def layout_guesses(num_guesses: np.ndarray, drafts: dict[int, list[int]], last_token: np.ndarray, max_rows: int) -> Guesses:
+    """num_guesses [S] per sampling request, drafts: sampling index -> its guesses, last_token [S]: the
+    index of each request's last step token -> Guesses."""
+    counts = 1 + num_guesses
+    first = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    row_of = np.repeat(np.arange(len(counts)), counts)
+    offset = np.arange(int(counts.sum())) - first[row_of]  # position of the logits row within its request
+    logits_rows = last_token[row_of] - num_guesses[row_of] + offset
+    checks = np.full(max_rows, -1, np.int32)
+    for index, guesses in drafts.items():
+        checks[first[index]: first[index] + len(guesses)] = guesses
+    padded_first = np.zeros(max_rows, np.int32)
+    padded_first[: len(first)] = first
+    return Guesses(logits_rows, row_of, checks, padded_first, drafts)
+
+
+def step_guesses(out, layout, max_rows: int) -> Guesses | None:
+    """A SchedulerOutput and its model_runner.StepRows -> the step's Guesses; None when no row has any."""
+    items, num_decode = out.scheduled, layout.num_decode
+    if not any(item.draft_token_ids for item in items):
+        return None
+    num_guesses = np.zeros(len(layout.rows), np.int64)
+    num_guesses[num_decode:] = [len(item.draft_token_ids or ()) for item in items]
+    position = np.empty(len(layout.rows), np.int64)  # each row's index in the sampling order
+    position[layout.sample_index] = np.arange(len(layout.sample_index))
+    drafts = {int(position[num_decode + k]): item.draft_token_ids for k, item in enumerate(items)
+              if item.draft_token_ids}
+    return layout_guesses(num_guesses[layout.sample_index], drafts, layout.ends[layout.sample_index] - 1, max_rows)
+
+
+def append_accepted(handle, token_buf: np.ndarray, row_num_tokens: np.ndarray,
+                    row_generation: np.ndarray) -> list[int]:
+    """A collected step's accepted guesses appended to the runner's rows (those not reset since the
+    dispatch), before its sampled tokens; -> num_accepted per sampling request."""
+    rows = handle.rows
+    num_accepted = np.asarray(handle.num_accepted)[: len(rows)].tolist()
+    for i, guesses in handle.guesses.drafts.items():
+        row, accepted = rows[i], num_accepted[i]
+        if row_generation[row] == handle.generations[i] and accepted:
+            start = row_num_tokens[row]
+            token_buf[row, start: start + accepted] = guesses[:accepted]
+            row_num_tokens[row] += accepted
+    return num_accepted
+
+
+def read_logprobs(handle, index: np.ndarray, num_accepted: list[int] | None, row_data: list,
+                  vocab_size: int) -> tuple[list[Logprobs | None], dict[int, list[Logprobs]] | None]:
+    """A collected step's logprobs: (per sampling request, for its token or None when it asked none;
+    sampling index -> those of its accepted guesses). Without guesses the token of request i was sampled
+    at logits row index[i]; with guesses a request's logits rows start at guesses.first, one per guess
+    checked, and its token's is the first row after its accepted guesses."""
+    lp, rank, top_ids, top_lps = jax.device_get(handle.logprobs)
+
+    def entry(j: int, wanted: int) -> Logprobs:
+        return Logprobs(float(lp[j]), int(rank[j]), top_ids[j, :wanted].tolist(), top_lps[j, :wanted].tolist())
+
+    first = handle.guesses.first if handle.guesses is not None else None
+    logprobs, guess_logprobs = [], {}
+    for i, row in enumerate(handle.rows):
+        wanted = row_data[row].sampling_params.logprobs
+        wanted = vocab_size if wanted == -1 else wanted
+        j = index[i] if first is None else first[i] + num_accepted[i]
+        logprobs.append(None if wanted is None else entry(j, wanted))
+        if wanted is not None and first is not None and num_accepted[i]:
+            guess_logprobs[i] = [entry(first[i] + g, wanted) for g in range(num_accepted[i])]
+    return logprobs, guess_logprobs or None
+
+
+def _verify(tokens: jax.Array, checks: jax.Array, first: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """tokens [N] (the sampler's token of every logits row), checks [N], first [N] -> (the token after each
+    request's accepted guesses [N], num_accepted [N]). A row without a guess always 'mismatches', so the
+    first mismatch at or after a request's first row lies within the request."""
+    n = tokens.shape[0]
+    index = jnp.arange(n, dtype=jnp.int32)
+    mismatch = jnp.where(tokens != checks, index, n)
+    first_mismatch = jax.lax.cummin(mismatch, axis=0, reverse=True)  # at or after each row
+    stop = jnp.minimum(first_mismatch[first], n - 1)
+    return tokens[stop], (stop - first).astype(jnp.int32)
+
+
+verify = jax.jit(_verify)
+
+
+def run(compiled, sampled: jax.Array, guesses: Guesses, on_device) -> tuple[jax.Array, jax.Array]:
+    """The step's verification (`compiled`: verify's precompiled executable, or None) on the sampler's
+    tokens -> (tokens, num_accepted), both copying to the host."""
+    tokens, num_accepted = (compiled or verify)(sampled, jax.device_put(guesses.checks, on_device),
+                                                jax.device_put(guesses.first, on_device))
+    num_accepted.copy_to_host_async()
+    return tokens, num_accepted

@@ -1,0 +1,1 @@
+"""Speculative decoding pieces: the n-gram (prompt lookup) proposer and the lossless rejection sampler."""
