@@ -5,9 +5,10 @@ Mechanisms: overlap scheduling (async) or the sync loop; prefix caching (a secon
 prompts must hit); preemption (a KV pool too small for the batch forces it); chunked prefill (a 16-token
 budget splits every prompt) or whole prompts; tensor parallelism over 1 or 2 (fake CPU) devices; expert
 parallelism over 1 or 2 shards (MoE only: each shard its own scheduler and KV pool, so those rows send
-every prompt twice to put both pools under pressure). The rows cover every pair of settings across the
+every prompt twice to put both pools under pressure); n-gram speculative decoding with up to 3 guesses
+(greedy: the tokens must not change; lookups of 1-3 tokens, so guesses are made). The rows cover every pair of settings across the
 two fixtures rather than the full product, which would cost minutes of compiling. A mechanism added later
-(speculation, KV tiers, FP8) gets a column here; a combination that cannot work is refused at start, and
+(KV tiers, FP8) gets a column here; a combination that cannot work is refused at start, and
 its row asserts the message.
 """
 
@@ -22,33 +23,34 @@ DENSE = "llama3_gqa4_tied"
 MOE = "qwen2_moe_8x4_shared"
 NEW_TOKENS = 12
 
-#        fixture, overlap, prefix caching, forced preemption, chunked prefill, tensor parallel, expert parallel
+#        fixture, overlap, prefix caching, forced preemption, chunked prefill, tensor parallel, expert parallel,
+#        speculative guesses
 MATRIX = [
-    (DENSE, True, True, False, True, 1, 1),
-    (DENSE, False, True, True, True, 2, 1),
-    (DENSE, True, False, True, False, 2, 1),
-    (DENSE, False, False, False, False, 1, 1),
-    (DENSE, True, True, False, True, 1, 2),  # refused: no experts to shard
-    (MOE, True, True, True, True, 1, 1),
-    (MOE, False, True, False, False, 2, 1),
-    (MOE, True, False, True, True, 2, 1),
-    (MOE, False, False, True, False, 1, 1),
-    (MOE, True, True, True, True, 1, 2),
-    (MOE, False, False, True, False, 2, 2),
-    (MOE, True, True, False, True, 2, 2),
+    (DENSE, True, True, False, True, 1, 1, 3),
+    (DENSE, False, True, True, True, 2, 1, 3),
+    (DENSE, True, False, True, False, 2, 1, 0),
+    (DENSE, False, False, False, False, 1, 1, 3),
+    (DENSE, True, True, False, True, 1, 2, 0),  # refused: no experts to shard
+    (MOE, True, True, True, True, 1, 1, 3),
+    (MOE, False, True, False, False, 2, 1, 3),
+    (MOE, True, False, True, True, 2, 1, 0),
+    (MOE, False, False, True, False, 1, 1, 0),
+    (MOE, True, True, True, True, 1, 2, 0),
+    (MOE, False, False, True, False, 2, 2, 0),
+    (MOE, True, True, False, True, 2, 2, 0),
+    (MOE, True, True, False, True, 1, 2, 3),  # refused: speculation with expert parallelism not yet
 ]
 
-
 def _id(row) -> str:
-    name, overlap, caching, preempt, chunked, tp, ep = row
+    name, overlap, caching, preempt, chunked, tp, ep, guesses = row
     return "-".join([("moe" if name == MOE else "dense"), "overlap" if overlap else "sync",
                      "cache" if caching else "nocache", "preempt" if preempt else "roomy",
-                     "chunked" if chunked else "whole", f"tp{tp}", f"ep{ep}"])
+                     "chunked" if chunked else "whole", f"tp{tp}", f"ep{ep}", f"spec{guesses}"])
 
 
 @pytest.mark.parametrize("row", MATRIX, ids=[_id(row) for row in MATRIX])
 def test_mechanisms_compose(row, request):
-    name, overlap, caching, preempt, chunked, tp, ep = row
+    name, overlap, caching, preempt, chunked, tp, ep, guesses = row
     if tp * ep > len(jax.devices()):
         pytest.skip(f"needs {tp * ep} devices")
     fixture = request.getfixturevalue("hf_fixture_by_name")(name)
@@ -64,8 +66,15 @@ def test_mechanisms_compose(row, request):
                    num_blocks=num_blocks, max_num_batched_tokens=budget, max_num_seqs=4, token_buckets=[budget],
                    request_buckets=[4], precompile=False, progress=False, async_scheduling=overlap,
                    enable_prefix_caching=caching, tensor_parallel_size=tp, **{"parallel.expert": ep})
+    if guesses:
+        options["speculative_config"] = {"method": "ngram", "num_speculative_tokens": guesses,
+                                         "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     if name == DENSE and ep > 1:
         with pytest.raises(ValueError, match="shards the experts of MoE layers, but LlamaForCausalLM has none"):
+            LLM(**options)
+        return
+    if guesses and ep > 1:
+        with pytest.raises(ValueError, match="speculative decoding is not supported yet with parallel.expert"):
             LLM(**options)
         return
     llm = LLM(**options)
@@ -87,3 +96,7 @@ def test_mechanisms_compose(row, request):
     else:
         assert stats.prefix_cache_hits == 0 and all(out.num_cached_tokens == 0 for out in second)
     assert stats.kv_cache_usage == 0.0  # every block returned
+    if guesses:
+        assert stats.spec_draft_tokens > 0, "the n-gram lookup was meant to make guesses"
+    else:
+        assert stats.spec_draft_tokens == 0
