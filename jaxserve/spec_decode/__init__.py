@@ -1,1 +1,1 @@
-"""Speculative decoding pieces: the n-gram (prompt lookup) proposer and the lossless rejection sampler."""
+"""Speculative decoding pieces: the n-gram (prompt lookup) proposer the scheduler calls."""

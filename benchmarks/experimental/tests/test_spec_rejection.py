@@ -18,8 +18,8 @@ from scipy import stats
 
 from jaxserve.runner import sampler
 from jaxserve.runner.sampler import empty_metadata, sample, seed_words
-from jaxserve.spec_decode import rejection
-from jaxserve.spec_decode.rejection import rejection_sample
+from benchmarks.experimental.spec_decode import rejection
+from benchmarks.experimental.spec_decode.rejection import rejection_sample
 
 V = 8
 K = 2
