@@ -4,11 +4,12 @@
                                                       and the prefix-cache / preemption counters (from the
                                                       engine's totals; with data parallelism, over the
                                                       replicas: counts summed, KV usage the mean); with
-                                                      expert parallelism the per-expert load and each MoE
-                                                      layer's max/mean expert-device load
+                                                      expert parallelism it keeps the per-expert load and
+                                                      each MoE layer's max/mean expert-device load
     engine thread, per output:       record_arrival / record_tokens / record_finished
                                                    -> token counters, TTFT / ITL / E2E histograms
-    GET /metrics:                    render() -> text exposition format
+    GET /metrics:                    render() -> the expert gauges from the latest step, then the text
+                                                      exposition format
 
 Every metric carries a `model_name` label, as vLLM's do, so dashboards built for vLLM work unchanged.
 Times are `time.monotonic()` seconds taken by the engine (RequestOutput.metrics).
@@ -73,6 +74,7 @@ class ServerMetrics:
                                      "(1 = balanced), for the load since the last expert rebalance.",
                                      ["model_name", "layer"], registry=self.registry)
         self._model_name = model_name
+        self._expert_stats: tuple[tuple, tuple] = ((), ())  # the latest step's, exported at scrape time
         self._seen_queries = self._seen_hits = self._seen_preemptions = 0
         self._seen_drafts = self._seen_accepted = 0
 
@@ -89,11 +91,9 @@ class ServerMetrics:
         self.spec_drafts.inc(stats.spec_draft_tokens - self._seen_drafts)
         self.spec_accepted.inc(stats.spec_accepted_tokens - self._seen_accepted)
         self._seen_drafts, self._seen_accepted = stats.spec_draft_tokens, stats.spec_accepted_tokens
-        for layer, loads in enumerate(stats.expert_load):
-            for expert, tokens in enumerate(loads):
-                self._expert_load.labels(self._model_name, str(layer), str(expert)).set(tokens)
-        for layer, ratio in enumerate(stats.expert_device_load_max_over_mean):
-            self._expert_balance.labels(self._model_name, str(layer)).set(ratio)
+        # NOTE: one labelled gauge per (MoE layer, expert) costs tens of ms to set: the engine thread keeps
+        # only the (immutable) tuples, and render() writes the gauges when /metrics is read.
+        self._expert_stats = (stats.expert_load, stats.expert_device_load_max_over_mean)
 
     def record_arrival(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)
@@ -121,4 +121,10 @@ class ServerMetrics:
             self._success.labels(self._model_name, completion.finish_reason or "abort").inc()
 
     def render(self) -> bytes:
+        expert_load, balance = self._expert_stats
+        for layer, loads in enumerate(expert_load):
+            for expert, tokens in enumerate(loads):
+                self._expert_load.labels(self._model_name, str(layer), str(expert)).set(tokens)
+        for layer, ratio in enumerate(balance):
+            self._expert_balance.labels(self._model_name, str(layer)).set(ratio)
         return generate_latest(self.registry)
