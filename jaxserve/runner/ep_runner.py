@@ -47,6 +47,8 @@ def check_expert_parallel_model(model_config, expert: int) -> None:
 class ExpertParallelRunner(ModelRunner):
     """ModelRunner over an [expert, model] mesh (tp.expert set): `dispatch` takes a ShardedSchedulerOutput."""
 
+    supports_prompt_logprobs = False  # refused per request under expert parallelism
+
     def __init__(self, config: EngineConfig, tp: TensorParallel, *, model: LoadedModel | None = None):
         check_expert_parallel_model(model.config if model is not None else loader.load_config(config.model.path)[0],
                                     tp.expert_size)
@@ -64,7 +66,6 @@ class ExpertParallelRunner(ModelRunner):
         self.step_expert_load = None  # the copy of it that the last dispatched step returned
         self._collected_load = None  # ... and the last collected step's (None: no step since the rebalance)
         self._expert_parallel = ExpertParallel(tp.mesh, tp.expert.axis)
-        self._prompt_requests = {}  # (no prompt-logprob variant to compile)
 
     def dispatch(self, out: ShardedSchedulerOutput) -> StepHandle:
         handle = super().dispatch(out)

@@ -109,6 +109,8 @@ class StepHandle:
 
 
 class ModelRunner:
+    supports_prompt_logprobs = True  # compiles a prompt-logprob variant per token bucket and reserves its memory
+
     def __init__(self, config: EngineConfig, tp: TensorParallel | None = None, *, model: LoadedModel | None = None):
         """Loads config.model (unless `model` is given: already loaded and placed) and sets up the step on
         `tp`'s mesh, or on the default device without `tp`. The engine reads the model's facts from here:
@@ -158,9 +160,10 @@ class ModelRunner:
         self.max_prompt_logprob_rows = MAX_PROMPT_LOGPROB_ROWS
         # ... and the largest prompt-logprob variant's outputs and temporaries
         reserved = (sum(a.nbytes for t, r in self._step_shapes for a in self._host_batch(t, r))
-                    + 4 * sum(self.buckets.request_buckets) * self.cfg.vocab_size
-                    + max(prompt_logprobs.device_bytes(t, self.max_prompt_logprob_rows, self.cfg.vocab_size,
-                                                       self.max_logprobs) for t in self.buckets.token_buckets))
+                    + 4 * sum(self.buckets.request_buckets) * self.cfg.vocab_size)
+        if self.supports_prompt_logprobs:
+            reserved += max(prompt_logprobs.device_bytes(t, self.max_prompt_logprob_rows, self.cfg.vocab_size,
+                                                         self.max_logprobs) for t in self.buckets.token_buckets)
         self.num_blocks = kv_cache_num_blocks(self.cfg, config, max_model_len, np.dtype(dtype).itemsize, tp,
                                               reserved)
         self.kv_caches = registry.family_of(self.cfg).init_kv_caches(self.cfg, self.num_blocks, self.block_size,
@@ -189,7 +192,7 @@ class ModelRunner:
         self.max_rows = self.buckets.request_buckets[-1] * self.num_shards
         # A prompt-logprob step of T tokens pads its requests to the largest bucket T pairs with.
         self._prompt_requests = {t: max(r for t2, r in self.buckets.precompile_plan() if t2 == t)
-                                 for t in self.buckets.token_buckets}
+                                 for t in self.buckets.token_buckets} if self.supports_prompt_logprobs else {}
         self._last: StepHandle | None = None  # the last dispatched step
         # Ahead-of-time executables by ("forward", T, R, decode_only, twin) / ("forward_prompt", T, R) /
         # ("stage", T, R) / ("sample", logits rows, variant...), from precompile().
@@ -439,8 +442,7 @@ class ModelRunner:
         extra = self._expert_args()
         if prompt is not None:  # (the variant's own key: no twin, never decode_only)
             key = ("forward_prompt", t_pad, r_pad)
-            extra["prompt"] = (jax.device_put(prompt.indices, self.on_device),
-                               jax.device_put(prompt.targets, self.on_device))
+            extra["prompt"] = jax.device_put((prompt.indices, prompt.targets), self.on_device)  # one transfer
         else:
             key = ("forward", t_pad, r_pad, decode_only, twin)
         compiled = self._compiled.get(key)
@@ -492,7 +494,6 @@ class ModelRunner:
         self.token_buf[live, self.row_num_tokens[live]] = live_tokens
         self.row_num_tokens[live] += 1
         self.row_pending[live] -= 1
-        logprobs = None
         logprobs = guess_logprobs = None
         if handle.logprobs is not None:
             logprobs, guess_logprobs = spec_verify.read_logprobs(handle, index, num_accepted, self.row_data,

@@ -123,7 +123,7 @@ verify = jax.jit(_verify)
 def run(compiled, sampled: jax.Array, guesses: Guesses, on_device) -> tuple[jax.Array, jax.Array]:
     """The step's verification (`compiled`: verify's precompiled executable, or None) on the sampler's
     tokens -> (tokens, num_accepted), both copying to the host."""
-    tokens, num_accepted = (compiled or verify)(sampled, jax.device_put(guesses.checks, on_device),
-                                                jax.device_put(guesses.first, on_device))
+    checks, first = jax.device_put((guesses.checks, guesses.first), on_device)  # one transfer
+    tokens, num_accepted = (compiled or verify)(sampled, checks, first)
     num_accepted.copy_to_host_async()
     return tokens, num_accepted
