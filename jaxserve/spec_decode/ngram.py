@@ -16,7 +16,6 @@ ops only (one pass per n, no per-token Python loop), and gives the same drafts r
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 def _check_args(k: int, min_n: int, max_n: int) -> None:
@@ -47,31 +46,27 @@ def propose_batch(
     if np.any(lengths < 0) or np.any(lengths > tokens.shape[1]):
         raise ValueError(f"lengths must lie in [0, {tokens.shape[1]}] (the padded length), got {lengths}")
     B, L = tokens.shape
-    if L == 0:
+    if L < 2:
         return np.full((B, k), -1, np.int32), np.zeros(B, np.int32)
     rows = np.arange(B)
-    match_start = np.full(B, -1, np.int64)  # start i of the chosen occurrence, -1 = none yet
-    match_n = np.zeros(B, np.int64)
-    for n in range(max_n, min_n - 1, -1):
-        if L < n + 1:
-            continue
-        pending = (match_start < 0) & (lengths >= n + 1)
-        if not pending.any():
-            continue
-        # suffix [B, n]: the last n tokens of each row (clamped gather for rows too short to use).
-        suffix_pos = np.clip(lengths[:, None] - n + np.arange(n)[None, :], 0, L - 1)
-        suffix = tokens[rows[:, None], suffix_pos]
-        windows = sliding_window_view(tokens, n, axis=1)  # [B, L - n + 1, n], a view (no copy)
-        starts = np.arange(windows.shape[1])[None, :]
-        hit = np.all(windows == suffix[:, None, :], axis=-1) & (starts < (lengths - n)[:, None])
-        # the most recent hit: the last True along the start axis.
-        last = windows.shape[1] - 1 - np.argmax(hit[:, ::-1], axis=1)
-        found = pending & hit.any(axis=1)
-        match_start = np.where(found, last, match_start)
-        match_n = np.where(found, n, match_n)
+    # An earlier occurrence of the suffix of length n ends at e <= length - 2 whatever n is, so one pass
+    # per suffix offset j counts, for every end e, how many of the row's last tokens match ending there
+    # (run[e], at most max_n). The longest usable n is the row's largest run, and its most recent
+    # occurrence the largest e with that run.
+    run = np.zeros((B, L - 1), np.int64)
+    alive = np.arange(L - 1)[None, :] <= (lengths - 2)[:, None]
+    for j in range(min(max_n, L - 1)):
+        last = tokens[rows, np.maximum(lengths - 1 - j, 0)]
+        equal = np.zeros((B, L - 1), bool)
+        equal[:, j:] = tokens[:, : L - 1 - j] == last[:, None]
+        alive &= equal
+        run += alive
+    best = run.max(axis=1)
+    found = best >= min_n
+    match_end = np.where(found, L - 2 - np.argmax((run == best[:, None])[:, ::-1], axis=1), -1)
 
-    follow = match_start[:, None] + match_n[:, None] + np.arange(k)[None, :]  # [B, k]
-    valid = (match_start[:, None] >= 0) & (follow < lengths[:, None])
+    follow = match_end[:, None] + 1 + np.arange(k)[None, :]  # [B, k]
+    valid = found[:, None] & (follow < lengths[:, None])
     drafts = np.where(valid, tokens[rows[:, None], np.clip(follow, 0, L - 1)], -1).astype(np.int32)
     return drafts, valid.sum(axis=1).astype(np.int32)
 
