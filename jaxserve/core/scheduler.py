@@ -216,7 +216,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self._make_room_for_priority_arrival()
-        proposals = spec_schedule.propose(self.running, self.speculative) if self.speculative is not None else None
+        # n-gram proposals, made the first time a row could take guesses (a full batch never pays for them):
+        # each row's depends on its own tokens only, which nothing earlier in this loop changes.
+        proposals: dict[str, list[int]] | None = None
         # Each guess is one more logits row of the runner, which has max_num_seqs of them: guesses take
         # rows no running request holds, and admitted requests what is left.
         num_guesses = 0
@@ -247,8 +249,13 @@ class Scheduler:
             computed = request.num_computed_tokens
             known = len(request.all_token_ids) + request.num_pending
             remaining = known - computed
-            if (proposals and (guesses := proposals.get(request.request_id)) and budget > 1 and threshold != 1
+            guesses = None
+            if (self.speculative is not None and budget > 1 and threshold != 1
                     and (guess_rows := self.config.max_num_seqs - len(running) - num_guesses) > 0):
+                if proposals is None:
+                    proposals = spec_schedule.propose(self.running, self.speculative)
+                guesses = proposals.get(request.request_id)
+            if guesses:
                 guesses = guesses[:min(budget - 1, guess_rows, (threshold or budget) - 1)]
                 # No room for the guesses: the row goes on without them (before anything is preempted).
                 new_blocks = allocate(request, 1 + len(guesses))
