@@ -228,10 +228,7 @@ class Serving:
         if self.tokens is None:
             return {"prompt": prompt}  # refused by the engine: it has no tokenizer
         self._check_prompt_chars(prompt, "prompt")
-        try:
-            encoded = await self.tokens.encode(prompt, add_special_tokens)
-        except TokenizeError as err:
-            raise _tokenize_error(err, "prompt", self.config.retry_after_s) from None
+        encoded = await self._tokenizing("prompt", self.tokens.encode(prompt, add_special_tokens))
         return {"prompt": prompt, "prompt_token_ids": self._checked(encoded, "prompt")}
 
     async def _collect(self, request: Request, group: RequestGroup) -> dict[int, RequestOutput] | None:
@@ -280,7 +277,7 @@ class Serving:
         response_id, internal_id = self._ids("cmpl", body)
         prepared = await self._prepare(list(items), params, body, request, internal_id, "prompt",
                                        implicit_max_tokens=body.max_tokens is None)
-        echoes = [await self._echo_text(p) for p in prepared] if body.echo else None
+        echoes = list(await asyncio.gather(*(self._echo_text(p) for p in prepared))) if body.echo else None
         group = self.bridge.submit(prepared)
         if body.stream:
             spec = self._stream_spec(body, response_id, params.n, prepared)
@@ -307,13 +304,18 @@ class Serving:
         return _json(P.CompletionResponse(id=response_id, created=int(time.time()), model=self.model_name,
                                           choices=choices, usage=streaming.usage_of(outputs)))
 
+    async def _tokenizing(self, param: str, call):
+        """Await a tokenizer-worker call; its failure is the request's error, naming `param`."""
+        try:
+            return await call
+        except TokenizeError as err:
+            raise _tokenize_error(err, param, self.config.retry_after_s) from None
+
     async def _echo_text(self, prepared: PreparedRequest) -> str:
         if prepared.prompt is not None or self.tokens is None:
             return prepared.prompt or ""
-        try:
-            return await self.tokens.decode(prepared.prompt_token_ids, skip_special_tokens=False)
-        except TokenizeError as err:
-            raise _tokenize_error(err, "prompt", self.config.retry_after_s) from None
+        return await self._tokenizing("prompt",
+                                      self.tokens.decode(prepared.prompt_token_ids, skip_special_tokens=False))
 
     # ---- /v1/chat/completions ----
     async def _render(self, body: P.ChatCompletionRequest | P.TokenizeChatRequest) -> dict[str, Any]:
@@ -344,10 +346,8 @@ class Serving:
         params = self._sampling_params(body)
         if params.max_tokens is not None:
             self._check_volume(1, params.max_tokens, params)  # before any tokenizing
-        try:
-            encoded = await self.tokens.render_chat(**chat, add_special_tokens=bool(body.add_special_tokens))
-        except TokenizeError as err:
-            raise _tokenize_error(err, "messages", self.config.retry_after_s) from None
+        encoded = await self._tokenizing(
+            "messages", self.tokens.render_chat(**chat, add_special_tokens=bool(body.add_special_tokens)))
         item = {"prompt": encoded.prompt, "prompt_token_ids": self._checked(encoded, "messages")}
         response_id, internal_id = self._ids("chatcmpl", body)
         prepared = await self._prepare([item], params, body, request, internal_id, "messages",
@@ -399,10 +399,7 @@ class Serving:
         bad = next((t for t in body.tokens if t >= vocab_size), None)
         if bad is not None:
             raise ApiError(400, f"tokens: token id {bad} is out of vocabulary (vocab_size {vocab_size})", "tokens")
-        try:
-            text = await self.tokens.decode(body.tokens, skip_special_tokens=False)
-        except TokenizeError as err:
-            raise _tokenize_error(err, "tokens", self.config.retry_after_s) from None
+        text = await self._tokenizing("tokens", self.tokens.decode(body.tokens, skip_special_tokens=False))
         return Response(json.dumps({"prompt": text}), media_type="application/json")
 
 
