@@ -217,7 +217,7 @@ class ParallelConfig:
                              f"got {self.expert_dispatch!r}")
         if self.num_redundant_experts < 0:
             raise ValueError(f"parallel.num_redundant_experts must be >= 0, got {self.num_redundant_experts}")
-        if not isinstance(self.rebalance_interval_steps, int) or self.rebalance_interval_steps < 0:
+        if self.rebalance_interval_steps < 0:  # (_check_fields checked every type)
             raise ValueError(f"parallel.rebalance_interval_steps must be an integer >= 0 (0: rebalance only on "
                              f"demand), got {self.rebalance_interval_steps!r}")
         if self.expert > 1 and self.num_processes > 1:
@@ -225,9 +225,9 @@ class ParallelConfig:
         if self.expert > 1 and self.all_reduce == "one_shot":
             raise ValueError("parallel.all_reduce=one_shot is not supported with parallel.expert > 1; use auto or xla")
         for name in ("data", "model", "expert", "num_processes"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+            if getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name} must be an integer >= 1, got {getattr(self, name)!r}")
-        if not isinstance(self.process_id, int) or not 0 <= self.process_id < self.num_processes:
+        if not 0 <= self.process_id < self.num_processes:
             raise ValueError(f"parallel.process_id must be in [0, num_processes={self.num_processes}), "
                              f"got {self.process_id!r}")
         if self.num_processes > 1:
