@@ -254,9 +254,20 @@ def test_greedy_rows_accept_the_matching_prefix():
 HOT = 6.0  # the tiny adder is near-certain; a hot temperature makes its guesses' acceptance random
 RANDOM = [SamplingParams(temperature=HOT, seed=i, max_tokens=16, ignore_eos=True, top_k=8 + i % 3,
                          logprobs=2 if i % 2 else None) for i in range(len(PROMPTS))]
-PENALISED = [SamplingParams(temperature=HOT if i % 2 else 0.0, seed=i, max_tokens=12, min_tokens=6,
-                            repetition_penalty=1.2, presence_penalty=0.3, frequency_penalty=0.2, top_p=0.95)
-             for i in range(len(PROMPTS))]
+
+
+def penalised(i: int) -> SamplingParams:
+    """Rows whose guessed positions need their own history (frequency penalty: n-gram guesses repeat
+    earlier tokens), their own min_tokens bans, and their own noise step."""
+    if i % 3 == 0:
+        return SamplingParams(temperature=4.0, seed=i, max_tokens=16, frequency_penalty=2.0, ignore_eos=True)
+    if i % 3 == 1:
+        return SamplingParams(temperature=0.0, max_tokens=12, min_tokens=8, repetition_penalty=1.2)
+    return SamplingParams(temperature=HOT, seed=i, max_tokens=12, min_tokens=6, presence_penalty=0.5,
+                          repetition_penalty=1.2, top_p=0.95)
+
+
+PENALISED = [penalised(i) for i in range(len(PROMPTS))]
 
 
 @pytest.fixture(scope="module")
