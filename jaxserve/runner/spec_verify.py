@@ -28,13 +28,17 @@ The sampler's token at row j is x_j = argmax(filtered_j + G(seed, s + j)) (Gumbe
 the engine's own distribution at that position), so "accept while x_j == d_j, emit the first x_j
 that differs" accepts d_j with probability p_j(d_j), and given x_j != d_j, x_j follows p_j without
 d_j, renormalised: the same rule, its acceptance draw and residual sample coupled through one Gumbel
-draw. Every emitted token is thus drawn from p given its actual prefix, with noise of its own output
-index that no earlier token used (the noise of rows past the first mismatch decides nothing, and the
-next step samples those output indices afresh). The outputs are not only distributed as without
-speculation: they are the same tokens, seed for seed (up to float differences between the verify
-step's logits and a one-token step's), since x_j is the token plain decoding samples for output
-s + j. A request without guesses gets exactly the sampler's token. Greedy rows are the same rule
-with x_j = argmax_j.
+draw. Every emitted token is thus drawn from p given its actual prefix, with the noise of its own
+output index, which no earlier emitted token depended on (rows past the first mismatch decide
+nothing, so the next step may sample those output indices with the same noise). The outputs are not
+only distributed as without speculation: they are the same tokens, seed for seed (up to float
+differences between the verify step's logits and a one-token step's), since x_j is the token plain
+decoding samples for output s + j. A request without guesses gets exactly the sampler's token.
+Greedy rows are the same rule with x_j = argmax_j.
+
+NOTE: this needs deterministic guesses (n-gram lookup, a drafter proposing its argmax). Guesses
+sampled from a draft distribution q need Leviathan's general rule instead (accept with probability
+min(1, p/q), resample a rejection from max(p - q, 0)), with the drafter's noise independent of p's.
 """
 
 from __future__ import annotations
