@@ -1,7 +1,7 @@
 """N-gram speculative decoding end to end: greedy outputs are token-identical to decoding without it on
 the embedded model and on an HF fixture, with overlap on and off, under preemption and prefix caching,
-alongside requests that do not guess (sampling, logprobs, stops, n > 1), and with nothing compiled
-after start-up."""
+alongside seeded random sampling, penalties, logprobs, stops and n > 1 (same tokens too), and with
+nothing compiled after start-up. Random sampling's own tests: tests/test_spec_sampling.py."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def test_greedy_tokens_identical_with_preemption_and_prefix_caching(reference, a
                                                                      scheduler.num_accepted_tokens)
     assert llm.engine.kv_cache.stats.hits > 0
     assert_no_leaks(llm)
-    # Requests that do not guess (sampling, penalties, logprobs, n > 1) and stops inside accepted runs.
+    # Seeded sampling, penalties, logprobs, n > 1 (the same tokens as without guesses), stops inside accepted runs.
     assert _summary(llm.generate(*_workload(), use_tqdm=False)) == _summary(reference["workload"])
     assert_no_leaks(llm)
 

@@ -165,7 +165,9 @@ def test_preemption_and_prefix_caching_with_guesses():
     assert second.num_cached_tokens >= 20
 
 
-def test_only_greedy_rows_without_penalties_guess_and_guesses_fit_the_logits_rows():
+def test_every_row_guesses_and_guesses_fit_the_logits_rows():
+    """Random sampling, logprobs, penalties and min_tokens do not keep a row from guessing (the runner
+    samples each guessed position with its own output token's metadata)."""
     scheduler = make_scheduler(block_size=4, speculative=SPEC, max_num_seqs=7)
     driver = Driver(scheduler, cyclic)
     greedy = dict(max_tokens=20, temperature=0.0)
@@ -176,11 +178,8 @@ def test_only_greedy_rows_without_penalties_guess_and_guesses_fit_the_logits_row
     driver.add(*requests)
     driver.run()
     guessed = {item.request_id for out in driver.outputs for item in out.scheduled if item.draft_token_ids}
-    assert guessed == {"greedy", "min", "logprobs"}
+    assert guessed == {request.request_id for request in requests}
     for out in driver.outputs:
         guesses = sum(len(item.draft_token_ids or ()) for item in out.scheduled)
         assert out.num_sampled + guesses <= 7
-    min_tokens = next(r for r in requests if r.request_id == "min")
-    first_guess = next(out for out in driver.outputs for item in out.scheduled
-                       if item.request_id == "min" and item.draft_token_ids)
-    assert first_guess.step > 4 and min_tokens.num_output_tokens == 20
+    assert all(request.num_output_tokens == 20 for request in requests)

@@ -341,16 +341,22 @@ class ModelRunner:
         batch, prev_index = self.fill_batch(layout, t_pad, r_pad,
                                             guesses.logits_rows if guesses is not None else None)
         request_ids = out.decode_ids + [item.request_id for item in items if item.samples]
-        sampling = (self._sampling_metadata(sample_rows if guesses is None else sample_rows[guesses.row_of], r_pad)
-                    if len(sample_rows) else None)
+        if guesses is None:
+            sampling = self._sampling_metadata(sample_rows, r_pad) if len(sample_rows) else None
+        else:  # one logits row per position, each with its output token's metadata (spec_verify.py)
+            sampling = self._sampling_metadata(sample_rows[guesses.row_of], r_pad, offsets=guesses.offsets)
         self.row_prev_index[sample_rows] = np.arange(len(sample_rows))
         self.row_pending[sample_rows] += 1
         return HostStep(batch, prev_index, sample_rows, self.row_generation[sample_rows], request_ids, sampling,
                         decode_only, prompt, guesses=guesses)
 
-    def _sampling_metadata(self, rows: np.ndarray, r_pad: int, index: np.ndarray | None = None):
-        """Sampling metadata of `r_pad` logits rows: row i of `rows` at index[i] (default: i)."""
-        num_output = self.row_num_tokens[rows] + self.row_pending[rows] - self.row_num_prompt[rows]
+    def _sampling_metadata(self, rows: np.ndarray, r_pad: int, index: np.ndarray | None = None,
+                           offsets: np.ndarray | None = None):
+        """Sampling metadata of `r_pad` logits rows: row i of `rows` at index[i] (default: i). offsets[i]
+        > 0: logits row i scores its request's output token offsets[i] places further, after as many of
+        the guesses that step_rows wrote after its known tokens (their noise step, bans and history)."""
+        offsets = np.zeros(len(rows), np.int64) if offsets is None else offsets
+        num_output = self.row_num_tokens[rows] + self.row_pending[rows] - self.row_num_prompt[rows] + offsets
         use_penalties = bool(self.row_penalties[rows].any())
         history_len = self.max_model_len if use_penalties else 1
         md = sampler.empty_metadata(r_pad, MAX_BANNED, history_len)
@@ -366,7 +372,7 @@ class ModelRunner:
             banned = (list(data.eos_token_ids) if not params.ignore_eos else []) + list(params.stop_token_ids)
             md.banned_token_ids[i if index is None else index[i], : len(banned)] = banned
         if use_penalties:  # (dispatch collected the previous step first, so the history is complete)
-            num_tokens = self.row_num_tokens[rows]
+            num_tokens = self.row_num_tokens[rows] + offsets
             md.token_history[at] = np.where(np.arange(history_len)[None, :] < num_tokens[:, None],
                                             self.token_buf[rows], -1)
             md.prompt_lens[at] = self.row_num_prompt[rows]

@@ -1,19 +1,44 @@
-"""Greedy verification of speculative guesses inside an ordinary step (no shapes of its own but one).
+"""Verification of speculative guesses inside an ordinary step (no shapes of its own but one), for
+greedy and random sampling alike.
 
 A request scheduled with guesses (ScheduledRequest.draft_token_ids d_0..d_{n-1}) is a ragged row of
 1 + n tokens: its input token, then the guesses. Each of its positions gets a logits row, so the
 step's logits rows are, per sampling request in sampling order, 1 (a plain row) or 1 + n (the last
 n + 1 positions of a row with guesses); R is padded to hold them all (the scheduler keeps their
-number within max_num_seqs). The sampler runs on those rows as on any (the rows with guesses are
-greedy), and `verify` then reads, per request, how many guesses match the argmax before the first
-mismatch and takes the token at that row: the correction, or the bonus token after every guess.
+number within max_num_seqs). The sampler runs on those rows as on any, position j of a request
+with the metadata of its output token s + j (s = the request's output tokens so far): noise step
+s + j, penalty history = its tokens then d_0..d_{j-1}, min_tokens bans while s + j < min_tokens
+(`offsets`; model_runner._sampling_metadata). `verify` then reads, per request, how many guesses
+equal the sampler's token at their row before the first mismatch, and takes the token at that row:
+the correction, or the bonus token after every guess.
 
     logits row:   a0 | b0 b1 b2 b3 | c0          (request b: 3 guesses)
-    checks:       -1 | d0 d1 d2 -1 | -1          (the guess each row's argmax must equal)
+    offsets:      0  | 0  1  2  3  | 0           (the output token each row samples: s + offset)
+    checks:       -1 | d0 d1 d2 -1 | -1          (the guess each row's sampled token must equal)
     first:        0, 1, 5                        (each request's first logits row)
     -> tokens [max_rows] (one per sampling request, the next step's input), num_accepted [max_rows]
 
 Every array has the fixed length max_rows, so verification is one executable for every step.
+
+Why this is lossless for random rows (temperature > 0, with top-k / top-p / min-p, penalties, seeds):
+guesses are deterministic functions of the tokens before the step, i.e. a point-mass draft q_j =
+onehot(d_j), for which Leviathan et al.'s rejection sampling accepts d_j with probability
+min(1, p_j(d_j) / q_j(d_j)) = p_j(d_j) and on rejection samples p_j with d_j removed, renormalised.
+The sampler's token at row j is x_j = argmax(filtered_j + G(seed, s + j)) (Gumbel-max: x_j ~ p_j,
+the engine's own distribution at that position), so "accept while x_j == d_j, emit the first x_j
+that differs" accepts d_j with probability p_j(d_j), and given x_j != d_j, x_j follows p_j without
+d_j, renormalised: the same rule, its acceptance draw and residual sample coupled through one Gumbel
+draw. Every emitted token is thus drawn from p given its actual prefix, with the noise of its own
+output index, which no earlier emitted token depended on (rows past the first mismatch decide
+nothing, so the next step may sample those output indices with the same noise). The outputs are not
+only distributed as without speculation: they are the same tokens, seed for seed (up to float
+differences between the verify step's logits and a one-token step's), since x_j is the token plain
+decoding samples for output s + j. A request without guesses gets exactly the sampler's token.
+Greedy rows are the same rule with x_j = argmax_j.
+
+NOTE: this needs deterministic guesses (n-gram lookup, a drafter proposing its argmax). Guesses
+sampled from a draft distribution q need Leviathan's general rule instead (accept with probability
+min(1, p/q), resample a rejection from max(p - q, 0)), with the drafter's noise independent of p's.
 """
 
 from __future__ import annotations
@@ -32,6 +57,7 @@ class Guesses(NamedTuple):
 
     logits_rows: np.ndarray  # [L] the token index of each scored position, L = the step's logits rows
     row_of: np.ndarray  # [L] each logits row's sampling request (an index into the sampling rows)
+    offsets: np.ndarray  # [L] each logits row's position in its request: it samples output token s + offset
     checks: np.ndarray  # [max_rows] i32: the guess each logits row checks; -1 for none
     first: np.ndarray  # [max_rows] i32: each sampling request's first logits row
     drafts: dict[int, list[int]]  # sampling index -> the request's guesses
@@ -50,7 +76,7 @@ def layout_guesses(num_guesses: np.ndarray, drafts: dict[int, list[int]], last_t
         checks[first[index]: first[index] + len(guesses)] = guesses
     padded_first = np.zeros(max_rows, np.int32)
     padded_first[: len(first)] = first
-    return Guesses(logits_rows, row_of, checks, padded_first, drafts)
+    return Guesses(logits_rows, row_of, offset, checks, padded_first, drafts)
 
 
 def step_guesses(out, layout, max_rows: int) -> Guesses | None:

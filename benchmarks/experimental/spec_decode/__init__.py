@@ -1,1 +1,0 @@
-"""The lossless rejection sampler for speculative decoding (random sampling), tested, not yet called by the engine."""
