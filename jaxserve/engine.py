@@ -94,7 +94,8 @@ class Engine:
         shards = self.tp.expert_size if expert_parallel else 1
         kv_caches = [KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                     enable_caching=config.cache.enable_prefix_caching,
-                                    hash_algo=config.cache.prefix_hash) for _ in range(shards)]
+                                    hash_algo=config.cache.prefix_hash, hash_seed=config.cache.prefix_hash_seed)
+                     for _ in range(shards)]
         schedulers = [Scheduler(config.scheduler, kv_cache, self.max_model_len,
                                 max_prompt_logprob_rows=self.runner.max_prompt_logprob_rows,
                                 first_row=shard * config.scheduler.max_num_seqs, speculative=config.speculative)

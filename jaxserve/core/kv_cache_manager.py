@@ -15,8 +15,9 @@ The runner knows only block ids; the physical layout of the cache arrays belongs
 backend. Block 0 is the null block: padding tokens write there and it is never handed out.
 
 A full block's key is a hash chain: key_i = H(key_{i-1}, tokens of block i, extra keys), rooted in a
-per-process random seed, so equal keys mean equal token prefixes (with equal LoRA and salt). The
-salt enters only block 0's key; the chain carries it into every later key.
+random per-engine root, or in one derived from cache.prefix_hash_seed (root_hash) so that engines and
+restarts sharing the seed agree on keys; equal keys mean equal token prefixes (with equal LoRA and
+salt). The salt enters only block 0's key; the chain carries it into every later key.
 """
 
 from __future__ import annotations
@@ -71,6 +72,16 @@ def hash_block_builtin(parent: BlockHash, token_ids: Sequence[int], lora_id: int
 
 
 _HASH_FUNCTIONS = {"sha256": hash_block_sha256, "builtin": hash_block_builtin}
+
+
+def root_hash(seed: bytes | int | None) -> bytes:
+    """The chain's root: 32 random bytes without a seed (keys unpredictable to other processes), the
+    given bytes, or, for an integer seed (cache.prefix_hash_seed), a digest of it, equal in every process."""
+    if seed is None:
+        return os.urandom(32)
+    if isinstance(seed, int):
+        return hashlib.sha256(_KEY_VERSION + b".root." + str(seed).encode()).digest()
+    return bytes(seed)
 
 
 class KVCacheBlock:
@@ -235,7 +246,7 @@ class _RequestState:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 hash_algo: str = "sha256", hash_seed: bytes | None = None):
+                 hash_algo: str = "sha256", hash_seed: bytes | int | None = None):
         if block_size < 1:
             raise ValueError(f"block_size is {block_size} but must be positive")
         if hash_algo not in _HASH_FUNCTIONS:
@@ -244,9 +255,9 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self._hash_block = _HASH_FUNCTIONS[hash_algo]
-        # The chain's root: random per process unless pinned, so keys are not predictable across
-        # processes (a pinned seed is for tests and reproducible runs).
-        self._root_hash: bytes = os.urandom(32) if hash_seed is None else bytes(hash_seed)
+        # The chain's root: random per engine unless seeded (cache.prefix_hash_seed: engines sharing a
+        # disk tier, restarts), so keys are not predictable across processes by default.
+        self._root_hash: bytes = root_hash(hash_seed)
         self._requests: dict[str, _RequestState] = {}
         # The shortcut of allocate_slots (read by the scheduler's decode fast path too): request id -> the
         # tokens its blocks hold. While num_computed_tokens + new tokens <= this, no block is needed and
