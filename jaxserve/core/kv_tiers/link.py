@@ -106,16 +106,19 @@ class TierLink:
             chain.append((block, key))
         if num_loads == 0:
             return hits + [block for block, _ in chain]
-        # Hold every device hit while fresh blocks are popped, so none of them is evicted for a load.
+        # Hold every device hit while fresh blocks are popped (evicting others, whose write-back may
+        # evict host blocks), so that neither a hit nor a host block to load is the one evicted.
         held = hits + [block for block, _ in chain if block is not None]
         pool.touch(held)
+        for block, key in chain:
+            if block is None:
+                host.pin(key)
         fresh = iter(pool.get_new_blocks(num_loads))
         blocks = list(hits)
         for block, key in chain:
             if block is None:
                 block = next(fresh)
                 pool.cache_full_block(block, key)
-                host.pin(key)
                 self._loads[block.block_id] = key
             blocks.append(block)
         self.tiers.counters.host_hits += num_loads * size
