@@ -102,7 +102,6 @@ class KVTransfer:
         return (len(runner.kv_caches), *shape)
 
     def precompile(self) -> int:
-        ids = jax.ShapeDtypeStruct((1,), jnp.int32)
         for n in self.sizes:
             ids = jax.ShapeDtypeStruct((n,), jnp.int32)
             data = jax.ShapeDtypeStruct((n, *self._data_shape), self._dtype)
