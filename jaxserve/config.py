@@ -115,6 +115,12 @@ class CacheConfig:
     cpu_num_blocks: int = 512
     enable_prefix_caching: bool = True
     prefix_hash: str = "sha256"  # sha256 | builtin (fast, keyed per process; single-tenant use)
+    # The prefix-cache keys' root: null: random per engine; an integer: engines and restarts with the same
+    # seed (and model) name equal prefixes with equal keys, so they share disk-tier blocks.
+    prefix_hash_seed: int | None = None
+    host_kv_gib: float = 0.0  # host-memory tier under the device cache (README "KV cache tiers"); 0: off
+    disk_kv_path: str | None = None  # disk tier below the host tier: a private directory engines may share
+    disk_kv_gib: float = 0.0  # the disk tier's size cap (required with disk_kv_path)
 
     def __post_init__(self):
         _check_fields(self, "cache")
@@ -132,6 +138,24 @@ class CacheConfig:
                              "the KV cache; set only one")
         if self.prefix_hash not in ("sha256", "builtin"):
             raise ValueError(f"cache.prefix_hash must be sha256 or builtin, got {self.prefix_hash!r}")
+        self._check_tiers()
+
+    def _check_tiers(self) -> None:
+        if self.prefix_hash == "builtin" and (self.prefix_hash_seed is not None or self.disk_kv_path is not None):
+            raise ValueError("cache.prefix_hash_seed and cache.disk_kv_path need cache.prefix_hash: sha256 (builtin "
+                             "hashes are randomised per process, so no other engine or restart shares their keys)")
+        if self.host_kv_gib < 0 or self.disk_kv_gib < 0:
+            raise ValueError(f"cache.host_kv_gib ({self.host_kv_gib}) and cache.disk_kv_gib ({self.disk_kv_gib}) "
+                             "must be >= 0 (0: the tier is off)")
+        if (self.disk_kv_path is None) != (self.disk_kv_gib == 0):
+            raise ValueError("cache.disk_kv_path and cache.disk_kv_gib go together: set both for a disk tier "
+                             f"(got disk_kv_path={self.disk_kv_path!r}, disk_kv_gib={self.disk_kv_gib})")
+        if self.disk_kv_path is not None and self.host_kv_gib == 0:
+            raise ValueError("cache.disk_kv_path needs a host tier (blocks reach the disk through host memory); "
+                             "set cache.host_kv_gib (vLLM's kv_offloading_size) > 0")
+        if (self.host_kv_gib or self.disk_kv_path) and not self.enable_prefix_caching:
+            raise ValueError("cache.host_kv_gib / cache.disk_kv_path hold prefix-cache blocks; they need "
+                             "cache.enable_prefix_caching: true")
 
     @property
     def kv_memory_fraction(self) -> float:
@@ -371,6 +395,7 @@ VLLM_NAMES = {
     "data_parallel_size": ("parallel", "data"),
     "num_gpu_blocks_override": ("cache", "num_blocks"),
     "scheduling_policy": ("scheduler", "policy"),
+    "kv_offloading_size": ("cache", "host_kv_gib"),
 }
 
 # vLLM's names for what jaxserve does not do (yet): the default is accepted, so vLLM code runs unchanged;

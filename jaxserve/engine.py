@@ -36,6 +36,7 @@ from jaxserve.input_processor import InputProcessor, PreparedRequest, PromptType
 from jaxserve.output_processor import OutputProcessor
 from jaxserve.outputs import RequestOutput
 from jaxserve.request import Request, RequestStatus
+from jaxserve.runner import kv_transfer
 from jaxserve.runner.ep_runner import ExpertParallelRunner
 from jaxserve.runner.model_runner import MAX_BANNED, ModelRunner, StepHandle
 from jaxserve.sampling_params import SamplingParams
@@ -92,9 +93,13 @@ class Engine:
         # One scheduler and KV cache manager per expert shard (one without expert parallelism): each shard
         # runs attention over its own requests and cache (core/sharded_scheduler.py).
         shards = self.tp.expert_size if expert_parallel else 1
+        # KV cache tiers (host memory, disk) under the prefix cache: one engine, one shard (refused otherwise)
+        self.kv_transfer = kv_transfer.build(config, self.runner)
         kv_caches = [KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                     enable_caching=config.cache.enable_prefix_caching,
-                                    hash_algo=config.cache.prefix_hash) for _ in range(shards)]
+                                    hash_algo=config.cache.prefix_hash, hash_seed=config.cache.prefix_hash_seed,
+                                    tiers=self.kv_transfer.tiers if self.kv_transfer is not None else None)
+                     for _ in range(shards)]
         schedulers = [Scheduler(config.scheduler, kv_cache, self.max_model_len,
                                 max_prompt_logprob_rows=self.runner.max_prompt_logprob_rows,
                                 first_row=shard * config.scheduler.max_num_seqs, speculative=config.speculative)
@@ -102,6 +107,8 @@ class Engine:
         self.kv_cache = kv_caches[0] if shards == 1 else ShardedKVCache(kv_caches)
         self.scheduler = schedulers[0] if shards == 1 else ShardedScheduler(schedulers)
         self.num_compiled = self.runner.precompile(progress) if config.runner.precompile else 0
+        if self.kv_transfer is not None and config.runner.precompile:
+            self.num_compiled += self.kv_transfer.precompile()
         self.startup_seconds = time.monotonic() - start - self.runner.load_seconds  # compiling, not loading
         sched = config.scheduler
         self.input_processor = InputProcessor(
@@ -211,6 +218,11 @@ class Engine:
         outputs, self._pending = self._pending, []
         t_start = time.perf_counter()
         out = self.scheduler.schedule() if self.scheduler.has_unfinished_requests() else None
+        if self.kv_transfer is not None:  # blocks evicted to host / loaded back: before the step's forward
+            self.kv_transfer.poll(self.kv_cache.tier_link)
+            moves = self.kv_cache.tier_link.take()
+            if moves:
+                self.kv_transfer.run(moves)
         current = None
         if out is not None and not out.is_empty:
             t_scheduled = time.perf_counter()

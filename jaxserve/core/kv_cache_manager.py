@@ -15,8 +15,9 @@ The runner knows only block ids; the physical layout of the cache arrays belongs
 backend. Block 0 is the null block: padding tokens write there and it is never handed out.
 
 A full block's key is a hash chain: key_i = H(key_{i-1}, tokens of block i, extra keys), rooted in a
-per-process random seed, so equal keys mean equal token prefixes (with equal LoRA and salt). The
-salt enters only block 0's key; the chain carries it into every later key.
+random per-engine root, or in one derived from cache.prefix_hash_seed (root_hash) so that engines and
+restarts sharing the seed agree on keys; equal keys mean equal token prefixes (with equal LoRA and
+salt). The salt enters only block 0's key; the chain carries it into every later key.
 """
 
 from __future__ import annotations
@@ -25,10 +26,13 @@ import dataclasses
 import hashlib
 import os
 import struct
-from collections.abc import Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
+from jaxserve.core.kv_tiers.link import TierLink
+
 if TYPE_CHECKING:
+    from jaxserve.core.kv_tiers.tiers import KVTiers
     from jaxserve.request import Request
 
 BlockHash = Hashable  # bytes for sha256, int for builtin
@@ -71,6 +75,16 @@ def hash_block_builtin(parent: BlockHash, token_ids: Sequence[int], lora_id: int
 
 
 _HASH_FUNCTIONS = {"sha256": hash_block_sha256, "builtin": hash_block_builtin}
+
+
+def root_hash(seed: bytes | int | None) -> bytes:
+    """The chain's root: 32 random bytes without a seed (keys unpredictable to other processes), the
+    given bytes, or, for an integer seed (cache.prefix_hash_seed), a digest of it, equal in every process."""
+    if seed is None:
+        return os.urandom(32)
+    if isinstance(seed, int):
+        return hashlib.sha256(_KEY_VERSION + b".root." + str(seed).encode()).digest()
+    return bytes(seed)
 
 
 class KVCacheBlock:
@@ -148,6 +162,8 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
         self.num_evictions = 0
+        # Called with each cached block evicted, before its hash is dropped (the tiers' write-back).
+        self.on_evict: Callable[[KVCacheBlock], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -169,6 +185,8 @@ class BlockPool:
         for _ in range(num_blocks):
             block = self.free_queue.popleft()
             if block.block_hash is not None:
+                if self.on_evict is not None:
+                    self.on_evict(block)
                 del self.cached_blocks[block.block_hash]
                 block.block_hash = None
                 self.num_evictions += 1
@@ -216,8 +234,21 @@ class BlockPool:
 @dataclasses.dataclass(frozen=True)
 class KVCacheStats:
     queries: int  # tokens looked up in the prefix cache
-    hits: int  # of those, tokens found
+    hits: int  # of those, tokens found (on device, or loaded back from a tier below)
     evictions: int  # cached blocks whose contents were dropped to reuse the block
+    # The tiers (kv_tiers.tiers.TierCounters; 0 without them): tokens found in a tier after the device
+    # missed, tokens asked of it and not found, bytes written into it and read from it, blocks evicted.
+    host_hits: int = 0
+    host_misses: int = 0
+    host_bytes_in: int = 0
+    host_bytes_out: int = 0
+    host_evictions: int = 0
+    disk_hits: int = 0
+    disk_misses: int = 0
+    disk_bytes_in: int = 0
+    disk_bytes_out: int = 0
+    disk_evictions: int = 0
+    disk_errors: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -235,7 +266,10 @@ class _RequestState:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 hash_algo: str = "sha256", hash_seed: bytes | None = None):
+                 hash_algo: str = "sha256", hash_seed: bytes | int | None = None, tiers: KVTiers | None = None):
+        """`tiers`: host (and disk) tiers under the prefix cache: evicted cached blocks are written back
+        there and prefix lookups continue there (kv_tiers/link.py); the engine moves the blocks
+        (`tier_link.take()` each step)."""
         if block_size < 1:
             raise ValueError(f"block_size is {block_size} but must be positive")
         if hash_algo not in _HASH_FUNCTIONS:
@@ -244,9 +278,9 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self._hash_block = _HASH_FUNCTIONS[hash_algo]
-        # The chain's root: random per process unless pinned, so keys are not predictable across
-        # processes (a pinned seed is for tests and reproducible runs).
-        self._root_hash: bytes = os.urandom(32) if hash_seed is None else bytes(hash_seed)
+        # The chain's root: random per engine unless seeded (cache.prefix_hash_seed: engines sharing a
+        # disk tier, restarts), so keys are not predictable across processes by default.
+        self._root_hash: bytes = root_hash(hash_seed)
         self._requests: dict[str, _RequestState] = {}
         # The shortcut of allocate_slots (read by the scheduler's decode fast path too): request id -> the
         # tokens its blocks hold. While num_computed_tokens + new tokens <= this, no block is needed and
@@ -254,6 +288,8 @@ class KVCacheManager:
         self.fast_until: dict[str, int] = {}
         self._queries = 0
         self._hits = 0
+        self.tiers = tiers if enable_caching else None
+        self.tier_link = TierLink(self.pool, tiers, block_size) if self.tiers is not None else None
 
     @property
     def num_free_blocks(self) -> int:
@@ -265,7 +301,8 @@ class KVCacheManager:
 
     @property
     def stats(self) -> KVCacheStats:
-        return KVCacheStats(self._queries, self._hits, self.pool.num_evictions)
+        counters = dataclasses.asdict(self.tiers.counters) if self.tiers is not None else {}
+        return KVCacheStats(self._queries, self._hits, self.pool.num_evictions, **counters)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         state = self._requests.get(request_id)
@@ -292,16 +329,29 @@ class KVCacheManager:
         state = self._requests.setdefault(request.request_id, _RequestState())
         num_tokens = request.num_tokens
         self._hash_full_blocks(request, state, num_tokens // self.block_size)
-        block_ids = []
-        for block_hash in state.block_hashes[:(num_tokens - 1) // self.block_size]:
+        keys = state.block_hashes[:(num_tokens - 1) // self.block_size]
+        blocks = []
+        for block_hash in keys:
             block = self.pool.get_cached_block(block_hash)
             if block is None:
                 break
-            block_ids.append(block.block_id)
+            blocks.append(block)
+        if self.tier_link is not None and len(blocks) < len(keys):
+            blocks = self.tier_link.extend_hits(keys, blocks)
+        block_ids = [block.block_id for block in blocks]
         num_computed_tokens = len(block_ids) * self.block_size
         self._queries += num_tokens
         self._hits += num_computed_tokens
         return block_ids, num_computed_tokens
+
+    def loading_prefix(self, request: Request) -> bool:
+        """Whether blocks of the request's prefix are on their way from disk to the host tier (reads are
+        started here); the scheduler holds the request back until they landed. False without tiers."""
+        if self.tier_link is None:
+            return False
+        state = self._requests.setdefault(request.request_id, _RequestState())
+        self._hash_full_blocks(request, state, request.num_tokens // self.block_size)
+        return self.tier_link.loading(state.block_hashes[:(request.num_tokens - 1) // self.block_size])
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_block_ids: Sequence[int] | None = None) -> list[int] | None:
@@ -404,4 +454,9 @@ class KVCacheManager:
         self.pool.free_blocks(reversed(state.blocks))
 
     def reset_prefix_cache(self) -> bool:
-        return self.pool.reset_prefix_cache()
+        """Forgets the device's cached blocks (the tiers below keep theirs); False while blocks are in use."""
+        if not self.pool.reset_prefix_cache():
+            return False
+        if self.tier_link is not None:
+            self.tier_link.reset()
+        return True

@@ -314,8 +314,10 @@ class Scheduler:
             request = self.waiting.peek()
             # As vLLM, a request asking for prompt logprobs takes no prefix-cache hit: they need every
             # prompt position computed (its blocks are still cached for others).
-            computed_ids, num_hit = (self.kv_cache.get_computed_blocks(request)
-                                     if request.sampling_params.prompt_logprobs is None else ([], 0))
+            lookup = request.sampling_params.prompt_logprobs is None
+            if lookup and self.kv_cache.loading_prefix(request):
+                break  # its prefix is coming up from the disk tier; the running requests go on meanwhile
+            computed_ids, num_hit = self.kv_cache.get_computed_blocks(request) if lookup else ([], 0)
             if not self.config.enable_chunked_prefill and request.num_tokens - num_hit > budget:
                 break
             request.num_computed_tokens = num_hit

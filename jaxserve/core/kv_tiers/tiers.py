@@ -1,0 +1,130 @@
+"""The tiers under the device cache, as one store: the host pool, and the disk store below it.
+
+    device block evicted --(runner: device -> host copy)--> host pool (in transit -> present)
+    host block evicted (LRU) --(copied, written on the IO thread)--> disk store (a file per block)
+    prefix lookup: device miss -> host present: loaded back (runner: host -> device)
+                               -> on disk: read on the IO thread into a host slot (in transit), then as above
+
+Everything but file IO runs on the engine's thread; the one IO thread runs disk reads and writes in the
+order they were asked, so a read queued after a write of the same key sees the file. A block evicted from
+host memory reaches the disk unless its write fails (counted), so the tiers lose a block only at the
+bottom tier's cap; the host pool holds a key at most once, and so does the disk.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+from collections.abc import Hashable
+
+import numpy as np
+
+from jaxserve.core.kv_tiers.disk_store import DiskKVStore
+from jaxserve.core.kv_tiers.host_pool import HostKVPool
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class TierCounters:
+    """Per tier: tokens found, tokens asked for and not found (the tiers above had missed), bytes moved
+    (in: written into the tier, out: read from it), blocks evicted."""
+
+    host_hits: int = 0
+    host_misses: int = 0
+    host_bytes_in: int = 0
+    host_bytes_out: int = 0
+    host_evictions: int = 0
+    disk_hits: int = 0
+    disk_misses: int = 0
+    disk_bytes_in: int = 0
+    disk_bytes_out: int = 0
+    disk_evictions: int = 0
+    disk_errors: int = 0  # failed writes (disk full, permissions): the block is dropped
+
+
+class KVTiers:
+    def __init__(self, host: HostKVPool, disk: DiskKVStore | None = None, block_tokens: int = 1):
+        """`block_tokens`: tokens per block (the counters count tokens)."""
+        self.host = host
+        self.block_tokens = block_tokens
+        self.disk = disk
+        self.counters = TierCounters()
+        host.on_evict = self._host_evicted
+        self._io = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxserve-kv-disk")
+                    if disk is not None else None)
+        self._reads: dict[Hashable, concurrent.futures.Future] = {}  # disk -> host, the host key in transit
+        self._writes: dict[Hashable, concurrent.futures.Future] = {}  # host -> disk
+
+    @property
+    def block_bytes(self) -> int:
+        return self.host.block_bytes
+
+    def _host_evicted(self, key: Hashable, data: np.ndarray) -> None:
+        self.counters.host_evictions += 1
+        if self._io is None:
+            return
+        previous = self._writes.get(key)
+        if previous is not None and not previous.done():
+            return  # its write is queued already
+        self._writes[key] = self._io.submit(self.disk.write, key, data.copy())  # (the slot is reused at once)
+
+    def locate(self, key: Hashable) -> str | None:
+        """Where a block is: 'host' (present), 'moving' (in transit to the host), 'disk', or None."""
+        state = self.host.state(key)
+        if state != "absent":
+            return "host" if state == "present" else "moving"
+        if self.disk is not None and (key in self._writes or self.disk.contains(key)):
+            return "disk"  # (a queued write runs before any read asked later)
+        return None
+
+    def start_read(self, key: Hashable) -> bool:
+        """Starts reading a disk block into a host slot (in transit until poll() sees it done); False when
+        no host slot is free."""
+        if self.host.reserve(key) is None:
+            return False
+        self._reads[key] = self._io.submit(self.disk.read, key)
+        return True
+
+    def poll(self, wait: bool = False) -> None:
+        """Completes finished disk IO (every queued one with `wait`): a read block becomes present on host,
+        a failed read (absent, corrupt) leaves the key absent."""
+        if wait and self._io is not None:
+            concurrent.futures.wait(list(self._reads.values()) + list(self._writes.values()))
+        for key, future in [(k, f) for k, f in self._reads.items() if f.done()]:
+            del self._reads[key]
+            try:
+                block = future.result()
+            except OSError as err:
+                logger.warning("KV disk tier: reading a block failed (%s); it is recomputed", err)
+                block = None
+            if block is None:
+                self.host.abort(key)
+                self.counters.disk_misses += self.block_tokens
+            else:
+                self.host.write(key, block)
+                self.host.commit(key)
+                self.counters.disk_bytes_out += block.nbytes
+                self.counters.disk_hits += self.block_tokens
+        for key, future in [(k, f) for k, f in self._writes.items() if f.done()]:
+            del self._writes[key]
+            try:
+                if future.result():
+                    self.counters.disk_bytes_in += self.block_bytes
+            except OSError as err:
+                self.counters.disk_errors += 1
+                logger.warning("KV disk tier: writing a block failed (%s); it is dropped", err)
+        if self.disk is not None:
+            self.counters.disk_evictions = self.disk.num_evictions
+
+    @property
+    def num_reads(self) -> int:
+        return len(self._reads)
+
+    def close(self) -> None:
+        """Waits for queued disk IO and stops the IO thread."""
+        if self._io is not None:
+            self.poll(wait=True)
+            self._io.shutdown(wait=True)
+            self._io = None

@@ -1,0 +1,43 @@
+"""KV-cache tiers: the hash seed, the config of the host and disk tiers."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxserve.config import CacheConfig, EngineConfig
+from jaxserve.core.kv_cache_manager import KVCacheManager
+from tests.test_kv_cache_manager import FakeRequest, start
+
+pytestmark = pytest.mark.cpu_test
+
+
+def _keys(manager: KVCacheManager, tokens: list[int], salt: str | None = None) -> list:
+    request = FakeRequest("a", tokens, cache_salt=salt)
+    start(manager, request)
+    keys = list(manager._requests["a"].block_hashes)
+    manager.free(request)
+    return keys
+
+
+def test_prefix_hash_seed_gives_every_manager_the_same_keys():
+    tokens = list(range(9))
+    same = [_keys(KVCacheManager(8, 2, hash_seed=7), tokens) for _ in range(2)]
+    assert same[0] == same[1] and len(same[0]) == 4
+    assert _keys(KVCacheManager(8, 2, hash_seed=8), tokens)[0] != same[0][0]
+    assert _keys(KVCacheManager(8, 2), tokens)[0] != same[0][0]  # no seed: a random root
+    assert _keys(KVCacheManager(8, 2), tokens)[0] != _keys(KVCacheManager(8, 2), tokens)[0]
+    assert _keys(KVCacheManager(8, 2, hash_seed=7), tokens, salt="s")[0] != same[0][0]
+
+
+def test_tier_options_are_checked():
+    config = EngineConfig().with_overrides(prefix_hash_seed=3, kv_offloading_size=0.5, disk_kv_path="/x",
+                                           disk_kv_gib=2)
+    assert config.cache.host_kv_gib == 0.5 and config.cache.prefix_hash_seed == 3
+    for kwargs, match in [(dict(prefix_hash="builtin", prefix_hash_seed=1), "need cache.prefix_hash: sha256"),
+                          (dict(host_kv_gib=-1.0), "must be >= 0"),
+                          (dict(disk_kv_path="/x"), "go together"),
+                          (dict(disk_kv_gib=1.0), "go together"),
+                          (dict(disk_kv_path="/x", disk_kv_gib=1.0), "needs a host tier"),
+                          (dict(host_kv_gib=1.0, enable_prefix_caching=False), "enable_prefix_caching")]:
+        with pytest.raises(ValueError, match=match):
+            CacheConfig(**kwargs)
