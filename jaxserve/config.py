@@ -329,9 +329,19 @@ class SpeculativeConfig:
     # neither: both 5 (vLLM's defaults).
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
+    # Bench only (`jaxserve bench --spec-synthetic-acceptance`; Engine refuses it elsewhere): every decode
+    # row carries k guesses and each is accepted with this probability while the ones before it were
+    # (runner/spec_verify.py), whatever the model says, so outputs are not meaningful.
+    synthetic_acceptance: float | None = None
 
     def __post_init__(self):
         _check_fields(self, "speculative")
+        if self.synthetic_acceptance is not None:
+            if self.method is None:
+                raise ValueError("speculative.synthetic_acceptance needs a speculative method (e.g. ngram)")
+            if not 0.0 <= self.synthetic_acceptance <= 1.0:
+                raise ValueError(f"speculative.synthetic_acceptance must be in [0, 1], "
+                                 f"got {self.synthetic_acceptance}")
         if self.method is None:
             set_fields = [name for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
                           if getattr(self, name) is not None]
@@ -382,6 +392,9 @@ def speculative_from_vllm(value: Any) -> dict[str, Any]:
         raise ValueError(f"speculative_config has unknown or unsupported key(s) {unknown}; known: {sorted(known)}")
     return value
 
+
+# Fields only `jaxserve bench` sets (no command-line flag elsewhere; Engine refuses them unless told).
+BENCH_ONLY = {("speculative", "synthetic_acceptance")}
 
 SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "runner": RunnerConfig,
             "parallel": ParallelConfig, "server": ServerConfig, "speculative": SpeculativeConfig}

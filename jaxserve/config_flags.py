@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from jaxserve.config import (NOT_SUPPORTED, SECTIONS, VLLM_NAMES, VLLM_SECTIONS, VLLM_SWITCHES, field_types,
+from jaxserve.config import (BENCH_ONLY, NOT_SUPPORTED, SECTIONS, VLLM_NAMES, VLLM_SECTIONS, VLLM_SWITCHES, field_types,
                              matches_type)
 
 NULLS = ("null", "none", "None")
@@ -48,6 +48,8 @@ def config_flags(reserved: Collection[str] = (), skip_sections: Collection[str] 
         if section in skip_sections:
             continue
         for name, hint in field_types(cls).items():
+            if (section, name) in BENCH_ONLY:
+                continue
             is_path = (section, name) == ("model", "path")
             bare = "model" if is_path else name
             flag = "--" + bare.replace("_", "-")

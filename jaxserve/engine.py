@@ -62,11 +62,16 @@ def _load_tokenizer(model: ModelConfig) -> Tokenizer:
 
 class Engine:
     def __init__(self, config: EngineConfig, progress: bool = True, record_step_stats: bool = False,
-                 mesh: Mesh | None = None):
+                 mesh: Mesh | None = None, allow_synthetic_acceptance: bool = False):
         """`mesh`: this engine's devices (a data-parallel replica's [1, model] mesh); by default the first
         parallel.model devices. With parallel.num_processes > 1 this is process 0's engine; the other
         processes run distributed.run_follower. `record_step_stats`: attach a StepStatsRecorder
-        (`step_stats`: its records)."""
+        (`step_stats`: its records). `allow_synthetic_acceptance`: jaxserve bench's switch for
+        speculative.synthetic_acceptance (outputs not meaningful), refused otherwise."""
+        if config.speculative.synthetic_acceptance is not None and not allow_synthetic_acceptance:
+            raise ValueError("speculative.synthetic_acceptance is a bench-only option (its outputs are not the "
+                             "model's): use `jaxserve bench latency|throughput --spec-synthetic-acceptance A`, "
+                             "and leave it unset for LLM and jaxserve serve")
         if mesh is None and config.parallel.data > 1:
             raise ValueError(f"parallel.data={config.parallel.data} runs one engine per replica: use LLM or "
                              "jaxserve.data_parallel.DataParallelEngine, or give each Engine its mesh")
@@ -202,7 +207,9 @@ class Engine:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv_cache.usage,
                            kv.queries, kv.hits, self.scheduler.num_preemptions, **expert,
                            spec_draft_tokens=self.scheduler.num_draft_tokens,
-                           spec_accepted_tokens=self.scheduler.num_accepted_tokens)
+                           spec_accepted_tokens=self.scheduler.num_accepted_tokens,
+                           spec_drafts=self.scheduler.num_drafts,
+                           spec_accepted_per_position=tuple(self.scheduler.accepted_per_position))
 
     # ---- one step ----
     def step(self, final_only: bool = False) -> list[RequestOutput]:

@@ -16,6 +16,7 @@ except prepare_request (which only reads) comes from that thread.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any, Protocol, runtime_checkable
 
 from jaxserve.input_processor import PreparedRequest, PromptType
@@ -44,6 +45,8 @@ class EngineStats:
     # Speculative decoding: guesses scored, and of those accepted (their ratio is the acceptance rate).
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    spec_drafts: int = 0  # steps of a request with guesses
+    spec_accepted_per_position: tuple[int, ...] = ()  # [j]: drafts whose guess j was accepted
 
     @staticmethod
     def combine(stats: list[EngineStats]) -> EngineStats:
@@ -58,7 +61,10 @@ class EngineStats:
                            sum(s.kv_cache_usage for s in stats) / max(len(stats), 1),
                            sum(s.prefix_cache_queries for s in stats), sum(s.prefix_cache_hits for s in stats),
                            sum(s.num_preemptions for s in stats), expert_load, max_over_mean,
-                           sum(s.spec_draft_tokens for s in stats), sum(s.spec_accepted_tokens for s in stats))
+                           sum(s.spec_draft_tokens for s in stats), sum(s.spec_accepted_tokens for s in stats),
+                           sum(s.spec_drafts for s in stats),
+                           tuple(map(sum, itertools.zip_longest(*(s.spec_accepted_per_position for s in stats),
+                                                                fillvalue=0))))
 
 
 @runtime_checkable

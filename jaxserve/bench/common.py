@@ -44,6 +44,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from jaxserve.bench import spec
 from jaxserve.cli import DEFAULT_CONFIG
 from jaxserve.config import EngineConfig, load_config
 from jaxserve.engine import Engine
@@ -111,13 +112,14 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     overrides = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) is not None}
     if "tokenizer" in overrides:  # a tokenizer given is used, also over a config's skip_tokenizer_init
         overrides.setdefault("skip_tokenizer_init", False)
-    return load_config(args.config, **overrides)
+    return spec.apply(load_config(args.config, **overrides, **spec.engine_overrides(args)), args)
 
 
 def make_engine(config: EngineConfig, progress: bool) -> tuple[Engine, float]:
-    """The engine, recording its steps (`engine.step_stats`), and the seconds it took to start."""
+    """The engine, recording its steps (`engine.step_stats`), and the seconds it took to start (the bench
+    is where speculative.synthetic_acceptance is allowed)."""
     start = time.monotonic()
-    engine = Engine(config, progress, record_step_stats=True)
+    engine = Engine(config, progress, record_step_stats=True, allow_synthetic_acceptance=True)
     return engine, time.monotonic() - start
 
 
@@ -296,7 +298,10 @@ def _fmt(stats: dict[str, float] | None) -> str:
 
 
 def print_report(report: dict[str, Any]) -> None:
-    """The lines both modes share: latencies, the step breakdown, compilation, the roofline."""
+    """The lines both modes share: speculative decoding's counters, latencies, the step breakdown,
+    compilation, the roofline."""
+    for line in spec.describe(report.get("spec_decode")):
+        print(line)
     for name in ("ttft_ms", "tpot_ms"):
         if name in report:
             print(f"{name[:-3].upper():5s} ms: {_fmt(report[name])}")

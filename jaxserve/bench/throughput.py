@@ -7,7 +7,8 @@
     -> one Engine (per-step records on) -> all queued, stepped to the end (ignore_eos, max_tokens =
        output_len, greedy unless --temperature)
     -> requests/s, total and output tokens/s, TTFT / TPOT / ITL percentiles, per-step breakdown, device
-       idle share, compiled shapes, start-up compile time, roofline tokens/s and the share reached
+       idle share, compiled shapes, start-up compile time, roofline tokens/s and the share reached,
+       speculative decoding's counters (bench/spec.py; --speculative-config, --spec-synthetic-acceptance A)
 
 The roofline (formula in common.py) is taken at the measured mean decode rows per step and the mean
 context prompt + output / 2; output tokens/s also pays for the prefill, so the share is a lower bound.
@@ -24,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve.bench import common, prompts
+from jaxserve.bench import common, prompts, spec
 
 
 def bench_requests(args: argparse.Namespace, engine) -> list[prompts.BenchRequest]:
@@ -45,13 +46,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0.0 <= args.random_range_ratio < 1.0:
         raise ValueError(f"--random-range-ratio must be in [0, 1), got {args.random_range_ratio}")
+    if args.spec_synthetic_acceptance is not None and len(args.spec_synthetic_acceptance) > 1:
+        raise ValueError(f"--spec-synthetic-acceptance takes one value in throughput mode (a list runs in "
+                         f"latency mode), got {args.spec_synthetic_acceptance}")
     config = common.engine_config(args)
     engine, init_s = common.make_engine(config, progress=not args.disable_tqdm)
+    before = spec.counters(engine)
     requests = bench_requests(args, engine)
     engine_prompts = [{"prompt": r.prompt} if isinstance(r.prompt, str) else {"prompt_token_ids": r.prompt}
                       for r in requests]
     params = [common.sampling_params(args, r.output_len) for r in requests]
     result = common.run_batch(engine, engine_prompts, params, progress=not args.disable_tqdm)
+    spec_decode = spec.report(engine, before, spec.counters(engine), config.speculative.synthetic_acceptance)
 
     outputs, elapsed = result.outputs, result.elapsed_s
     prompt_tokens = sum(len(out.prompt_token_ids) for out in outputs)
@@ -73,6 +79,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "total_output_tokens": output_tokens,
         **common.request_report(outputs),
         "steps": steps,
+        **({"spec_decode": spec_decode} if spec_decode is not None else {}),
         "engine": common.engine_report(engine, init_s),
         "roofline": roofline,
         "roofline_share": output_tokens / elapsed / roofline["tokens_per_s"],
@@ -89,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dataset-path", type=Path, help="JSON lines of requests instead of random prompts")
     common.add_sampling_args(parser)
     common.add_engine_args(parser)
+    spec.add_args(parser, several=False)
     return parser
 
 

@@ -139,8 +139,12 @@ class Scheduler:
         self.speculative = speculative if speculative is not None and speculative.enabled else None
         # request id -> (row, blocks kept): block tables cut after a speculative step, sent with the next step
         self._truncated: dict[str, tuple[int, int]] = {}
-        self.num_draft_tokens = 0  # guesses scored, and of those accepted (speculative decoding's counters)
+        # Speculative decoding's counters (vLLM's spec_decode_*): steps of a request with guesses, the
+        # guesses scored, of those accepted, and per guess position j the drafts whose guess j was accepted.
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self.accepted_per_position: list[int] = []
 
     # ---- requests in and out ----
     def add_request(self, request: Request) -> None:
@@ -438,8 +442,10 @@ class Scheduler:
                     raise ValueError(f"step {scheduler_output.step} scheduled guesses for {request.request_id!r} "
                                      f"but the runner returned no num_accepted")
                 run, status, stop_reason = spec_schedule.accept(request, step_guesses[i], token, num_accepted[i])
+                self.num_drafts += 1
                 self.num_draft_tokens += len(step_guesses[i])
                 self.num_accepted_tokens += num_accepted[i]
+                spec_schedule.count_accepted(self.accepted_per_position, len(step_guesses[i]), num_accepted[i])
                 if status is None and (kept := self.kv_cache.trim(request)) is not None:
                     self._truncated[request.request_id] = (request.row, kept)  # rejected guesses' blocks
                 requests.append(request)

@@ -17,6 +17,7 @@ Plain Python: no JAX.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 from jaxserve.core.kv_cache_manager import KVCacheManager, KVCacheStats
 from jaxserve.core.sched_types import RunnerOutput, ScheduledRequest, SchedulerOutput
@@ -138,6 +139,14 @@ class ShardedScheduler:
     @property
     def num_preemptions(self) -> int:
         return sum(s.num_preemptions for s in self.shards)
+
+    @property
+    def num_drafts(self) -> int:
+        return sum(s.num_drafts for s in self.shards)
+
+    @property
+    def accepted_per_position(self) -> list[int]:
+        return list(map(sum, itertools.zip_longest(*(s.accepted_per_position for s in self.shards), fillvalue=0)))
 
     @property
     def num_draft_tokens(self) -> int:

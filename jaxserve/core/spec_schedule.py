@@ -51,9 +51,25 @@ def propose(running: list[Request], spec: SpeculativeConfig) -> dict[str, list[i
     for request, guesses in zip(eligible, drafts):
         known = len(request.all_token_ids) + request.num_pending
         guesses = guesses[request.num_pending:request.num_pending + k]
+        if spec.synthetic_acceptance is not None:
+            guesses = pad_guesses(guesses, k, request.all_token_ids[-1])
         if guesses:
             proposals[request.request_id] = guesses[:request.token_limit - known - 1]
     return proposals
+
+
+def pad_guesses(guesses: list[int], k: int, filler: int) -> list[int]:
+    """Synthetic acceptance (the bench's, SpeculativeConfig.synthetic_acceptance): every row guesses k
+    tokens, the proposer's then `filler`; verification accepts them by a random draw, not by value."""
+    return guesses + [filler] * (k - len(guesses))
+
+
+def count_accepted(per_position: list[int], num_guesses: int, accepted: int) -> None:
+    """Adds one draft of `num_guesses` guesses, the first `accepted` of them accepted, to the per-position
+    acceptance counts (one entry per guess position seen)."""
+    per_position.extend([0] * (num_guesses - len(per_position)))
+    for j in range(accepted):
+        per_position[j] += 1
 
 
 def accept(request: Request, guesses: list[int], token: int,

@@ -205,6 +205,8 @@ class ModelRunner:
         self.forward_fn = forward_fn(platform)
         self.use_twins = platform == "gpu"  # (only XLA:GPU replays graphs; see _run_forward)
         self.speculative = config.speculative.enabled  # steps may carry guesses (spec_verify.py)
+        # The bench's synthetic acceptance (spec_verify.py): a step input, changed between runs without a compile
+        self.synthetic_acceptance = config.speculative.synthetic_acceptance
 
     def _zeros(self, shape: tuple[int, ...], dtype) -> jax.Array:
         return zeros(shape, dtype, self.on_device)
@@ -411,8 +413,10 @@ class ModelRunner:
                 result = compiled(logits, md) if compiled is not None else self._sample(logits, md, *variant)
             tokens, num_accepted = result.token_ids, None
             if step.guesses is not None:
-                tokens, num_accepted = spec_verify.run(self._compiled.get(("verify",)), result.token_ids,
-                                                       step.guesses, self.on_device)
+                synthetic = (None if self.synthetic_acceptance is None else
+                             spec_verify.synthetic_inputs(md, self.synthetic_acceptance, self.max_rows))
+                tokens, num_accepted = spec_verify.run(self._compiled, result.token_ids, step.guesses,
+                                                       self.on_device, synthetic)
             tokens.copy_to_host_async()
             handle = StepHandle(step.request_ids, step.rows, step.generations, tokens, result.logprobs,
                                 tokens, prompt=prompt, index=step.index, guesses=step.guesses,
@@ -580,8 +584,7 @@ class ModelRunner:
         jobs.update({("sample", r_pad * self.num_shards, *variant): (sample, (r_pad * self.num_shards, *variant))
                      for r_pad in self.buckets.request_buckets for variant in variants})
         if self.speculative:
-            rows = jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=on_device)
-            jobs[("verify",)] = (lambda: spec_verify.verify.lower(rows, rows, rows).compile(), ())
+            jobs.update(spec_verify.compile_jobs(self.max_rows, on_device, self.synthetic_acceptance is not None))
         bar = tqdm(total=len(jobs), desc="compiling buckets", disable=not progress, leave=False)
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
             futures = {pool.submit(fn, *args): key for key, (fn, args) in jobs.items()}

@@ -171,11 +171,25 @@ def gumbel_noise(seeds: jax.Array, steps: jax.Array, vocab_size: int) -> jax.Arr
     same per-row independence and batch invariance, and it compiles in a fraction of threefry's time,
     which every sampler variant would pay (benchmarks/RESULTS.md).
     """
-    key = _mix32(seeds[:, 0] ^ _mix32(seeds[:, 1] ^ _mix32(steps.astype(jnp.uint32) + jnp.uint32(0x9E3779B9))))
+    key = _row_key(seeds, steps)
     token = jnp.arange(vocab_size, dtype=jnp.uint32)
-    bits = _mix32(_mix32(key[:, None] ^ (token[None, :] * jnp.uint32(0x9E3779B1))) + key[:, None])
-    uniform = ((bits >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1), never 0 or 1
-    return -jnp.log(-jnp.log(uniform))
+    return -jnp.log(-jnp.log(_uniform(key[:, None], token[None, :])))
+
+
+def _row_key(seeds: jax.Array, steps: jax.Array) -> jax.Array:
+    return _mix32(seeds[:, 0] ^ _mix32(seeds[:, 1] ^ _mix32(steps.astype(jnp.uint32) + jnp.uint32(0x9E3779B9))))
+
+
+def _uniform(key: jax.Array, counter: jax.Array) -> jax.Array:
+    """Uniform(0, 1) floats, never 0 or 1, hashed from a row key and a counter (a token id)."""
+    bits = _mix32(_mix32(key ^ (counter * jnp.uint32(0x9E3779B1))) + key)
+    return ((bits >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def row_uniform(seeds: jax.Array, steps: jax.Array, stream: int) -> jax.Array:
+    """seeds [R, 2] u32, steps [R] i32 -> one Uniform(0, 1) [R] per row from the sampling noise's key, at
+    counter `stream` (pick one far above any vocabulary: a token id's noise would be correlated with it)."""
+    return _uniform(_row_key(seeds, steps), jnp.uint32(stream))
 
 
 def compute_logprobs(

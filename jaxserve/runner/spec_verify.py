@@ -50,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.core.sched_types import Logprobs
+from jaxserve.runner import sampler
 
 
 class Guesses(NamedTuple):
@@ -145,11 +146,61 @@ def _verify(tokens: jax.Array, checks: jax.Array, first: jax.Array) -> tuple[jax
 
 verify = jax.jit(_verify)
 
+# The counter of the acceptance draw in the sampling noise's hash (sampler.row_uniform): above any vocabulary.
+SYNTHETIC_STREAM = 0xFFFFFFFF
 
-def run(compiled, sampled: jax.Array, guesses: Guesses, on_device) -> tuple[jax.Array, jax.Array]:
-    """The step's verification (`compiled`: verify's precompiled executable, or None) on the sampler's
-    tokens -> (tokens, num_accepted), both copying to the host."""
-    checks, first = jax.device_put((guesses.checks, guesses.first), on_device)  # one transfer
-    tokens, num_accepted = (compiled or verify)(sampled, checks, first)
+
+def _verify_synthetic(tokens: jax.Array, checks: jax.Array, first: jax.Array, seeds: jax.Array, steps: jax.Array,
+                      acceptance: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The bench's synthetic acceptance (SpeculativeConfig.synthetic_acceptance): _verify with "the row's
+    token equals its guess" replaced by a draw u < acceptance, u uniform from the row's sampling key (seed,
+    output index; seeds [N, 2], steps [N]). A request thus accepts guess j with probability `acceptance`
+    while it accepted those before, and emits the sampler's token at its first rejected row. Each output
+    index's draw decides at most once (rows past the first rejection decide nothing, and the next step
+    scores those indices again), so the accepted lengths are independent truncated geometric draws."""
+    n = tokens.shape[0]
+    index = jnp.arange(n, dtype=jnp.int32)
+    accept = (checks >= 0) & (sampler.row_uniform(seeds, steps, SYNTHETIC_STREAM) < acceptance)
+    first_mismatch = jax.lax.cummin(jnp.where(accept, n, index), axis=0, reverse=True)
+    stop = jnp.minimum(first_mismatch[first], n - 1)
+    return tokens[stop], (stop - first).astype(jnp.int32)
+
+
+verify_synthetic = jax.jit(_verify_synthetic)
+
+
+def synthetic_inputs(md, acceptance: float, max_rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The host sampling metadata's seeds and steps padded to max_rows, and the acceptance as a 0-d array
+    (a traced input: every acceptance runs the same executable)."""
+    rows = min(len(md.steps), max_rows)
+    seeds, steps = np.zeros((max_rows, 2), np.uint32), np.zeros(max_rows, np.int32)
+    seeds[:rows], steps[:rows] = md.seeds[:rows], md.steps[:rows]
+    return seeds, steps, np.asarray(acceptance, np.float32)
+
+
+def compile_jobs(max_rows: int, on_device, synthetic: bool) -> dict[tuple, tuple]:
+    """The runner's precompile jobs (key -> (function, args)) of verification, and of the synthetic
+    variant when the bench asked for it."""
+    rows = jax.ShapeDtypeStruct((max_rows,), jnp.int32, sharding=on_device)
+    jobs = {("verify",): (lambda: verify.lower(rows, rows, rows).compile(), ())}
+    if synthetic:
+        seeds = jax.ShapeDtypeStruct((max_rows, 2), jnp.uint32, sharding=on_device)
+        acceptance = jax.ShapeDtypeStruct((), jnp.float32, sharding=on_device)
+        jobs[("verify_synthetic",)] = (
+            lambda: verify_synthetic.lower(rows, rows, rows, seeds, rows, acceptance).compile(), ())
+    return jobs
+
+
+def run(compiled: dict, sampled: jax.Array, guesses: Guesses, on_device,
+        synthetic: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> tuple[jax.Array, jax.Array]:
+    """The step's verification (`compiled`: the runner's precompiled executables, by key) on the sampler's
+    tokens -> (tokens, num_accepted), both copying to the host. `synthetic`: synthetic_inputs(...), for the
+    bench's synthetic acceptance."""
+    if synthetic is None:
+        checks, first = jax.device_put((guesses.checks, guesses.first), on_device)  # one transfer
+        tokens, num_accepted = (compiled.get(("verify",)) or verify)(sampled, checks, first)
+    else:
+        arrays = jax.device_put((guesses.checks, guesses.first, *synthetic), on_device)  # one transfer
+        tokens, num_accepted = (compiled.get(("verify_synthetic",)) or verify_synthetic)(sampled, *arrays)
     num_accepted.copy_to_host_async()
     return tokens, num_accepted

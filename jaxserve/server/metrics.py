@@ -54,8 +54,12 @@ class ServerMetrics:
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = counter("num_preemptions", "Requests preempted (KV blocks ran out).")
-        self.spec_drafts = counter("spec_decode_num_draft_tokens", "Speculative guesses scored.")
+        self.spec_drafts = counter("spec_decode_num_drafts", "Steps of a request with speculative guesses.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative guesses scored.")
         self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Speculative guesses accepted.")
+        self._spec_per_position = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                          "Speculative guesses accepted, by guess position (0: the first).",
+                                          ["model_name", "position"], registry=self.registry)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of accepted requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first generated token.", _TTFT_BUCKETS)
@@ -76,7 +80,8 @@ class ServerMetrics:
         self._model_name = model_name
         self._expert_stats: tuple[tuple, tuple] = ((), ())  # the latest step's, exported at scrape time
         self._seen_queries = self._seen_hits = self._seen_preemptions = 0
-        self._seen_drafts = self._seen_accepted = 0
+        self._seen_drafts = self._seen_draft_tokens = self._seen_accepted = 0
+        self._seen_per_position: tuple[int, ...] = ()
 
     def record_step(self, stats: EngineStats) -> None:
         """The engine's state after a step (its counters are totals: the counters here advance by the change)."""
@@ -88,9 +93,17 @@ class ServerMetrics:
         self.prefix_hits.inc(hits - self._seen_hits)
         self.preemptions.inc(preemptions - self._seen_preemptions)
         self._seen_queries, self._seen_hits, self._seen_preemptions = queries, hits, preemptions
-        self.spec_drafts.inc(stats.spec_draft_tokens - self._seen_drafts)
+        self.spec_drafts.inc(stats.spec_drafts - self._seen_drafts)
+        self.spec_draft_tokens.inc(stats.spec_draft_tokens - self._seen_draft_tokens)
         self.spec_accepted.inc(stats.spec_accepted_tokens - self._seen_accepted)
-        self._seen_drafts, self._seen_accepted = stats.spec_draft_tokens, stats.spec_accepted_tokens
+        self._seen_drafts, self._seen_draft_tokens = stats.spec_drafts, stats.spec_draft_tokens
+        self._seen_accepted = stats.spec_accepted_tokens
+        seen = self._seen_per_position
+        for position, count in enumerate(stats.spec_accepted_per_position):
+            previous = seen[position] if position < len(seen) else 0
+            if count > previous or position >= len(seen):  # (a position's series exists once it is seen)
+                self._spec_per_position.labels(self._model_name, str(position)).inc(count - previous)
+        self._seen_per_position = stats.spec_accepted_per_position
         # NOTE: one labelled gauge per (MoE layer, expert) costs tens of ms to set: the engine thread keeps
         # only the (immutable) tuples, and render() writes the gauges when /metrics is read.
         self._expert_stats = (stats.expert_load, stats.expert_device_load_max_over_mean)
