@@ -1,0 +1,70 @@
+# Speculative decoding's cost curve on an H200 (Llama-3-8B shape, random weights), one call under 9 minutes;
+# the table is printed last. The acceptance is the bench's SYNTHETIC one (--spec-synthetic-acceptance:
+# each guess accepted with probability A while the earlier ones were; outputs not meaningful).
+#   bash benchmarks/devrun_spec.sh                    on the device
+#   SMOKE=1 PYTHON=/path/to/python bash benchmarks/devrun_spec.sh    the same plumbing on a CPU: the
+#       embedded model (jaxserve/assets/tiny-adder), batches 1, 4 and 8, a few tokens
+# Runs (logged under $OUT/work, each under its own timeout and never past DEADLINE, 530 s), most important
+# first, every one `jaxserve bench latency --precompile false` (only the shapes a run uses compile, on first
+# use; later processes find the shared ones in the persistent cache), n-gram k = 4:
+#   plain_b1    speculation off, batch 1 (128 in, 128 out)
+#   spec_b1     acceptance 0, 0.8, 0.2, 0.5, 0.9 in one engine (A is a step input: nothing recompiles):
+#               (a) the verify step's cost at acceptance 0, (b) the speed-up at 0.8
+#   plain_b16, spec_b16, plain_b64, spec_b64    the curve at batch 16 and 64 (128 in, 64 out)
+#   spec_b1_sync   batch 1 with overlap off, acceptance 0 and 0.8
+# The engine config is configs/llama3-8b-dummy.yaml with buckets that fit B x (k + 1) rows (5, 80, 320
+# tokens and logits rows) so that a verify step is not padded to the next power-of-two rung, and
+# max_num_seqs 320 (the scheduler takes a guess's logits row from the rows no request holds).
+# Then the table (benchmarks/spec_summary.py) to stdout and $OUT/summary.txt, $OUT/summary.json, and every
+# log and report in $OUT/spec_logs.tar.gz.
+set -o pipefail
+OUT=${OUT:-/tmp/devrun_spec}
+PY=${PYTHON:-python3}
+W=$OUT/work
+mkdir -p "$W"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+DEADLINE=${DEADLINE:-530}
+K=4
+SPEC="--speculative-config {\"method\":\"ngram\",\"num_speculative_tokens\":$K}"
+if [ -n "${SMOKE:-}" ]; then
+  CFG=""  # the default config: the embedded model
+  B1="--input-len 4 --output-len 16" BN="--input-len 4 --output-len 12" BATCHES="4 8"
+else
+  sed -e "s|path: models/llama3-8b|path: $PWD/configs/models/llama3-8b|" \
+      -e "s|max_num_seqs: 256|max_num_seqs: 320|" \
+      -e "s|token_buckets: \[.*\]|token_buckets: [16, 64, 80, 256, 320, 1024, 2048, 8192]|" \
+      -e "s|request_buckets: \[.*\]|request_buckets: [1, 5, 16, 64, 80, 256, 320]|" \
+      configs/llama3-8b-dummy.yaml > "$W/spec.yaml"
+  CFG="--config $W/spec.yaml"
+  B1="--input-len 128 --output-len 128" BN="--input-len 128 --output-len 64" BATCHES="16 64"
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.total --format=csv,noheader
+fi
+BENCH="$PY -m jaxserve.cli bench latency $CFG --disable-tqdm --precompile false"
+left() { echo $((DEADLINE - SECONDS - ${1:-0})); }  # seconds to the deadline, less $1 kept in reserve
+limit() { local t; t=$(left "$1"); echo $((t > 1 ? t : 1)); }  # a timeout (`timeout 0` would mean none)
+# run NAME MAX_S RESERVE_S ARGS...: one bench process, at most MAX_S, never into the last RESERVE_S
+run() {
+  local name=$1 max=$2 reserve=$3 t; shift 3
+  t=$(limit "$reserve"); t=$((t < max ? t : max))
+  if [ "$t" -lt 20 ]; then echo "== ${SECONDS}s: $name skipped (no time left)"; return; fi
+  echo "== ${SECONDS}s: $name (timeout ${t}s)"
+  timeout "$t" $BENCH "$@" --output-json "$W/$name.json" > "$W/$name.log" 2>&1
+  local rc=$?
+  [ $rc -eq 0 ] || { echo "   rc $rc"; tail -4 "$W/$name.log"; }
+  grep -E "^Decode:|^synthetic acceptance|^compiled" "$W/$name.log" | sed 's/^/   /'
+}
+
+run plain_b1 150 330 --batch-size 1 $B1 --num-iters-warmup 1 --num-iters 3
+run spec_b1 180 200 --batch-size 1 $B1 --num-iters-warmup 1 --num-iters 3 $SPEC \
+  --spec-synthetic-acceptance 0,0.8,0.2,0.5,0.9
+for B in $BATCHES; do
+  run plain_b$B 90 60 --batch-size "$B" $BN --num-iters-warmup 1 --num-iters 2
+  run spec_b$B 120 30 --batch-size "$B" $BN --num-iters-warmup 1 --num-iters 2 $SPEC \
+    --spec-synthetic-acceptance 0.8,0.5,0.2,0.9,0
+done
+run spec_b1_sync 60 5 --batch-size 1 $B1 --num-iters-warmup 1 --num-iters 2 $SPEC --async-scheduling false \
+  --spec-synthetic-acceptance 0,0.8
+echo "== ${SECONDS}s: done"
+tar -czf "$OUT/spec_logs.tar.gz" -C "$OUT" work
+$PY benchmarks/spec_summary.py "$W" --json "$OUT/summary.json" | tee "$OUT/summary.txt"
+rm -rf "$W"
