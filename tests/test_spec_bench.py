@@ -5,7 +5,7 @@ benchmarks/devrun_spec.sh (bench reports -> the summary table) on the embedded m
 
 from __future__ import annotations
 
-import dataclasses
+import argparse
 import json
 import math
 
@@ -73,7 +73,7 @@ def test_synthetic_verify_accepts_a_geometric_prefix():
 @pytest.fixture(scope="module")
 def engine():
     config = spec.apply(load_config(TINY_CONFIG, speculative_config=SPEC),
-                        common.argparse.Namespace(spec_synthetic_acceptance=[0.5]))
+                        argparse.Namespace(spec_synthetic_acceptance=[0.5]))
     engine, _ = common.make_engine(config, progress=False)  # (every bucket precompiled)
     return engine
 
