@@ -54,7 +54,7 @@ run() {
   grep -E "^Decode:|^synthetic acceptance|^compiled" "$W/$name.log" | sed 's/^/   /'
 }
 
-run plain_b1 150 330 --batch-size 1 $B1 --num-iters-warmup 1 --num-iters 3
+run plain_b1 200 300 --batch-size 1 $B1 --num-iters-warmup 1 --num-iters 3
 run spec_b1 180 200 --batch-size 1 $B1 --num-iters-warmup 1 --num-iters 3 $SPEC \
   --spec-synthetic-acceptance 0,0.8,0.2,0.5,0.9
 for B in $BATCHES; do
