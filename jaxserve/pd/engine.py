@@ -5,7 +5,8 @@
                  instance on a sender thread while the prompt runs
       finished:  its output is held back; with the reply ("reserved": skip the first `skip` blocks, which the
                  decode instance has, and send `num_blocks`) the blocks are pinned (a lease), gathered, and
-                 sent as a "ready"; the decode side's "ack" frees the lease
+                 sent as a "ready"; the decode side's "ack" frees the lease (no answer within
+                 server.kv_transfer_timeout_s of the request's arrival: "timeout", the lease freed)
       resolved:  the output is released with stop_reason "kv_transfer:<outcome>" (sent | refused |
                  unreachable | failed | timeout | aborted), which the router reads
     router -> decode instance: the same request with the same kv_transfer_params
@@ -349,9 +350,11 @@ class PDEngine:
         try:
             reply = out.reserve.result()
         except (OSError, proto.ProtocolError) as err:
-            logger.warning("PD: decode instance %s unreachable for transfer %s: %s", out.decode_address,
-                           out.transfer_id, err)
-            self._resolve(out, "unreachable", tell_decode=False)
+            # No connection: the instance is gone ("unreachable"); connected but no answer in time: "timeout".
+            timed_out = isinstance(err, (proto.ProtocolError, TimeoutError))
+            logger.warning("PD: decode instance %s %s for transfer %s: %s", out.decode_address,
+                           "did not answer" if timed_out else "unreachable", out.transfer_id, err)
+            self._resolve(out, "timeout" if timed_out else "unreachable", tell_decode=timed_out)
             return
         if reply["type"] == "refused":
             logger.info("PD: decode instance %s refused transfer %s: %s", out.decode_address, out.transfer_id,
