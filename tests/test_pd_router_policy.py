@@ -31,7 +31,7 @@ def _request(body: dict) -> Request:
     return Request({"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}, receive)
 
 
-def _run(router: Router, body: dict) -> httpx.Response:
+def _run(router: Router, body: dict) -> tuple[int, dict]:
     async def go():
         response = await router.handle("/v1/completions", _request(body))
         return response.status_code, json.loads(response.body)
