@@ -1,4 +1,4 @@
-"""`jaxserve` command line: generate | serve | bench.
+"""`jaxserve` command line: generate | serve | bench | router.
 
     jaxserve generate [--config configs/tiny.yaml] [--model DIR] (--prompt TEXT ... | --prompts-file F.jsonl)
                       [--output F.jsonl] [sampling flags] [engine flags: --max-num-seqs 8,
@@ -122,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     engine_flags = config_flags.add_config_flags(gen, reserved=own, skip_sections={"server"})
     sub.add_parser("serve", help="OpenAI-compatible server (jaxserve serve --help)", add_help=False)
     sub.add_parser("bench", help="benchmarks: throughput | latency | serve", add_help=False)
+    sub.add_parser("router", help="one OpenAI endpoint over prefill/decode instances (jaxserve router --help)",
+                   add_help=False)
     sub.add_parser("train-tiny", help="(a source-checkout tool: python tools/train_tiny.py)", add_help=False)
     args, rest = parser.parse_known_args(argv)
     if args.command == "train-tiny":
@@ -132,6 +134,10 @@ def main(argv: list[str] | None = None) -> int:
         from jaxserve.server import cli as server_cli
 
         return server_cli.main(rest)
+    if args.command == "router":
+        from jaxserve.pd import router
+
+        return router.main(rest)
     if args.command == "bench":
         from jaxserve import bench
 

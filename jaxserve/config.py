@@ -292,6 +292,14 @@ class ServerConfig:
     tokenizer_timeout_s: float = 60.0  # one tokenizing call longer than this: the worker is replaced, 500
     trust_request_chat_template: bool = False  # accept `chat_template` in requests
     access_log: bool = True
+    # Prefill/decode disaggregation (README): null = one colocated engine; prefill | decode = this instance's
+    # role behind `jaxserve router`. kv_transfer_address: the decode instance's KV transfer endpoint (port 0:
+    # any free one, reported at GET /pd/info); kv_transfer_token: the secret every instance and the router
+    # share (required unless the endpoint is on loopback); kv_transfer_timeout_s: a transfer's deadline.
+    pd_role: str | None = None
+    kv_transfer_address: str = "127.0.0.1:0"
+    kv_transfer_token: str | None = None
+    kv_transfer_timeout_s: float = 10.0
 
     def __post_init__(self):
         _check_fields(self, "server")
@@ -311,6 +319,12 @@ class ServerConfig:
         if self.keep_alive_timeout_s <= 0 or self.read_timeout_s <= 0 or self.tokenizer_timeout_s <= 0:
             raise ValueError("server.keep_alive_timeout_s, server.read_timeout_s and server.tokenizer_timeout_s "
                              "must be > 0")
+        if self.pd_role not in (None, "prefill", "decode"):
+            raise ValueError(f"server.pd_role must be prefill, decode or null, got {self.pd_role!r}")
+        if self.kv_transfer_timeout_s <= 0:
+            raise ValueError(f"server.kv_transfer_timeout_s must be > 0, got {self.kv_transfer_timeout_s}")
+        if self.kv_transfer_token is not None and not self.kv_transfer_token:
+            raise ValueError("server.kv_transfer_token must be a non-empty string or null")
 
 
 # Speculative-decoding methods vLLM has that jaxserve does not implement (yet).

@@ -39,6 +39,8 @@ class PreparedRequest:
     cache_salt: str | None
     arrival_time: float
     tenant: str | None = None
+    # Prefill/decode disaggregation: this request's transfer (set by a PD instance's engine; jaxserve/pd)
+    kv_transfer_params: dict | None = None
 
 
 class InputProcessor:

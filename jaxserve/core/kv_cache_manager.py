@@ -317,6 +317,17 @@ class KVCacheManager:
             parent = self._hash_block(parent, tokens[i * size:(i + 1) * size], request.lora_id, (), salt)
             hashes.append(parent)
 
+    def block_keys(self, token_ids: Sequence[int], cache_salt: str | None = None,
+                   lora_id: int | None = None) -> list[BlockHash]:
+        """The keys of the full blocks of a prompt `token_ids`, as a request with that prompt gets them
+        (the chain is rooted in this manager's root: keys are meaningful to this manager only)."""
+        keys, parent, size = [], self._root_hash, self.block_size
+        for i in range(len(token_ids) // size):
+            parent = self._hash_block(parent, token_ids[i * size:(i + 1) * size], lora_id, (),
+                                      cache_salt if i == 0 else None)
+            keys.append(parent)
+        return keys
+
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """The longest cached run of the request's full blocks from its start; takes no references.
 

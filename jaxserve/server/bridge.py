@@ -160,6 +160,12 @@ class EngineBridge:
             self._inbox.append(("abort_all", None))
             self._cond.notify()
 
+    def wake(self) -> None:
+        """Have the engine thread look at the engine again (an engine client with work from another thread,
+        e.g. a PD instance's control messages, calls this)."""
+        with self._cond:
+            self._cond.notify()
+
     def start_drain(self) -> None:
         self.draining = True
 

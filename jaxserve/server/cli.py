@@ -109,6 +109,10 @@ def _config_from_args(argv: list[str]) -> tuple[EngineConfig, str]:
 def main(argv: list[str]) -> int:
     try:
         config, log_level = _config_from_args(argv)
+        if config.server.pd_role == "decode":  # before the model loads: an open endpoint is refused at once
+            from jaxserve.pd.protocol import check_bind
+
+            check_bind(config.server.kv_transfer_address, config.server.kv_transfer_token)
     except (ValueError, TypeError, FileNotFoundError, yaml.YAMLError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -130,6 +134,15 @@ def main(argv: list[str]) -> int:
     if config.server.api_key and config.server.tenant_header:
         logger.info("server.api_key is set: the tenant is the API key; the %s header is ignored",
                     config.server.tenant_header)
+    if config.server.pd_role is not None:  # a prefill or decode instance behind `jaxserve router`
+        from jaxserve.pd.engine import PDEngine
+        from jaxserve.pd.serve import attach
+
+        engine = PDEngine(engine, config)
+        logger.info("PD role %s; KV transfer endpoint %s", engine.role, engine.kv_transfer_address or "(none)")
     logger.info("serving %s on http://%s:%d", served_model_name(config), config.server.host, config.server.port)
-    build_server(config, engine, log_level).run()
+    server = build_server(config, engine, log_level)
+    if config.server.pd_role is not None:
+        attach(server.config.app, engine)
+    server.run()
     return 0

@@ -108,6 +108,8 @@ class OpenAIRequest(BaseModel):
     request_id: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")] | None = None
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N" (bytes that are no valid UTF-8)
     add_special_tokens: bool | None = None  # default: true for completions; false for chat (the template adds them)
+    # vLLM's prefill/decode field: set by `jaxserve router` (signed), accepted only by a PD instance
+    kv_transfer_params: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _refuse_unsupported(self):

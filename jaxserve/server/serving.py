@@ -202,10 +202,18 @@ class Serving:
 
         def work() -> list[PreparedRequest]:
             try:
-                return [self.engine.prepare_request(item, params, request_id=f"{request_id}-{i}",
-                                                    priority=body.priority, cache_salt=body.cache_salt, tenant=tenant,
-                                                    strict=True)  # max_tokens past the context: 400
-                        for i, item in enumerate(items)]
+                prepared = [self.engine.prepare_request(item, params, request_id=f"{request_id}-{i}",
+                                                        priority=body.priority, cache_salt=body.cache_salt,
+                                                        tenant=tenant, strict=True)  # max_tokens past the context: 400
+                            for i, item in enumerate(items)]
+                if body.kv_transfer_params is not None:  # a PD instance's (jaxserve/pd/engine.py)
+                    accept = getattr(self.engine, "accept_kv_transfer_params", None)
+                    if accept is None:
+                        raise ValueError("kv_transfer_params is only accepted by a prefill or decode instance "
+                                         "(server.pd_role) behind `jaxserve router`; leave it out")
+                    for i, p in enumerate(prepared):
+                        accept(p, body.kv_transfer_params, i)
+                return prepared
             except ValueError as err:
                 message = str(err)
                 found = param_of(message, _KNOWN_PARAMS) or param

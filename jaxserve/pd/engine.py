@@ -1,0 +1,408 @@
+"""A prefill or decode instance: the engine, plus its side of KV transfers (an engine client, as Engine).
+
+    router -> prefill instance: the request with signed kv_transfer_params {transfer_id, decode_address}
+      enqueue:   max_tokens forced to 1 (n to 1); a "reserve" (the prompt's token ids) goes to the decode
+                 instance on a sender thread while the prompt runs
+      finished:  its output is held back; with the reply ("reserved": skip the first `skip` blocks, which the
+                 decode instance has, and send `num_blocks`) the blocks are pinned (a lease), gathered, and
+                 sent as a "ready"; the decode side's "ack" frees the lease (no answer within
+                 server.kv_transfer_timeout_s of the request's arrival: "timeout", the lease freed)
+      resolved:  the output is released with stop_reason "kv_transfer:<outcome>" (sent | refused |
+                 unreachable | failed | timeout | aborted), which the router reads
+    router -> decode instance: the same request with the same kv_transfer_params
+      control thread: reserve -> blocks reserved (or "refused"); ready -> bytes checked, scattered into the
+                 reserved blocks, registered in the prefix cache -> "ack"; abort -> freed
+      enqueue:   the request claims its READY transfer (same prompt): the blocks are its prefix-cache hit,
+                 so it computes only the tail of its prompt; without one (transfer failed or timed out) it
+                 prefills locally
+
+Control messages are handled on the control server's threads but every block-pool change runs on the
+engine thread (commands run at the start of step()), as the scheduler's do. Deadlines (reservations,
+leases, transfers) are checked every step; an idle instance with open transfers steps every few ms.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from jaxserve.config import EngineConfig
+from jaxserve.core.kv_cache_manager import KVCacheManager
+from jaxserve.engine import Engine
+from jaxserve.engine_client import EngineStats, PreparedRequest
+from jaxserve.outputs import RequestOutput
+from jaxserve.pd import protocol as proto
+from jaxserve.pd.reservations import DecodeReservations, PrefillLeases, Refused
+from jaxserve.pd.transfer import BlockMover, TransferError, pack, unpack
+from jaxserve.request import RequestStatus
+
+logger = logging.getLogger(__name__)
+
+_TRANSFER_ID = re.compile(r"^[0-9a-f]{16,64}$")
+CONTROL_TIMEOUT_S = 5.0  # one small control exchange (reserve, abort)
+IDLE_WAIT_S = 0.005  # an idle instance with open transfers waits this long for news between steps
+OUTCOME_PREFIX = "kv_transfer:"
+
+
+@dataclasses.dataclass
+class _Outgoing:
+    """A prefill instance's transfer of one request."""
+
+    transfer_id: str
+    decode_address: str
+    request_id: str
+    token_ids: list[int]
+    cache_salt: str | None
+    deadline: float
+    reserve: concurrent.futures.Future | None = None
+    send: concurrent.futures.Future | None = None
+    output: RequestOutput | None = None  # the finished output, held back until the transfer resolves
+    outcome: str | None = None
+
+
+def refuse_unsupported(config: EngineConfig, engine: Engine) -> None:
+    parallel = config.parallel
+    reasons = [why for bad, why in [
+        (not config.cache.enable_prefix_caching, "cache.enable_prefix_caching: false (transferred blocks are "
+                                                 "installed as prefix-cache hits)"),
+        (parallel.data > 1 or parallel.expert > 1 or parallel.num_processes > 1,
+         "parallel.data, parallel.expert or parallel.num_processes > 1"),
+        (not isinstance(engine.kv_cache, KVCacheManager), "a sharded KV cache")] if bad]
+    if reasons:
+        raise ValueError(f"server.pd_role={config.server.pd_role} is not supported with {', '.join(reasons)}; "
+                         f"change those settings or run colocated (pd_role: null)")
+
+
+class PDEngine:
+    """`engine` in the role config.server.pd_role; implements engine_client.EngineClient."""
+
+    def __init__(self, engine: Engine, config: EngineConfig):
+        server = config.server
+        refuse_unsupported(config, engine)
+        self.engine = engine
+        self.role = server.pd_role
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.vocab_size
+        self.sampling_defaults = engine.sampling_defaults
+        self.key = proto.derive_key(server.kv_transfer_token)
+        self.timeout_s = server.kv_transfer_timeout_s
+        self.block_size = config.cache.block_size
+        self.mover = BlockMover(engine.runner)
+        self.counts: collections.Counter[str] = collections.Counter()  # transfer outcomes (and decode events)
+        self._cond = threading.Condition()
+        self._commands: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future]] = collections.deque()
+        self._notified = False
+        self._wake: Callable[[], None] = lambda: None
+        self.kv_transfer_address: str | None = None
+        if self.role == "decode":
+            proto.check_bind(server.kv_transfer_address, server.kv_transfer_token)
+            self.reservations = DecodeReservations(engine.kv_cache, hold_s=self.timeout_s)
+            self.control = proto.ControlServer(
+                server.kv_transfer_address, self.key, self._on_message, timeout_s=self.timeout_s,
+                max_payload_bytes=engine.runner.num_blocks * self.mover.block_bytes).start()
+            self.kv_transfer_address = self.control.address
+        else:
+            self.leases = PrefillLeases(engine.kv_cache)
+            self._transfers: dict[str, _Outgoing] = {}  # by request id
+            self._released: list[RequestOutput] = []
+            self._senders = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="jaxserve-pd-send")
+
+    # ---- the engine client surface ----
+    def prepare_request(self, *args, **kwargs) -> PreparedRequest:
+        return self.engine.prepare_request(*args, **kwargs)
+
+    def add_request(self, prompt, params=None, **kwargs) -> str:
+        prepared = self.prepare_request(prompt, params, **kwargs)
+        self.enqueue(prepared)
+        return prepared.request_id
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.engine.kv_cache.num_free_blocks
+
+    @property
+    def num_open_transfers(self) -> int:
+        return len(self.reservations) if self.role == "decode" else len(self._transfers)
+
+    def set_waker(self, wake: Callable[[], None]) -> None:
+        """`wake()` makes the engine's driver call step() again (the server bridge's)."""
+        self._wake = wake
+
+    def accept_kv_transfer_params(self, prepared: PreparedRequest, params: Any, index: int) -> None:
+        """Checks the router's signed kv_transfer_params (ValueError naming what is wrong) and binds prompt
+        `index`'s transfer to `prepared`; a prefill instance computes one token."""
+        if not isinstance(params, dict):
+            raise ValueError("kv_transfer_params must be an object set by `jaxserve router`")
+        transfer_id, address, signature = (params.get(k) for k in ("transfer_id", "decode_address", "signature"))
+        if not (isinstance(transfer_id, str) and _TRANSFER_ID.match(transfer_id) and isinstance(address, str)
+                and isinstance(signature, str)
+                and proto.check_params_signature(self.key, transfer_id, address, signature)):
+            raise ValueError("kv_transfer_params is not signed with this instance's server.kv_transfer_token; "
+                             "only `jaxserve router` (with the same token) sets it")
+        proto.split_address(address)
+        if self.role == "prefill":
+            prepared.max_tokens = 1
+            prepared.params = dataclasses.replace(prepared.params, n=1)
+        prepared.kv_transfer_params = {"transfer_id": f"{transfer_id}.{index}", "decode_address": address}
+
+    def enqueue(self, prepared: PreparedRequest) -> None:
+        transfer = prepared.kv_transfer_params
+        if transfer is None:
+            self.engine.enqueue(prepared)
+            return
+        if self.role == "decode":
+            n = prepared.params.n
+            first = prepared.request_id if n == 1 else f"0_{prepared.request_id}"
+            claimed = self.reservations.claim(transfer["transfer_id"], first, prepared.prompt_token_ids,
+                                              prepared.cache_salt)
+            self.counts["claimed" if claimed else "recomputed"] += 1
+            self.engine.enqueue(prepared)
+            return
+        self.engine.enqueue(prepared)
+        out = _Outgoing(transfer["transfer_id"], transfer["decode_address"], prepared.request_id,
+                        list(prepared.prompt_token_ids), prepared.cache_salt, time.monotonic() + self.timeout_s)
+        self._transfers[prepared.request_id] = out
+        out.reserve = self._senders.submit(self._send_reserve, out)
+        out.reserve.add_done_callback(lambda _: self._notify())
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self.engine.abort_request(ids)
+        if self.role == "prefill":
+            for request_id in ids:
+                out = self._transfers.get(request_id)
+                if out is not None and out.outcome is None:
+                    self._resolve(out, "aborted", tell_decode=True)
+
+    def has_unfinished_requests(self) -> bool:
+        if self.engine.has_unfinished_requests() or self._commands:
+            return True
+        return bool(self.reservations) if self.role == "decode" else bool(self._transfers or self._released)
+
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        self._run_commands()
+        if self.role == "decode":
+            self.reservations.expire()
+            self.reservations.release_claims(self._waiting)
+        else:
+            self._advance()
+        if not self.engine.has_unfinished_requests():
+            self._idle_wait()
+            outputs = []
+        else:
+            outputs = self.engine.step(final_only)
+        if self.role == "prefill":
+            outputs = self._hold_finished(outputs)
+            self._advance()
+            outputs += self._released
+            self._released = []
+        return outputs
+
+    def close(self) -> None:
+        if self.role == "decode":
+            self.control.close()
+        else:
+            self._senders.shutdown(wait=False, cancel_futures=True)
+
+    # ---- engine-thread plumbing ----
+    def _notify(self) -> None:
+        with self._cond:
+            self._notified = True
+            self._cond.notify_all()
+        self._wake()
+
+    def _idle_wait(self) -> None:
+        with self._cond:
+            if not self._notified and not self._commands:
+                self._cond.wait(IDLE_WAIT_S)
+            self._notified = False
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        """Runs `fn` on the engine thread (at its next step) and returns its result (control threads)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            self._commands.append((fn, future))
+        self._notify()
+        return future.result(timeout=self.timeout_s)
+
+    def _run_commands(self) -> None:
+        while self._commands:
+            with self._cond:
+                fn, future = self._commands.popleft()
+            try:
+                future.set_result(fn())
+            except Exception as err:  # noqa: BLE001 - the control thread answers the peer with it
+                future.set_exception(err)
+
+    def _waiting(self, request_id: str) -> bool:
+        request = self.engine.scheduler.requests.get(request_id)
+        return request is not None and request.status == RequestStatus.WAITING
+
+    # ---- decode side: control messages ----
+    def _on_message(self, header: dict, payload: bytes) -> tuple[str, dict]:
+        kind, transfer_id = header["type"], header["transfer_id"]
+        if kind == "reserve":
+            tokens, salt = header.get("token_ids"), header.get("cache_salt")
+            if (not isinstance(tokens, list) or not tokens or len(tokens) > self.max_model_len
+                    or not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in tokens)
+                    or not (salt is None or isinstance(salt, str))):
+                return "refused", {"reason": "reserve needs token_ids (in vocabulary, at most max_model_len) "
+                                             "and cache_salt (a string or null)"}
+            if header.get("layout") != self.mover.layout:
+                return "refused", {"reason": f"KV layout mismatch: sender {header.get('layout')}, this instance "
+                                             f"{self.mover.layout}; run the same model, dtype and block size"}
+            timeout = min(float(header.get("timeout_s", self.timeout_s)), self.timeout_s)
+            return self._call(lambda: self._reserve(transfer_id, tokens, salt, timeout))
+        if kind == "ready":
+            try:
+                data = unpack(payload, int(header.get("num_blocks", -1)), header.get("layout"), self.mover.layout)
+            except (TransferError, ValueError, TypeError) as err:
+                self._call(lambda: self.reservations.abort(transfer_id))
+                self.counts["failed"] += 1
+                return "nack", {"reason": str(err)}
+            return self._call(lambda: self._install(transfer_id, data))
+        if kind == "abort":
+            return "ack", {"aborted": self._call(lambda: self.reservations.abort(transfer_id))}
+        return "nack", {"reason": f"a decode instance does not take {kind!r} messages"}
+
+    def _reserve(self, transfer_id: str, tokens: list[int], salt: str | None, timeout: float) -> tuple[str, dict]:
+        try:
+            reservation = self.reservations.reserve(transfer_id, tokens, salt, timeout)
+        except Refused as err:
+            self.counts["refused"] += 1
+            return "refused", {"reason": str(err)}
+        return "reserved", {"skip": reservation.skip, "num_blocks": len(reservation.target_ids)}
+
+    def _install(self, transfer_id: str, data) -> tuple[str, dict]:
+        targets = self.reservations.targets(transfer_id)
+        if targets is None:
+            self.counts["late"] += 1
+            return "nack", {"reason": "unknown, expired or already installed transfer"}
+        if len(targets) != len(data):
+            self.reservations.abort(transfer_id)
+            self.counts["failed"] += 1
+            return "nack", {"reason": f"{len(data)} blocks sent for {len(targets)} reserved"}
+        if targets:
+            self.mover.scatter(targets, data)
+        self.reservations.mark_ready(transfer_id)
+        self.counts["installed"] += 1
+        return "ack", {}
+
+    # ---- prefill side: outgoing transfers ----
+    def _send_reserve(self, out: _Outgoing) -> dict:
+        remaining = out.deadline - time.monotonic()
+        message = proto.encode(self.key, "reserve", out.transfer_id, token_ids=out.token_ids,
+                               cache_salt=out.cache_salt, timeout_s=remaining, layout=self.mover.layout)
+        return proto.request(out.decode_address, self.key, message, min(remaining, CONTROL_TIMEOUT_S))
+
+    def _send_ready(self, out: _Outgoing, gathered, count: int) -> dict:
+        payload = pack(gathered, count) if count else b""
+        message = proto.encode(self.key, "ready", out.transfer_id, payload, num_blocks=count,
+                               layout=self.mover.layout)
+        return proto.request(out.decode_address, self.key, message, max(1e-3, out.deadline - time.monotonic()))
+
+    def _send_abort(self, out: _Outgoing) -> None:
+        def send():
+            try:
+                proto.request(out.decode_address, self.key, proto.encode(self.key, "abort", out.transfer_id),
+                              CONTROL_TIMEOUT_S)
+            except (OSError, proto.ProtocolError) as err:  # its reservation expires on its own
+                logger.info("PD: abort of transfer %s not delivered: %s", out.transfer_id, err)
+        self._senders.submit(send)
+
+    def _hold_finished(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        kept = []
+        for output in outputs:
+            out = self._transfers.get(output.request_id)
+            if out is None or not output.finished:
+                kept.append(output)
+            elif out.outcome is not None:
+                self._release(out, output)
+            else:
+                out.output = output
+        return kept
+
+    def _advance(self) -> None:
+        now = time.monotonic()
+        for out in list(self._transfers.values()):
+            if out.outcome is not None:
+                continue
+            if now >= out.deadline:
+                self._resolve(out, "timeout", tell_decode=True)
+            elif out.send is not None:
+                if out.send.done():
+                    self._finish_send(out)
+            elif out.output is not None and out.reserve.done():
+                self._start_send(out)
+
+    def _start_send(self, out: _Outgoing) -> None:
+        try:
+            reply = out.reserve.result()
+        except (OSError, proto.ProtocolError) as err:
+            # No connection: the instance is gone ("unreachable"); connected but no answer in time: "timeout".
+            timed_out = isinstance(err, (proto.ProtocolError, TimeoutError))
+            logger.warning("PD: decode instance %s %s for transfer %s: %s", out.decode_address,
+                           "did not answer" if timed_out else "unreachable", out.transfer_id, err)
+            self._resolve(out, "timeout" if timed_out else "unreachable", tell_decode=timed_out)
+            return
+        if reply["type"] == "refused":
+            logger.info("PD: decode instance %s refused transfer %s: %s", out.decode_address, out.transfer_id,
+                        reply.get("reason"))
+            self._resolve(out, "refused", tell_decode=False)
+            return
+        if reply["type"] != "reserved":
+            self._resolve(out, "failed", tell_decode=True)
+            return
+        if out.output.outputs and out.output.outputs[0].finish_reason == "abort":
+            self._resolve(out, "aborted", tell_decode=True)
+            return
+        skip, count = int(reply.get("skip", 0)), int(reply.get("num_blocks", -1))
+        ids = self.leases.pin(out.transfer_id, out.token_ids, out.cache_salt, skip, out.deadline - time.monotonic())
+        if ids is None or len(ids) != count:
+            self._resolve(out, "failed", tell_decode=True)
+            return
+        gathered = self.mover.gather(ids) if ids else None
+        out.send = self._senders.submit(self._send_ready, out, gathered, count)
+        out.send.add_done_callback(lambda _: self._notify())
+
+    def _finish_send(self, out: _Outgoing) -> None:
+        try:
+            reply = out.send.result()
+        except (OSError, proto.ProtocolError) as err:
+            logger.warning("PD: sending transfer %s to %s failed: %s", out.transfer_id, out.decode_address, err)
+            self._resolve(out, "failed", tell_decode=True)
+            return
+        if reply["type"] == "ack":
+            self._resolve(out, "sent", tell_decode=False)
+        else:
+            logger.warning("PD: decode instance %s did not take transfer %s: %s", out.decode_address,
+                           out.transfer_id, reply.get("reason"))
+            self._resolve(out, "failed", tell_decode=True)
+
+    def _resolve(self, out: _Outgoing, outcome: str, tell_decode: bool) -> None:
+        """The transfer's end: the lease freed, the decode side told to free its reservation (best effort;
+        it expires on its own), and the held output released."""
+        out.outcome = outcome
+        self.counts[outcome] += 1
+        self.leases.release(out.transfer_id)
+        if tell_decode:
+            self._send_abort(out)
+        if out.output is not None:
+            self._release(out, out.output)
+
+    def _release(self, out: _Outgoing, output: RequestOutput) -> None:
+        for completion in output.outputs:
+            completion.stop_reason = OUTCOME_PREFIX + out.outcome
+        self._released.append(output)
+        del self._transfers[out.request_id]

@@ -1,0 +1,47 @@
+"""A PD instance's additions to the OpenAI server: GET /pd/info and the transfer gauges in /metrics.
+
+    GET /pd/info  {"role", "kv_transfer_address" (decode: where prefill instances send KV), "block_size",
+                   "num_free_blocks", "open_transfers", "outcomes": {outcome: count}} (behind the API key)
+    /metrics      jaxserve:pd_free_blocks, jaxserve:pd_open_transfers, jaxserve:pd_transfers{outcome}
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from prometheus_client import Gauge
+from starlette.responses import JSONResponse
+
+from jaxserve.pd.engine import PDEngine
+from jaxserve.server.metrics import PREFIX
+
+
+def attach(app: FastAPI, engine: PDEngine) -> None:
+    """Adds the route and the gauges, and lets the engine wake the server's engine thread."""
+    engine.set_waker(app.state.bridge.wake)
+    metrics = app.state.metrics
+    free = Gauge(PREFIX + "pd_free_blocks", "Free KV blocks (cached ones included) of this PD instance.",
+                 registry=metrics.registry)
+    open_transfers = Gauge(PREFIX + "pd_open_transfers", "KV transfers not yet resolved (decode: reservations "
+                           "held; prefill: transfers in flight).", registry=metrics.registry)
+    outcomes = Gauge(PREFIX + "pd_transfers", "KV transfers by outcome since start.", ["outcome"],
+                     registry=metrics.registry)
+    render = metrics.render
+
+    def render_with_pd() -> bytes:
+        free.set(engine.num_free_blocks)
+        open_transfers.set(engine.num_open_transfers)
+        for outcome, count in list(engine.counts.items()):
+            outcomes.labels(outcome).set(count)
+        return render()
+
+    metrics.render = render_with_pd
+
+    @app.get("/pd/info")
+    async def pd_info() -> JSONResponse:
+        return JSONResponse(info(engine))
+
+
+def info(engine: PDEngine) -> dict:
+    return {"role": engine.role, "kv_transfer_address": engine.kv_transfer_address, "block_size": engine.block_size,
+            "num_free_blocks": engine.num_free_blocks, "open_transfers": engine.num_open_transfers,
+            "outcomes": dict(engine.counts)}

@@ -1,0 +1,93 @@
+"""Moving a request's KV blocks between instances: the portable path (through host memory and the control
+connection).
+
+    prefill, engine thread:  gather(block ids) -> [n, L, *block] on device (dispatched after the steps that
+                             wrote the blocks, reading the live caches; the copy is its own array)
+    prefill, sender thread:  pack(copy, n) -> bytes of exactly n blocks (no padding), sent as a "ready"
+                             message's payload; its SHA-256 and length travel in the authenticated header
+    decode, control thread:  unpack(payload, n, layout) -> [n, L, *block] numpy, checked against this
+                             instance's layout (block shape, dtype): a mismatch or a short payload fails
+    decode, engine thread:   scatter(reserved block ids, data) -> the caches (donated back), before the next
+                             step's forward
+
+Device programs take a power-of-two number of blocks (padded with the null block 0, whose contents are
+never read), so a few sizes compile; the bytes on the wire are the request's blocks only. The layout a
+block's bytes mean is [L, *one layer's block], as the KV tiers' (runner/kv_transfer.py) whose gather and
+scatter are reused.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.models import layers
+from jaxserve.runner import kv_transfer
+
+
+class TransferError(Exception):
+    """A transfer that cannot be installed (wrong layout, wrong length); it resolves as failed."""
+
+
+def _bucket(count: int) -> int:
+    return 1 << (max(count, 1) - 1).bit_length()
+
+
+class BlockMover:
+    """Gathers and scatters whole blocks of one runner's KV caches (engine thread only)."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.axis = layers.kv_cache_axes(runner.attention_backend).index("pages")
+        self.block_shape = kv_transfer.KVTransfer.block_shape(runner)
+        self.dtype = np.dtype(runner.kv_caches[0].dtype)
+        shardings = [cache.sharding for cache in runner.kv_caches]
+        self._gather = jax.jit(functools.partial(kv_transfer._gather, axis=self.axis))
+        self._scatter = jax.jit(functools.partial(kv_transfer._scatter, axis=self.axis), donate_argnums=0,
+                                out_shardings=shardings)
+
+    @property
+    def layout(self) -> dict:
+        """What a block's bytes mean here; the sender's must be equal."""
+        return {"block_shape": list(self.block_shape), "dtype": self.dtype.name}
+
+    @property
+    def block_bytes(self) -> int:
+        return int(np.prod(self.block_shape)) * self.dtype.itemsize
+
+    def gather(self, block_ids: list[int]) -> jax.Array:
+        """[bucket, L, *block] copy of the blocks (first len(block_ids) rows); returns at once."""
+        ids = np.zeros(_bucket(len(block_ids)), np.int32)
+        ids[:len(block_ids)] = block_ids
+        return self._gather(self.runner.kv_caches, jnp.asarray(ids))
+
+    def scatter(self, block_ids: list[int], data: np.ndarray) -> None:
+        """Writes data[i] into block block_ids[i] of every layer; returns at once."""
+        size = _bucket(len(block_ids))
+        ids = np.zeros(size, np.int32)
+        ids[:len(block_ids)] = block_ids
+        padded = np.zeros((size, *self.block_shape), self.dtype)
+        padded[:len(block_ids)] = data
+        self.runner.kv_caches = self._scatter(self.runner.kv_caches, jnp.asarray(ids), padded)
+
+
+def pack(gathered: jax.Array, count: int) -> bytes:
+    """The first `count` blocks' bytes (waits for the gather)."""
+    return np.ascontiguousarray(np.asarray(gathered)[:count]).tobytes() if count else b""
+
+
+def unpack(payload: bytes, count: int, sender_layout: dict, layout: dict) -> np.ndarray:
+    """`count` blocks from `payload`; TransferError when the sender's layout differs or the length is wrong."""
+    if sender_layout != layout:
+        raise TransferError(f"KV layout mismatch: the prefill instance sends {sender_layout}, this instance "
+                            f"holds {layout}; run both with the same model, dtype and block size")
+    shape = (count, *layout["block_shape"])
+    dtype = np.dtype(jnp.dtype(layout["dtype"]))
+    expected = int(np.prod(shape)) * dtype.itemsize
+    if len(payload) != expected:
+        raise TransferError(f"KV payload of {len(payload)} bytes for {count} blocks; expected {expected} "
+                            f"(truncated transfer)")
+    return np.frombuffer(payload, dtype).reshape(shape)

@@ -1,0 +1,91 @@
+"""The router's choices against fake instances (httpx mock transport, no processes): a decode instance out
+of blocks sends the request elsewhere; all of them out of blocks makes it wait, then queue on the least
+loaded one without a transfer (never dropped); a decode instance gone before answering is retried on
+another; a prefill instance's 4xx is the client's answer."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+from starlette.requests import Request
+
+from jaxserve.pd.router import Router
+
+DECODES = {"http://d1": "127.0.0.1:7001", "http://d2": "127.0.0.1:7002"}
+
+
+def _router(handler, timeout_s: float = 0.3) -> Router:
+    router = Router(["http://p1"], list(DECODES), None, transfer_timeout_s=timeout_s)
+    router.client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    return router
+
+
+def _request(body: dict) -> Request:
+    raw = json.dumps(body).encode()
+
+    async def receive():
+        return {"type": "http.request", "body": raw, "more_body": False}
+
+    return Request({"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}, receive)
+
+
+def _run(router: Router, body: dict) -> tuple[int, dict]:
+    async def go():
+        response = await router.handle("/v1/completions", _request(body))
+        return response.status_code, json.loads(response.body)
+    return asyncio.run(go())
+
+
+def _handler(refusing: set[str], calls: list, dead: set[str] = frozenset()):
+    def handler(request: httpx.Request) -> httpx.Response:
+        url = f"{request.url.scheme}://{request.url.host}"
+        if request.url.path == "/pd/info":
+            return httpx.Response(200, json={"role": "decode", "kv_transfer_address": DECODES[url]})
+        body = json.loads(request.content)
+        params = body.get("kv_transfer_params")
+        calls.append((url, params and params["decode_address"]))
+        if url == "http://p1":
+            address = params["decode_address"]
+            outcome = "refused" if address in refusing else "sent"
+            return httpx.Response(200, json={"choices": [{"text": "x", "stop_reason": f"kv_transfer:{outcome}"}]})
+        if url in dead:
+            raise httpx.RemoteProtocolError("server disconnected")
+        return httpx.Response(200, json={"choices": [{"text": f"from {url}"}]})
+    return handler
+
+
+def test_refused_decode_routes_elsewhere():
+    calls = []
+    router = _router(_handler({DECODES["http://d1"]}, calls))
+    status, body = _run(router, {"prompt": "1+1="})
+    assert status == 200 and body["choices"][0]["text"] == "from http://d2"
+    assert router.counts["transfer_refused"] == 1 and router.counts["transfer_sent"] == 1
+
+
+def test_all_refused_waits_then_queues_without_a_transfer():
+    calls = []
+    router = _router(_handler(set(DECODES.values()), calls))
+    status, body = _run(router, {"prompt": "1+1="})
+    assert status == 200 and body["choices"][0]["text"].startswith("from http://d")
+    assert router.counts["transfer_refused"] > 2  # it kept trying while waiting
+    assert calls[-1][1] is None  # the final decode request carries no transfer: prefilled there
+
+
+def test_decode_gone_before_answering_is_retried_on_another():
+    calls = []
+    router = _router(_handler(set(), calls, dead={"http://d1"}))
+    status, body = _run(router, {"prompt": "1+1="})
+    assert status == 200 and body["choices"][0]["text"] == "from http://d2"
+    assert not router.decode[0].up
+
+
+def test_prefill_validation_error_is_the_clients_answer():
+    def handler(request):
+        if request.url.path == "/pd/info":
+            return httpx.Response(200, json={"role": "decode", "kv_transfer_address": "127.0.0.1:7001"})
+        return httpx.Response(400, json={"error": {"message": "max_tokens: bad", "param": "max_tokens"}})
+    router = _router(handler)
+    status, body = _run(router, {"prompt": "1+1=", "max_tokens": -1})
+    assert status == 400 and body["error"]["param"] == "max_tokens"
