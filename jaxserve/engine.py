@@ -217,9 +217,10 @@ class Engine:
             self.rebalance_experts(final_only)
         outputs, self._pending = self._pending, []
         t_start = time.perf_counter()
-        out = self.scheduler.schedule() if self.scheduler.has_unfinished_requests() else None
-        if self.kv_transfer is not None:  # blocks evicted to host / loaded back: before the step's forward
+        if self.kv_transfer is not None:  # copies that landed on host: found by this schedule()
             self.kv_transfer.poll(self.kv_cache.tier_link)
+        out = self.scheduler.schedule() if self.scheduler.has_unfinished_requests() else None
+        if self.kv_transfer is not None:  # blocks evicted or swapped to host / loaded back: before the forward
             moves = self.kv_cache.tier_link.take()
             if moves:
                 self.kv_transfer.run(moves)

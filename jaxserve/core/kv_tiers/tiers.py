@@ -42,6 +42,8 @@ class TierCounters:
     disk_bytes_out: int = 0
     disk_evictions: int = 0
     disk_errors: int = 0  # failed writes (disk full, permissions): the block is dropped
+    swaps_out: int = 0  # requests preempted by swapping their blocks to host (core/preemption.py)
+    swaps_in: int = 0  # of those, resumed from host
 
 
 class KVTiers:
@@ -63,7 +65,7 @@ class KVTiers:
 
     def _host_evicted(self, key: Hashable, data: np.ndarray) -> None:
         self.counters.host_evictions += 1
-        if self._io is None:
+        if self._io is None or not isinstance(key, bytes):  # (only prefix-cache keys name disk blocks)
             return
         previous = self._writes.get(key)
         if previous is not None and not previous.done():
