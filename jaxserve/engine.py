@@ -199,10 +199,13 @@ class Engine:
             load = self.runner.collected_expert_load()
             expert = dict(expert_load=tuple(map(tuple, load.tolist())), expert_device_load_max_over_mean=tuple(
                 eplb.max_mean_device_load(load, self.runner.host_placement).tolist()))
-        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv_cache.usage,
+        usage = self.kv_cache.usage
+        tier_usage = self.kv_cache.tier_usage if self.kv_transfer is not None else (("device", usage),)
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), usage,
                            kv.queries, kv.hits, self.scheduler.num_preemptions, **expert,
                            spec_draft_tokens=self.scheduler.num_draft_tokens,
-                           spec_accepted_tokens=self.scheduler.num_accepted_tokens)
+                           spec_accepted_tokens=self.scheduler.num_accepted_tokens,
+                           kv_cache=kv, kv_tier_usage=tier_usage)
 
     # ---- one step ----
     def step(self, final_only: bool = False) -> list[RequestOutput]:

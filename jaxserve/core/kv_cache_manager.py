@@ -96,17 +96,22 @@ class KVCacheStats:
     hits: int  # of those, tokens found (on device, or loaded back from a tier below)
     evictions: int  # cached blocks whose contents were dropped to reuse the block
     # The tiers (kv_tiers.tiers.TierCounters; 0 without them): tokens found in a tier after the device
-    # missed, tokens asked of it and not found, bytes written into it and read from it, blocks evicted.
+    # missed, tokens asked of it and not found, bytes written into it and read from it, blocks evicted,
+    # loads out of it and the seconds they took.
     host_hits: int = 0
     host_misses: int = 0
     host_bytes_in: int = 0
     host_bytes_out: int = 0
     host_evictions: int = 0
+    host_loads: int = 0
+    host_load_seconds: float = 0.0
     disk_hits: int = 0
     disk_misses: int = 0
     disk_bytes_in: int = 0
     disk_bytes_out: int = 0
     disk_evictions: int = 0
+    disk_loads: int = 0
+    disk_load_seconds: float = 0.0
     disk_errors: int = 0
     swaps_out: int = 0  # requests preempted by swapping their blocks to host, and of those, resumed
     swaps_in: int = 0
@@ -159,6 +164,11 @@ class KVCacheManager:
     @property
     def usage(self) -> float:
         return self.pool.usage
+
+    @property
+    def tier_usage(self) -> tuple[tuple[str, float], ...]:
+        """(tier, share in use) of the device and of each tier below it."""
+        return (("device", self.usage),) + (self.tiers.usage() if self.tiers is not None else ())
 
     @property
     def stats(self) -> KVCacheStats:
