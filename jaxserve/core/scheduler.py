@@ -15,7 +15,8 @@ preempted: its blocks are freed, it keeps its generated tokens and waits again, 
 swapped (scheduler.preemption_mode, core/preemption.py: by cost; a host tier needed), with its blocks
 copied to the host tier first and loaded back into fresh blocks when it resumes, its computed tokens kept.
 The waiting queue orders FCFS, by priority, or per-tenant fair (core/fairness.py: each step charges
-every tenant the tokens computed for it). Requests asking for prompt logprobs share at most
+every tenant the tokens computed for it); a request whose KV is still coming up from a tier below (disk
+reads, swap copies) is passed over until it landed, so the requests behind it are not held up. Requests asking for prompt logprobs share at most
 `max_prompt_logprob_rows` scored prompt positions per step: their prefill chunks are shortened to fit
 (chunked prefill disabled or not), which bounds the runner's prompt-logprob arrays.
 """
@@ -335,6 +336,7 @@ class Scheduler:
             budget -= num_new
 
         # Then waiting requests, unless this step had to preempt.
+        held: list[Request] = []
         while (not preempted and self.waiting and budget > 0
                and len(self.running) + num_guesses < self.config.max_num_seqs):
             request = self.waiting.peek()
@@ -342,14 +344,14 @@ class Scheduler:
             # prompt position computed (its blocks are still cached for others).
             lookup = request.sampling_params.prompt_logprobs is None
             swapped = self.kv_cache.swapped_tokens(request) if self._swap else 0  # resumes from host
-            if swapped:
-                if not self.kv_cache.swap_ready(request):
-                    break  # its blocks are still on their way to the host
-                computed_ids, num_hit = [], swapped
-            else:
-                if lookup and self.kv_cache.loading_prefix(request):
-                    break  # its prefix is coming up from the disk tier; the running requests go on meanwhile
-                computed_ids, num_hit = self.kv_cache.get_computed_blocks(request) if lookup else ([], 0)
+            if swapped and not self.kv_cache.swap_ready(request) or (
+                    not swapped and lookup and self.kv_cache.loading_prefix(request)):
+                # Its blocks are on their way to the host (swap copies, disk reads): it waits aside, and the
+                # requests behind it may start meanwhile.
+                held.append(self.waiting.pop())
+                continue
+            computed_ids, num_hit = (([], swapped) if swapped else
+                                     self.kv_cache.get_computed_blocks(request) if lookup else ([], 0))
             if not self.config.enable_chunked_prefill and request.num_tokens - num_hit > budget:
                 break
             request.num_computed_tokens = num_hit
@@ -376,6 +378,8 @@ class Scheduler:
                 new=NewRequestData(list(request.all_token_ids), request.num_prompt_tokens, request.sampling_params,
                                    request.seed, request.eos_token_ids, request.max_tokens))))
             budget -= num_new
+        for request in reversed(held):  # back in their places (FCFS: at the front, in order)
+            self.waiting.push(request, front=True)
 
         if self._fair:  # service is charged as it is given: every token computed this step
             charge = self.waiting.charge
