@@ -122,6 +122,7 @@ class Engine:
         self._observers: list[StepObserver] = []
         self.rebalance_interval = config.parallel.rebalance_interval_steps if expert_parallel else 0
         self._steps_since_rebalance = 0
+        self._closed = False
         self.step_recorder = StepStatsRecorder() if record_step_stats else None
         if self.step_recorder is not None:
             self.add_observer(self.step_recorder)
@@ -207,6 +208,17 @@ class Engine:
                            spec_accepted_tokens=self.scheduler.num_accepted_tokens,
                            kv_cache=kv, kv_tier_usage=tier_usage)
 
+    def close(self) -> None:
+        """Shuts the engine down: the step in flight is finished (its outputs dropped) and, with a disk tier,
+        every KV block cached on the device or the host tier that the disk lacks is written there, so that a
+        restart, or another engine with the same cache.prefix_hash_seed, finds it. Takes no more steps."""
+        if self._in_flight is not None:
+            previous, self._in_flight = self._in_flight, None
+            self._process(*previous, final_only=True)
+        if self.kv_transfer is not None and not self._closed:
+            self.kv_transfer.close(self.kv_cache.tier_link)
+        self._closed = True
+
     # ---- one step ----
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """One engine step. Returns a RequestOutput for each request that changed, or, with
@@ -216,6 +228,8 @@ class Engine:
         With async_scheduling (overlap), this dispatches step N+1 and then processes step N, whose
         device work ran while the host scheduled and prepared N+1 (docs/ARCHITECTURE.md §4).
         """
+        if self._closed:
+            raise RuntimeError("the engine is closed (Engine.close); make a new one")
         if self.rebalance_interval and self._steps_since_rebalance >= self.rebalance_interval:
             self.rebalance_experts(final_only)
         outputs, self._pending = self._pending, []

@@ -6,6 +6,7 @@
     step(final_only=False) -> [RequestOutput]                  one engine step; outputs of changed requests
     has_unfinished_requests()
     stats() -> EngineStats                                     the gauges and counters of /metrics
+    close()                                                    shut down (KV disk tier: cached blocks written)
     tokenizer, max_model_len, vocab_size, sampling_defaults    read-only facts about the served model
 
 `Engine` (jaxserve/engine.py) and `DataParallelEngine` (jaxserve/data_parallel.py) implement it; a
@@ -102,3 +103,8 @@ class EngineClient(Protocol):
     def has_unfinished_requests(self) -> bool: ...
 
     def stats(self) -> EngineStats: ...
+
+    def close(self) -> None:
+        """Shut down (the engine takes no more steps): with a KV disk tier, the cached KV blocks are written
+        there first, so a restart finds them. Idempotent."""
+        ...

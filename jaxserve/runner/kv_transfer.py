@@ -101,7 +101,8 @@ class KVTransfer:
         self._dtype = kv.dtype
         # Load latency (TierCounters.host_load_seconds): a watcher thread waits for each step's loads.
         self._loads_done: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._time_loads, name="jaxserve-kv-loads", daemon=True).start()
+        self._watcher = threading.Thread(target=self._time_loads, name="jaxserve-kv-loads", daemon=True)
+        self._watcher.start()
 
     def _time_loads(self) -> None:
         counters = self.tiers.counters
@@ -165,9 +166,20 @@ class KVTransfer:
             link.finish_saves(keys, np.asarray(blocks)[:len(keys)])
         self.tiers.poll(wait=wait)
 
-    def close(self) -> None:
-        """Stops the load-latency watcher (after the loads dispatched so far) and the tiers' IO."""
+    def close(self, link: TierLink) -> None:
+        """Shutdown: with a disk tier, every block cached on the device or present on host that the disk
+        lacks is written to disk (waited for); then the load-latency watcher and the tiers' IO stop."""
+        self.poll(link, wait=True)
+        if self.tiers.disk is not None:
+            device_only = link.device_only()
+            for start, stop, size in self._chunks(len(device_only)):
+                ids = self._ids([block_id for block_id, _ in device_only[start:stop]], size)
+                blocks = np.asarray(self._compiled.get(("gather", size), self._gather)(self.runner.kv_caches, ids))
+                for (_, key), block in zip(device_only[start:stop], blocks):
+                    self.tiers.write_to_disk(key, block)
+            self.tiers.flush()
         self._loads_done.put(None)
+        self._watcher.join()
         self.tiers.close()
 
 

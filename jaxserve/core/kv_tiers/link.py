@@ -79,24 +79,34 @@ class TierLink:
 
     def loading(self, keys: Sequence[Hashable]) -> bool:
         """Whether blocks of this prefix (`keys`: the blocks a hit may cover) are on their way to the
-        host tier; starts reading those found on disk. The prefix ends at the first block no tier has."""
-        tiers = self.tiers
+        host tier; starts reading those found on disk. The prefix ends at the first block no tier has, and
+        at the host's size (its loaded part is staged there at once)."""
+        tiers, host = self.tiers, self.tiers.host
         tiers.poll()
         moving = False
+        staged = 0  # blocks of this prefix on host or on their way there
         for key in keys:
             if self.pool.get_cached_block(key) is not None:
                 continue
             where = tiers.locate(key)
-            if where == "disk":
-                if not tiers.start_read(key):
-                    break  # no host slot free now: the prefix stops here
-                moving = True
+            if where == "host":
+                host.lookup(key)  # now recently used: reads for the rest of the prefix evict other blocks first
             elif where == "moving":
                 moving = True
-            elif where is None:
+            elif where == "disk":
+                if staged >= host.num_slots:
+                    break
+                if not tiers.start_read(key):
+                    # No slot free now: wait while slots are in transit or pinned by this step's loads (they
+                    # can be evicted once landed, or once take() read them); otherwise the prefix stops here.
+                    moving = moving or host.num_in_transit > 0 or bool(self._loads)
+                    break
+                moving = True
+            else:
                 if tiers.disk is not None:
                     tiers.counters.disk_misses += self.block_size
                 break
+            staged += 1
         return moving
 
     def extend_hits(self, keys: Sequence[Hashable], hits: list[KVCacheBlock]) -> list[KVCacheBlock]:
@@ -177,6 +187,11 @@ class TierLink:
     def abort_saves(self, keys: Sequence[Hashable]) -> None:
         for key in keys:
             self.tiers.host.abort(key)
+
+    def device_only(self) -> list[tuple[int, Hashable]]:
+        """(block id, key) of every block cached on the device that no tier below holds (nor is loading)."""
+        return [(block.block_id, key) for key, block in self.pool.cached_blocks.items()
+                if block.block_id not in self._loads and self.tiers.locate(key) is None]
 
     # ---- swap preemption ----
     def swap_out(self, request_id: str, block_ids: Sequence[int], num_tokens: int) -> bool:

@@ -135,6 +135,20 @@ class KVTiers:
         if self.disk is not None:
             self.counters.disk_evictions = self.disk.num_evictions
 
+    def write_to_disk(self, key: Hashable, block: np.ndarray) -> None:
+        """Queues a disk write of `block` (a copy the caller gives up) under `key` (a prefix-cache key)."""
+        if key not in self._writes and not self.disk.contains(key):
+            self._writes[key] = self._io.submit(self.disk.write, key, block)
+
+    def flush(self) -> None:
+        """Writes every present host block that the disk lacks to disk and waits for every queued write
+        (shutdown)."""
+        host = self.host
+        for key in host.keys():
+            if isinstance(key, bytes):
+                self.write_to_disk(key, host.data[host.lookup(key)].copy())
+        self.poll(wait=True)
+
     def usage(self) -> tuple[tuple[str, float], ...]:
         """(tier, share of its capacity in use) for the host tier and, when configured, the disk tier."""
         usage = (("host", self.host.usage),)
