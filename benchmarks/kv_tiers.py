@@ -193,8 +193,8 @@ def main() -> None:
         ttft = result["turn2_ttft_ms"]
         print(f"{name}: turn-2 TTFT p50 {ttft['p50']:.1f} ms p90 {ttft['p90']:.1f} ms, "
               f"{result['total_tokens_per_s']:.0f} tokens/s, turn-2 prefix hit rate {result['turn2_hit_rate']:.1%} "
-              f"(host {result['turn2_host_hits']} tokens), {result['num_preemptions']} preemptions ({num_blocks} device blocks, working set "
-              f"{working_set})")
+              f"(host {result['turn2_host_hits']} tokens), {result['num_preemptions']} preemptions "
+              f"({num_blocks} device blocks, working set {working_set})")
     on, off = turns["host_tier_on"], turns["host_tier_off"]
     report["turns"] = turns
     report["ratios"] = {"turn2_ttft_p50_on_over_off": on["turn2_ttft_ms"]["p50"] / off["turn2_ttft_ms"]["p50"],
