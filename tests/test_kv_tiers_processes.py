@@ -52,7 +52,7 @@ def test_a_second_process_hits_the_blocks_the_first_wrote(tmp_path):
 
 def test_close_writes_the_device_and_host_blocks_to_disk(tmp_path):
     options = dict(num_blocks=64, host_kv_gib=2 * BLOCK_GIB, disk_kv_path=str(tmp_path / "kv"), disk_kv_gib=0.01,
-                   prefix_hash_seed=4)
+                   prefix_hash_seed=4, precompile=False)
     llm = LLM(config=load_config(TINY_CONFIG), progress=False, **options)
     greedy = SamplingParams(temperature=0.0, max_tokens=6)
     llm.generate(PROMPTS, greedy, use_tqdm=False)
