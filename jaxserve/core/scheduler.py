@@ -11,14 +11,15 @@ NOTE: there is no "prefill phase" or "decode phase": a request has `num_computed
 step gives it up to `num_tokens + num_pending - num_computed_tokens` new tokens within the budget
 (num_pending: tokens sampled by steps still in flight, under overlap scheduling).
 When blocks run out, the running request with the lowest priority (then the latest arrival) is
-preempted: its blocks are freed, it keeps its generated tokens and waits again, to be recomputed, or,
+preempted: its blocks are freed, it keeps its generated tokens and waits again, to be recomputed, or
 swapped (scheduler.preemption_mode, core/preemption.py: by cost; a host tier needed), with its blocks
 copied to the host tier first and loaded back into fresh blocks when it resumes, its computed tokens kept.
 The waiting queue orders FCFS, by priority, or per-tenant fair (core/fairness.py: each step charges
 every tenant the tokens computed for it); a request whose KV is still coming up from a tier below (disk
-reads, swap copies) is passed over until it landed, so the requests behind it are not held up. Requests asking for prompt logprobs share at most
-`max_prompt_logprob_rows` scored prompt positions per step: their prefill chunks are shortened to fit
-(chunked prefill disabled or not), which bounds the runner's prompt-logprob arrays.
+reads, swap copies) is passed over until it landed, so the requests behind it are not held up. Requests
+asking for prompt logprobs share at most `max_prompt_logprob_rows` scored prompt positions per step: their
+prefill chunks are shortened to fit (chunked prefill disabled or not), which bounds the runner's
+prompt-logprob arrays.
 """
 
 from __future__ import annotations
