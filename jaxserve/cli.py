@@ -92,6 +92,7 @@ def _generate(args: argparse.Namespace, engine_flags: list[config_flags.ConfigFl
     prompts = _read_prompts(args)
     llm = LLM(config=config, progress=not args.quiet)
     outputs = llm.generate(prompts, sampling, use_tqdm=not args.quiet)
+    llm.close()
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:
             for out in outputs:

@@ -174,6 +174,10 @@ class SchedulerConfig:
     max_logprobs: int = 20  # cap on SamplingParams.logprobs and prompt_logprobs; -1: the whole vocabulary
     # Overlap scheduling: step N+1 is dispatched before step N's tokens are read back (docs/ARCHITECTURE.md §4).
     async_scheduling: bool = True
+    # How a request preempted for KV blocks resumes: recompute (its blocks are freed, its tokens computed
+    # again) | swap (its blocks are copied to the host tier and back; needs cache.host_kv_gib > 0) | auto
+    # (per request, the cheaper of the two by core/preemption.py's cost model; recompute without a host tier)
+    preemption_mode: str = "auto"
 
     def __post_init__(self):
         _check_fields(self, "scheduler")
@@ -184,6 +188,8 @@ class SchedulerConfig:
                              f"got {self.max_logprobs}")
         if self.policy not in ("fcfs", "priority", "fair"):
             raise ValueError(f"scheduler.policy must be fcfs, priority or fair, got {self.policy!r}")
+        if self.preemption_mode not in ("auto", "recompute", "swap"):
+            raise ValueError(f"scheduler.preemption_mode must be auto, recompute or swap, got {self.preemption_mode!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -138,6 +138,10 @@ class DataParallelEngine:
     def stats(self) -> EngineStats:
         return EngineStats.combine([engine.stats() for engine in self.engines])
 
+    def close(self) -> None:
+        for engine in self.engines:
+            engine.close()
+
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """One step of every replica that has work, concurrently; their outputs, replica by replica."""
         busy = [engine for engine in self.engines if engine.has_unfinished_requests()]

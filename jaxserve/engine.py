@@ -127,6 +127,7 @@ class Engine:
         self._observers: list[StepObserver] = []
         self.rebalance_interval = config.parallel.rebalance_interval_steps if expert_parallel else 0
         self._steps_since_rebalance = 0
+        self._closed = False
         self.step_recorder = StepStatsRecorder() if record_step_stats else None
         if self.step_recorder is not None:
             self.add_observer(self.step_recorder)
@@ -204,12 +205,26 @@ class Engine:
             load = self.runner.collected_expert_load()
             expert = dict(expert_load=tuple(map(tuple, load.tolist())), expert_device_load_max_over_mean=tuple(
                 eplb.max_mean_device_load(load, self.runner.host_placement).tolist()))
-        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv_cache.usage,
+        usage = self.kv_cache.usage
+        tier_usage = self.kv_cache.tier_usage if self.kv_transfer is not None else (("device", usage),)
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), usage,
                            kv.queries, kv.hits, self.scheduler.num_preemptions, **expert,
                            spec_draft_tokens=self.scheduler.num_draft_tokens,
                            spec_accepted_tokens=self.scheduler.num_accepted_tokens,
                            spec_drafts=self.scheduler.num_drafts,
-                           spec_accepted_per_position=tuple(self.scheduler.accepted_per_position))
+                           spec_accepted_per_position=tuple(self.scheduler.accepted_per_position),
+                           kv_cache=kv, kv_tier_usage=tier_usage)
+
+    def close(self) -> None:
+        """Shuts the engine down: the step in flight is finished (its outputs dropped) and, with a disk tier,
+        every KV block cached on the device or the host tier that the disk lacks is written there, so that a
+        restart, or another engine with the same cache.prefix_hash_seed, finds it. Takes no more steps."""
+        if self._in_flight is not None:
+            previous, self._in_flight = self._in_flight, None
+            self._process(*previous, final_only=True)
+        if self.kv_transfer is not None and not self._closed:
+            self.kv_transfer.close(self.kv_cache.tier_link)
+        self._closed = True
 
     # ---- one step ----
     def step(self, final_only: bool = False) -> list[RequestOutput]:
@@ -220,13 +235,16 @@ class Engine:
         With async_scheduling (overlap), this dispatches step N+1 and then processes step N, whose
         device work ran while the host scheduled and prepared N+1 (docs/ARCHITECTURE.md §4).
         """
+        if self._closed:
+            raise RuntimeError("the engine is closed (Engine.close); make a new one")
         if self.rebalance_interval and self._steps_since_rebalance >= self.rebalance_interval:
             self.rebalance_experts(final_only)
         outputs, self._pending = self._pending, []
         t_start = time.perf_counter()
-        out = self.scheduler.schedule() if self.scheduler.has_unfinished_requests() else None
-        if self.kv_transfer is not None:  # blocks evicted to host / loaded back: before the step's forward
+        if self.kv_transfer is not None:  # copies that landed on host: found by this schedule()
             self.kv_transfer.poll(self.kv_cache.tier_link)
+        out = self.scheduler.schedule() if self.scheduler.has_unfinished_requests() else None
+        if self.kv_transfer is not None:  # blocks evicted or swapped to host / loaded back: before the forward
             moves = self.kv_cache.tier_link.take()
             if moves:
                 self.kv_transfer.run(moves)

@@ -6,6 +6,7 @@
     step(final_only=False) -> [RequestOutput]                  one engine step; outputs of changed requests
     has_unfinished_requests()
     stats() -> EngineStats                                     the gauges and counters of /metrics
+    close()                                                    shut down (KV disk tier: cached blocks written)
     tokenizer, max_model_len, vocab_size, sampling_defaults    read-only facts about the served model
 
 `Engine` (jaxserve/engine.py) and `DataParallelEngine` (jaxserve/data_parallel.py) implement it; a
@@ -19,6 +20,7 @@ import dataclasses
 import itertools
 from typing import Any, Protocol, runtime_checkable
 
+from jaxserve.core.kv_cache_manager import KVCacheStats
 from jaxserve.input_processor import PreparedRequest, PromptType
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
@@ -47,16 +49,28 @@ class EngineStats:
     spec_accepted_tokens: int = 0
     spec_drafts: int = 0  # steps of a request with guesses
     spec_accepted_per_position: tuple[int, ...] = ()  # [j]: drafts whose guess j was accepted
+    # The KV cache's counters (prefix-cache lookups, device evictions; per tier below the device: hits,
+    # misses, bytes in and out, evictions, loads and their seconds; swap preemptions), and each tier's
+    # share in use, (("device", u), ("host", u), ("disk", u)) for the tiers configured.
+    kv_cache: KVCacheStats | None = None
+    kv_tier_usage: tuple[tuple[str, float], ...] = ()
 
     @staticmethod
     def combine(stats: list[EngineStats]) -> EngineStats:
-        """Several replicas as one: counts summed, KV usage the mean; expert loads summed and each layer's
+        """Several replicas as one: counts summed, KV usage (each tier's) the mean; expert loads summed and each layer's
         max/mean device load the worst replica's (only when every replica has the same expert layout)."""
         loads = [s.expert_load for s in stats]
         expert_load, max_over_mean = (), ()
         if loads and loads[0] and all(len(load) == len(loads[0]) for load in loads):
             expert_load = tuple(tuple(map(sum, zip(*layer))) for layer in zip(*loads))
             max_over_mean = tuple(map(max, zip(*(s.expert_device_load_max_over_mean for s in stats))))
+        kv_stats = [s.kv_cache for s in stats if s.kv_cache is not None]
+        kv_cache = KVCacheStats(*(sum(getattr(kv, f.name) for kv in kv_stats)
+                                  for f in dataclasses.fields(KVCacheStats))) if kv_stats else None
+        usage: dict[str, list[float]] = {}
+        for s in stats:
+            for tier, share in s.kv_tier_usage:
+                usage.setdefault(tier, []).append(share)
         return EngineStats(sum(s.num_running for s in stats), sum(s.num_waiting for s in stats),
                            sum(s.kv_cache_usage for s in stats) / max(len(stats), 1),
                            sum(s.prefix_cache_queries for s in stats), sum(s.prefix_cache_hits for s in stats),
@@ -64,7 +78,8 @@ class EngineStats:
                            sum(s.spec_draft_tokens for s in stats), sum(s.spec_accepted_tokens for s in stats),
                            sum(s.spec_drafts for s in stats),
                            tuple(map(sum, itertools.zip_longest(*(s.spec_accepted_per_position for s in stats),
-                                                                fillvalue=0))))
+                                                                fillvalue=0))),
+                           kv_cache, tuple((tier, sum(v) / len(v)) for tier, v in usage.items()))
 
 
 @runtime_checkable
@@ -94,3 +109,8 @@ class EngineClient(Protocol):
     def has_unfinished_requests(self) -> bool: ...
 
     def stats(self) -> EngineStats: ...
+
+    def close(self) -> None:
+        """Shut down (the engine takes no more steps): with a KV disk tier, the cached KV blocks are written
+        there first, so a restart finds them. Idempotent."""
+        ...

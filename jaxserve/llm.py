@@ -44,6 +44,10 @@ class LLM:
     def from_config(cls, path: str | os.PathLike, **engine_overrides: Any) -> LLM:
         return cls(config=load_config(path), **engine_overrides)
 
+    def close(self) -> None:
+        """Shut the engine down (EngineClient.close: a KV disk tier gets the cached blocks)."""
+        self.engine.close()
+
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 

@@ -100,3 +100,76 @@ def test_mechanisms_compose(row, request):
         assert stats.spec_draft_tokens > 0, "the n-gram lookup was meant to make guesses"
     else:
         assert stats.spec_draft_tokens == 0
+
+
+# ---------------------------------------------------------------- the KV cache tiers column
+# The host tier (a small device pool pushes blocks there; preempted requests swap or recompute) with every
+# other mechanism. Tiers hold prefix-cache blocks, so they need prefix caching (refused without it); they
+# are refused with speculative decoding and expert parallelism (not supported yet).
+
+#              fixture, overlap, preemption mode, chunked prefill, tensor parallel, expert parallel, guesses
+TIERS_MATRIX = [
+    (DENSE, True, "swap", True, 1, 1, 0),
+    (DENSE, False, "auto", False, 2, 1, 0),
+    (DENSE, True, "recompute", False, 2, 1, 0),
+    (MOE, False, "swap", True, 2, 1, 0),
+    (MOE, True, "auto", False, 1, 1, 0),
+    (DENSE, True, "swap", True, 1, 1, 3),  # refused: speculative decoding
+    (MOE, True, "swap", True, 1, 2, 0),  # refused: expert parallelism
+]
+
+
+def _tiers_id(row) -> str:
+    name, overlap, mode, chunked, tp, ep, guesses = row
+    return "-".join([("moe" if name == MOE else "dense"), "overlap" if overlap else "sync", mode,
+                     "chunked" if chunked else "whole", f"tp{tp}", f"ep{ep}", f"spec{guesses}"])
+
+
+@pytest.mark.parametrize("row", TIERS_MATRIX, ids=[_tiers_id(row) for row in TIERS_MATRIX])
+def test_kv_tiers_compose(row, request):
+    name, overlap, mode, chunked, tp, ep, guesses = row
+    if tp * ep > len(jax.devices()):
+        pytest.skip(f"needs {tp * ep} devices")
+    fixture = request.getfixturevalue("hf_fixture_by_name")(name)
+    prompts = fixture.prompts
+    budget = 16 if chunked else 64
+    # Every prompt fits, their generated tokens do not: preemption, and each round evicts the other's blocks.
+    num_blocks = sum(-(-len(p) // 4) for p in prompts) + 3
+    options = dict(model=fixture.path, dtype="float32", skip_tokenizer_init=True, max_model_len=64, block_size=4,
+                   num_blocks=num_blocks, max_num_batched_tokens=budget, max_num_seqs=4, token_buckets=[budget],
+                   request_buckets=[4], precompile=False, progress=False, async_scheduling=overlap,
+                   tensor_parallel_size=tp, host_kv_gib=1 / 1024, preemption_mode=mode, prefix_hash_seed=1,
+                   **{"parallel.expert": ep})
+    if guesses:
+        options["speculative_config"] = {"method": "ngram", "num_speculative_tokens": guesses,
+                                         "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+        with pytest.raises(ValueError, match="KV cache tiers.*not supported yet with speculative decoding"):
+            LLM(**options)
+        return
+    if ep > 1:
+        with pytest.raises(ValueError, match="KV cache tiers.*not supported yet with parallel.expert > 1"):
+            LLM(**options)
+        return
+    llm = LLM(**options)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    for _ in range(2):
+        outputs = llm.generate(requests, params, use_tqdm=False)
+        for i, out in enumerate(outputs):
+            assert out.outputs[0].token_ids == fixture.generated[i][:NEW_TOKENS], f"{_tiers_id(row)} prompt {i}"
+    stats = llm.engine.stats()
+    kv = stats.kv_cache
+    assert stats.num_preemptions > 0, "the small KV pool was meant to force preemption"
+    assert kv.host_bytes_in > 0 and kv.host_hits > 0, "blocks were meant to go to the host tier and come back"
+    if mode == "swap":
+        assert kv.swaps_out > 0 and kv.swaps_in == kv.swaps_out
+    elif mode == "recompute":
+        assert kv.swaps_out == 0
+    assert stats.kv_cache_usage == 0.0
+    llm.engine.kv_transfer.poll(llm.engine.kv_cache.tier_link, wait=True)
+    llm.engine.kv_transfer.tiers.host.check()
+
+
+def test_kv_tiers_need_prefix_caching():
+    with pytest.raises(ValueError, match="need cache.enable_prefix_caching: true"):
+        LLM(host_kv_gib=1 / 1024, enable_prefix_caching=False, progress=False)

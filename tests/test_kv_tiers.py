@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
 from jaxserve.config import CacheConfig, EngineConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager
+from tests.conftest import ROOT
 from tests.test_kv_cache_manager import FakeRequest, start
 
 pytestmark = pytest.mark.cpu_test
@@ -41,3 +44,16 @@ def test_tier_options_are_checked():
                           (dict(host_kv_gib=1.0, enable_prefix_caching=False), "enable_prefix_caching")]:
         with pytest.raises(ValueError, match=match):
             CacheConfig(**kwargs)
+
+
+def test_the_benchmark_script_loads_and_sizes_a_block():
+    """benchmarks/kv_tiers.py (run on the H200; `--smoke` runs it on the CPU in about a minute)."""
+    spec = importlib.util.spec_from_file_location("kv_tiers_benchmark", ROOT / "benchmarks" / "kv_tiers.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    from jaxserve.config import load_config
+
+    # the embedded model: 4 layers x K,V x 4 tokens x 2 kv heads x 32 x float32
+    assert module.kv_block_bytes(load_config(ROOT / "configs" / "tiny.yaml")) == 8192
+    llama = load_config(ROOT / "configs" / "llama3-8b-dummy.yaml")
+    assert module.kv_block_bytes(llama) == 32 * 2 * 16 * 8 * 128 * 2  # 2 MiB

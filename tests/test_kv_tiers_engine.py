@@ -90,7 +90,7 @@ def test_block_moves_round_trip_in_each_backend_layout(layout):
     caches = [jax.numpy.asarray(rng.standard_normal(shape).astype(np.float32)) for _ in range(3)]
     blocks = np.asarray(_gather(caches, np.array([4, 1, 0]), axis=axis))
     assert blocks.shape == (3, 3, *[n for i, n in enumerate(shape) if i != axis])
-    moved = _scatter(caches, np.array([2, 5]), blocks[:2], axis=axis)
+    moved, _ = _scatter(caches, np.array([2, 5]), blocks[:2], axis=axis)
     for before, after in zip(caches, moved):
         before, after = np.moveaxis(np.asarray(before), axis, 0), np.moveaxis(np.asarray(after), axis, 0)
         assert np.array_equal(after[2], before[4]) and np.array_equal(after[5], before[1])

@@ -59,7 +59,8 @@ PERCENTILES = (50, 90, 99)
 # flag dest -> EngineConfig field (routed to its section by EngineConfig.with_overrides)
 ENGINE_FLAGS = ("model", "tokenizer", "load_format", "dtype", "max_model_len", "max_num_seqs",
                 "max_num_batched_tokens", "block_size", "num_blocks", "enable_prefix_caching", "async_scheduling",
-                "attention_backend", "precompile", "skip_tokenizer_init", "all_reduce")
+                "attention_backend", "precompile", "skip_tokenizer_init", "all_reduce", "host_kv_gib", "disk_kv_path",
+                "disk_kv_gib", "prefix_hash_seed", "preemption_mode")
 
 
 def parse_bool(text: str) -> bool:
@@ -95,6 +96,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="compile every bucket at start-up (default: the config's)")
     group.add_argument("--skip-tokenizer-init", action="store_const", const=True,
                        help="no tokenizer: prompts must be token ids")
+    group.add_argument("--host-kv-gib", "--kv-offloading-size", dest="host_kv_gib", type=float,
+                       help="KV cache host tier, GiB (0: off)")
+    group.add_argument("--disk-kv-path", help="KV cache disk tier directory (with --disk-kv-gib)")
+    group.add_argument("--disk-kv-gib", type=float, help="the disk tier's size cap, GiB")
+    group.add_argument("--prefix-hash-seed", type=int,
+                       help="root of the prefix-cache keys (engines sharing a disk tier)")
+    group.add_argument("--preemption-mode", choices=("auto", "recompute", "swap"))
     group.add_argument("--all-reduce", choices=("auto", "xla", "one_shot"),
                        help="tensor parallelism's all-reduces: auto (the one-shot kernel on GPUs of one process), "
                             "xla or one_shot")
@@ -288,7 +296,40 @@ def engine_report(engine: Engine, init_s: float) -> dict[str, Any]:
     return {"num_compiled": engine.num_compiled, "startup_compile_s": engine.startup_seconds,
             "engine_init_s": init_s, "attention_backend": engine.runner.attention_backend,
             "num_kv_blocks": engine.runner.num_blocks, "device": str(jax.devices()[0].device_kind),
-            "config": engine.config.to_dict()}
+            "kv_cache": kv_cache_report(engine), "config": engine.config.to_dict()}
+
+
+def kv_cache_report(engine: Engine) -> dict[str, Any]:
+    """The KV cache's totals (kv_cache_manager.KVCacheStats: prefix hits, device evictions, per tier below it
+    hits, misses, bytes, evictions, loads and their seconds; swaps), the prefix hit rate, each tier's share of
+    the hits and mean load ms, and each tier's usage at the end."""
+    stats = engine.stats()
+    if stats.kv_cache is None:
+        return {}
+    kv = stats.kv_cache
+    report: dict[str, Any] = dataclasses.asdict(kv)
+    report["hit_rate"] = kv.hit_rate
+    report["usage"] = dict(stats.kv_tier_usage)
+    for tier in ("host", "disk"):
+        report[f"{tier}_hit_rate"] = report[f"{tier}_hits"] / kv.queries if kv.queries else 0.0
+        loads = report[f"{tier}_loads"]
+        report[f"{tier}_mean_load_ms"] = 1e3 * report[f"{tier}_load_seconds"] / loads if loads else None
+    return report
+
+
+def _kv_line(kv: dict[str, Any]) -> str | None:
+    tiers = [tier for tier in ("host", "disk") if tier in kv.get("usage", {})]
+    if not tiers:
+        return None
+    parts = [f"prefix hits {kv['hit_rate']:.1%} of {kv['queries']} tokens"]
+    for tier in tiers:
+        load = kv[f"{tier}_mean_load_ms"]
+        parts.append(f"{tier}: hits {kv[f'{tier}_hit_rate']:.1%}, {kv[f'{tier}_bytes_in'] / 1e6:.1f} MB in / "
+                     f"{kv[f'{tier}_bytes_out'] / 1e6:.1f} MB out, {kv[f'{tier}_evictions']} evicted, "
+                     f"{kv[f'{tier}_loads']} loads{'' if load is None else f' ({load:.2f} ms mean)'}, "
+                     f"usage {kv['usage'][tier]:.0%}")
+    parts.append(f"swaps out/in {kv['swaps_out']}/{kv['swaps_in']}")
+    return "KV cache: " + "; ".join(parts)
 
 
 def _fmt(stats: dict[str, float] | None) -> str:
@@ -316,6 +357,8 @@ def print_report(report: dict[str, Any]) -> None:
     print(f"step  ms (mean of {steps['num_steps']} steps): {parts}")
     print(f"device idle between steps: {'n/a' if idle is None else f'{idle:.1%}'}")
     engine = report["engine"]
+    if (kv_line := _kv_line(engine.get("kv_cache", {}))) is not None:
+        print(kv_line)
     print(f"compiled shapes: {engine['num_compiled']}  start-up compile: {engine['startup_compile_s']:.1f} s  "
           f"(engine init {engine['engine_init_s']:.1f} s, {engine['device']}, {engine['attention_backend']})")
     roof = report["roofline"]

@@ -1,4 +1,5 @@
-"""Paged KV-cache bookkeeping: block pool, prefix-cache hash chain, LRU eviction (host-only; no JAX).
+"""Paged KV-cache bookkeeping: requests' block tables, the prefix-cache hash chain, swap preemption's
+blocks (host-only; no JAX). The blocks themselves: block_pool.py.
 
 Data flow, one request:
 
@@ -26,17 +27,19 @@ import dataclasses
 import hashlib
 import os
 import struct
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from jaxserve.core.block_pool import NULL_BLOCK_ID, BlockHash, BlockPool, FreeBlockQueue, KVCacheBlock
 from jaxserve.core.kv_tiers.link import TierLink
 
 if TYPE_CHECKING:
     from jaxserve.core.kv_tiers.tiers import KVTiers
     from jaxserve.request import Request
 
-BlockHash = Hashable  # bytes for sha256, int for builtin
-NULL_BLOCK_ID = 0
+__all__ = ["NULL_BLOCK_ID", "BlockHash", "BlockPool", "FreeBlockQueue", "KVCacheBlock", "KVCacheManager",
+           "KVCacheStats", "encode_block_key", "hash_block_builtin", "hash_block_sha256", "root_hash"]
+
 _KEY_VERSION = b"jaxserve.kv.v1"  # bump when the key encoding changes (host-memory tiers persist keys)
 
 
@@ -87,168 +90,31 @@ def root_hash(seed: bytes | int | None) -> bytes:
     return bytes(seed)
 
 
-class KVCacheBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
-
-    def __init__(self, block_id: int):
-        self.block_id = block_id
-        self.ref_cnt = 0  # number of live requests whose block list holds this block
-        self.block_hash: BlockHash | None = None  # set iff the block is in BlockPool.cached_blocks
-        self.prev_free: KVCacheBlock | None = None  # links are set iff the block is in the free queue
-        self.next_free: KVCacheBlock | None = None
-
-    def __repr__(self) -> str:
-        return f"KVCacheBlock({self.block_id}, ref_cnt={self.ref_cnt}, cached={self.block_hash is not None})"
-
-
-class FreeBlockQueue:
-    """Doubly linked list of free blocks between two sentinels; head = next to evict (LRU order).
-
-    O(1) append at the tail, pop at the head, and removal from the middle (a free cached block hit).
-    """
-
-    def __init__(self, blocks: Iterable[KVCacheBlock]):
-        self.head = KVCacheBlock(-1)  # sentinels: never real blocks
-        self.tail = KVCacheBlock(-1)
-        self.head.next_free, self.tail.prev_free = self.tail, self.head
-        self.num_free_blocks = 0
-        for block in blocks:
-            self.append(block)
-
-    def append(self, block: KVCacheBlock) -> None:
-        last = self.tail.prev_free
-        last.next_free = block
-        block.prev_free, block.next_free = last, self.tail
-        self.tail.prev_free = block
-        self.num_free_blocks += 1
-
-    def popleft(self) -> KVCacheBlock:
-        block = self.head.next_free
-        if block is self.tail:
-            raise ValueError("no free blocks left")
-        self.remove(block)
-        return block
-
-    def remove(self, block: KVCacheBlock) -> None:
-        block.prev_free.next_free = block.next_free
-        block.next_free.prev_free = block.prev_free
-        block.prev_free = block.next_free = None
-        self.num_free_blocks -= 1
-
-    def __iter__(self) -> Iterator[KVCacheBlock]:
-        block = self.head.next_free
-        while block is not self.tail:
-            yield block
-            block = block.next_free
-
-    def __len__(self) -> int:
-        return self.num_free_blocks
-
-
-class BlockPool:
-    """All physical blocks, their ref counts, the free queue and the prefix-cache map.
-
-    Invariants: a non-null block is in the free queue iff its ref_cnt is 0; a block has a hash iff it
-    is the value of cached_blocks under that hash; the null block is in neither and its ref_cnt is 0.
-    """
-
-    def __init__(self, num_blocks: int, enable_caching: bool = True):
-        if num_blocks < 2:
-            raise ValueError(f"num_blocks is {num_blocks} but must be at least 2 (block 0 is the null block)")
-        self.num_blocks = num_blocks
-        self.enable_caching = enable_caching
-        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.null_block = self.blocks[NULL_BLOCK_ID]
-        self.free_queue = FreeBlockQueue(self.blocks[1:])
-        self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
-        self.num_evictions = 0
-        # Called with each cached block evicted, before its hash is dropped (the tiers' write-back).
-        self.on_evict: Callable[[KVCacheBlock], None] | None = None
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.free_queue.num_free_blocks
-
-    @property
-    def usage(self) -> float:
-        """Share of the non-null blocks held by at least one request."""
-        return 1.0 - self.num_free_blocks / (self.num_blocks - 1)
-
-    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
-        return self.cached_blocks.get(block_hash)
-
-    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """Pops `num_blocks` from the LRU head, evicting their cached contents; each gets ref_cnt 1."""
-        if num_blocks > self.num_free_blocks:
-            raise ValueError(f"asked for {num_blocks} blocks but only {self.num_free_blocks} are free")
-        new_blocks = []
-        for _ in range(num_blocks):
-            block = self.free_queue.popleft()
-            if block.block_hash is not None:
-                if self.on_evict is not None:
-                    self.on_evict(block)
-                del self.cached_blocks[block.block_hash]
-                block.block_hash = None
-                self.num_evictions += 1
-            block.ref_cnt = 1
-            new_blocks.append(block)
-        return new_blocks
-
-    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        for block in blocks:
-            if block.ref_cnt == 0:
-                self.free_queue.remove(block)
-            block.ref_cnt += 1
-
-    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drops one reference each; blocks reaching 0 join the tail in the given order."""
-        for block in ordered_blocks:
-            if block.ref_cnt <= 0 or block is self.null_block:
-                raise RuntimeError(f"double free of {block}")
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                self.free_queue.append(block)
-
-    def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
-        # NOTE: when another request registered the same content first, this block stays uncached;
-        # the map keeps one block per key and the duplicate is reused as a plain block once freed.
-        if self.enable_caching and block.block_hash is None and block_hash not in self.cached_blocks:
-            block.block_hash = block_hash
-            self.cached_blocks[block_hash] = block
-
-    def uncache_block(self, block: KVCacheBlock) -> None:
-        if block.block_hash is not None:
-            del self.cached_blocks[block.block_hash]
-            block.block_hash = None
-
-    def reset_prefix_cache(self) -> bool:
-        """Forgets every cached block; refused (False) while any block is in use."""
-        if self.num_free_blocks != self.num_blocks - 1:
-            return False
-        for block in self.cached_blocks.values():
-            block.block_hash = None
-        self.cached_blocks.clear()
-        return True
-
-
 @dataclasses.dataclass(frozen=True)
 class KVCacheStats:
     queries: int  # tokens looked up in the prefix cache
     hits: int  # of those, tokens found (on device, or loaded back from a tier below)
     evictions: int  # cached blocks whose contents were dropped to reuse the block
     # The tiers (kv_tiers.tiers.TierCounters; 0 without them): tokens found in a tier after the device
-    # missed, tokens asked of it and not found, bytes written into it and read from it, blocks evicted.
+    # missed, tokens asked of it and not found, bytes written into it and read from it, blocks evicted,
+    # loads out of it and the seconds they took.
     host_hits: int = 0
     host_misses: int = 0
     host_bytes_in: int = 0
     host_bytes_out: int = 0
     host_evictions: int = 0
+    host_loads: int = 0
+    host_load_seconds: float = 0.0
     disk_hits: int = 0
     disk_misses: int = 0
     disk_bytes_in: int = 0
     disk_bytes_out: int = 0
     disk_evictions: int = 0
+    disk_loads: int = 0
+    disk_load_seconds: float = 0.0
     disk_errors: int = 0
+    swaps_out: int = 0  # requests preempted by swapping their blocks to host, and of those, resumed
+    swaps_in: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -298,6 +164,11 @@ class KVCacheManager:
     @property
     def usage(self) -> float:
         return self.pool.usage
+
+    @property
+    def tier_usage(self) -> tuple[tuple[str, float], ...]:
+        """(tier, share in use) of the device and of each tier below it."""
+        return (("device", self.usage),) + (self.tiers.usage() if self.tiers is not None else ())
 
     @property
     def stats(self) -> KVCacheStats:
@@ -404,19 +275,23 @@ class KVCacheManager:
         new_blocks = self.pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
         state.blocks += computed
         state.blocks += new_blocks
-        if self.enable_caching:
-            # Registered now, not after the step: these tokens' K/V is written by this very step,
-            # before any later request can be scheduled to read it.
-            num_full_blocks = min(num_tokens_after, request.num_tokens) // self.block_size
-            if num_full_blocks > state.num_cached_blocks:
-                self._hash_full_blocks(request, state, num_full_blocks)
-                for i in range(state.num_cached_blocks, num_full_blocks):
-                    self.pool.cache_full_block(state.blocks[i], state.block_hashes[i])
-                state.num_cached_blocks = num_full_blocks
+        # Registered now, not after the step: these tokens' K/V is written by this very step, before any
+        # later request can be scheduled to read it.
+        self._register_full_blocks(request, state, num_tokens_after)
         # NOTE: the shortcut runs until the blocks are full, so a block that fills on a shortcut step is
         # registered by the next call here (the following step, for a decode row) or by free().
         self.fast_until[request.request_id] = len(state.blocks) * self.block_size
         return [block.block_id for block in (computed + new_blocks if computed else new_blocks)]
+
+    def _register_full_blocks(self, request: Request, state: _RequestState, num_tokens: int) -> None:
+        """Offers the request's blocks that the first `num_tokens` tokens fill (known tokens only) to the
+        prefix cache."""
+        num_full_blocks = min(num_tokens, request.num_tokens) // self.block_size
+        if self.enable_caching and num_full_blocks > state.num_cached_blocks:
+            self._hash_full_blocks(request, state, num_full_blocks)
+            for i in range(state.num_cached_blocks, num_full_blocks):
+                self.pool.cache_full_block(state.blocks[i], state.block_hashes[i])
+            state.num_cached_blocks = num_full_blocks
 
     def trim(self, request: Request) -> int | None:
         """Frees the request's blocks past those holding its request.num_computed_tokens tokens (the
@@ -452,17 +327,72 @@ class KVCacheManager:
         self.fast_until.pop(request.request_id, None)
         if state is None:
             return
-        if self.enable_caching:  # blocks that filled on shortcut steps since the last allocation
-            num_full_blocks = min(request.num_computed_tokens, request.num_tokens) // self.block_size
-            if num_full_blocks > state.num_cached_blocks:
-                self._hash_full_blocks(request, state, num_full_blocks)
-                for i in range(state.num_cached_blocks, num_full_blocks):
-                    self.pool.cache_full_block(state.blocks[i], state.block_hashes[i])
-                state.num_cached_blocks = num_full_blocks
+        self._register_full_blocks(request, state, request.num_computed_tokens)  # filled on shortcut steps
         for block in state.blocks[request.num_computed_tokens // self.block_size:state.num_cached_blocks]:
             self.pool.uncache_block(block)  # a fresh block of this request's: its hash is its own
         # Reverse order: the tail of a sequence is the least shareable, so it is evicted first.
         self.pool.free_blocks(reversed(state.blocks))
+
+    # ---- swap preemption (through the host tier: kv_tiers/link.py) ----
+    @property
+    def can_swap(self) -> bool:
+        return self.tier_link is not None
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block (every layer's K and V); 0 without a host tier."""
+        return self.tiers.block_bytes if self.tiers is not None else 0
+
+    def shared_prefix_tokens(self, request: Request) -> int:
+        """Tokens in the request's leading blocks that other requests hold too (they stay on the device
+        when this request lets go of them)."""
+        state = self._requests.get(request.request_id)
+        count = 0
+        for block in state.blocks if state is not None else ():
+            if block.ref_cnt < 2:
+                break
+            count += 1
+        return count * self.block_size
+
+    def swap_out(self, request: Request, num_tokens: int) -> bool:
+        """Copies the blocks holding the request's first `num_tokens` tokens (a partial last block too) to
+        the host tier, pinned there until swap_in; False, nothing done, when the tier lacks room. The
+        caller frees the request next, as for a recompute preemption (the copies are dispatched before
+        any step that could overwrite the blocks)."""
+        state = self._requests.get(request.request_id)
+        if self.tier_link is None or state is None or num_tokens <= 0:
+            return False
+        block_ids = [block.block_id for block in state.blocks[:-(-num_tokens // self.block_size)]]
+        return self.tier_link.swap_out(request.request_id, block_ids, num_tokens)
+
+    def swapped_tokens(self, request: Request) -> int:
+        """Tokens of the request's K/V held on host by swap_out (0: none)."""
+        return self.tier_link.swapped_tokens(request.request_id) if self.tier_link is not None else 0
+
+    def swap_ready(self, request: Request) -> bool:
+        """Whether a swapped request's blocks all reached the host (swap_in may run)."""
+        return self.tier_link.swap_ready(request.request_id)
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> list[int] | None:
+        """Fresh blocks for a swapped request (request.num_computed_tokens set to swapped_tokens()) and
+        `num_new_tokens` more; its host blocks are loaded into the first ones before the step. None, with
+        nothing changed, when blocks run out."""
+        num_tokens_after = request.num_computed_tokens + num_new_tokens
+        num_blocks = -(-num_tokens_after // self.block_size)
+        if num_blocks > self.pool.num_free_blocks:
+            return None
+        state = self._requests[request.request_id] = _RequestState()
+        state.blocks = self.pool.get_new_blocks(num_blocks)
+        block_ids = [block.block_id for block in state.blocks]
+        self.tier_link.swap_in(request.request_id, block_ids)
+        self._register_full_blocks(request, state, num_tokens_after)
+        self.fast_until[request.request_id] = num_blocks * self.block_size
+        return block_ids
+
+    def drop_swap(self, request: Request) -> None:
+        """Frees the host blocks of a request that finished while swapped (a no-op otherwise)."""
+        if self.tier_link is not None:
+            self.tier_link.drop_swap(request.request_id)
 
     def reset_prefix_cache(self) -> bool:
         """Forgets the device's cached blocks (the tiers below keep theirs); False while blocks are in use."""

@@ -11,11 +11,15 @@ NOTE: there is no "prefill phase" or "decode phase": a request has `num_computed
 step gives it up to `num_tokens + num_pending - num_computed_tokens` new tokens within the budget
 (num_pending: tokens sampled by steps still in flight, under overlap scheduling).
 When blocks run out, the running request with the lowest priority (then the latest arrival) is
-preempted by recompute: its blocks are freed, it keeps its generated tokens and waits again.
+preempted: its blocks are freed, it keeps its generated tokens and waits again, to be recomputed, or
+swapped (scheduler.preemption_mode, core/preemption.py: by cost; a host tier needed), with its blocks
+copied to the host tier first and loaded back into fresh blocks when it resumes, its computed tokens kept.
 The waiting queue orders FCFS, by priority, or per-tenant fair (core/fairness.py: each step charges
-every tenant the tokens computed for it). Requests asking for prompt logprobs share at most
-`max_prompt_logprob_rows` scored prompt positions per step: their prefill chunks are shortened to fit
-(chunked prefill disabled or not), which bounds the runner's prompt-logprob arrays.
+every tenant the tokens computed for it); a request whose KV is still coming up from a tier below (disk
+reads, swap copies) is passed over until it landed, so the requests behind it are not held up. Requests
+asking for prompt logprobs share at most `max_prompt_logprob_rows` scored prompt positions per step: their
+prefill chunks are shortened to fit (chunked prefill disabled or not), which bounds the runner's
+prompt-logprob arrays.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from jaxserve.config import SchedulerConfig, SpeculativeConfig
 from jaxserve.core import spec_schedule
 from jaxserve.core.fairness import FairWaitingQueue
 from jaxserve.core.kv_cache_manager import KVCacheManager
+from jaxserve.core.preemption import PreemptionCost
 from jaxserve.core.sched_types import (MAX_PROMPT_LOGPROB_ROWS, Logprobs, NewRequestData, RunnerOutput,
                                        ScheduledRequest, SchedulerOutput)
 from jaxserve.request import Request, RequestStatus
@@ -110,12 +115,12 @@ class WaitingQueue:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int,
                  max_prompt_logprob_rows: int = MAX_PROMPT_LOGPROB_ROWS, first_row: int = 0,
-                 speculative: SpeculativeConfig | None = None):
+                 speculative: SpeculativeConfig | None = None, preemption_cost: PreemptionCost | None = None):
         """`max_prompt_logprob_rows`: prompt positions one step may score for prompt_logprobs (the
         runner's bound); prefill chunks of requests asking for them are shortened to fit. The runner rows
         it assigns are first_row .. first_row + max_num_seqs - 1 (several schedulers feeding one runner,
         core/sharded_scheduler.py, each get their own). `speculative` (enabled): decode rows carry n-gram
-        guesses (sched_types: draft_token_ids)."""
+        guesses (sched_types: draft_token_ids). `preemption_cost`: the rates preemption_mode auto compares."""
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({config.max_num_batched_tokens}) is smaller than max_model_len "
@@ -145,6 +150,11 @@ class Scheduler:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_position: list[int] = []
+        if config.preemption_mode == "swap" and not kv_cache.can_swap:
+            raise ValueError("scheduler.preemption_mode=swap copies preempted requests' KV blocks to the host tier; "
+                             "set cache.host_kv_gib > 0, or use preemption_mode auto or recompute")
+        self._swap = config.preemption_mode != "recompute" and kv_cache.can_swap
+        self.preemption_cost = preemption_cost or PreemptionCost()
 
     # ---- requests in and out ----
     def add_request(self, request: Request) -> None:
@@ -185,6 +195,8 @@ class Scheduler:
         request.status = status
         self._release_row(request)
         self.kv_cache.free(request)
+        if self._swap:
+            self.kv_cache.drop_swap(request)
         self._finished_ids.add(request.request_id)
         del self.requests[request.request_id]
 
@@ -195,6 +207,8 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self._release_row(request)
+        if self._swap:
+            self._swap_out(request)
         self.kv_cache.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -202,6 +216,20 @@ class Scheduler:
         self.num_preemptions += 1
         self._finished_ids.add(request.request_id)
         self.waiting.push(request, front=True)
+
+    def _swap_out(self, request: Request) -> bool:
+        """Preemption by swap, where the mode (auto: the cost) asks for it and the host tier has room. The
+        tokens kept exclude the last known one, computed again on resuming for its logits (a token sampled
+        by a step in flight is dropped, as for recompute). Requests asking for prompt logprobs recompute."""
+        keep = min(request.num_computed_tokens, request.num_tokens - 1)
+        if keep <= 0 or request.sampling_params.prompt_logprobs is not None:
+            return False
+        if self.config.preemption_mode == "auto":
+            num_blocks = -(-keep // self.kv_cache.block_size)
+            recompute = keep - self.kv_cache.shared_prefix_tokens(request)
+            if not self.preemption_cost.prefer_swap(num_blocks, self.kv_cache.block_bytes, recompute):
+                return False
+        return self.kv_cache.swap_out(request, keep)
 
     @staticmethod
     def _fit_prompt_rows(request: Request, computed: int, num_new: int, rows_left: int) -> tuple[int, int]:
@@ -313,21 +341,33 @@ class Scheduler:
             budget -= num_new
 
         # Then waiting requests, unless this step had to preempt.
+        held: list[Request] = []
         while (not preempted and self.waiting and budget > 0
                and len(self.running) + num_guesses < self.config.max_num_seqs):
             request = self.waiting.peek()
             # As vLLM, a request asking for prompt logprobs takes no prefix-cache hit: they need every
             # prompt position computed (its blocks are still cached for others).
             lookup = request.sampling_params.prompt_logprobs is None
-            if lookup and self.kv_cache.loading_prefix(request):
-                break  # its prefix is coming up from the disk tier; the running requests go on meanwhile
-            computed_ids, num_hit = self.kv_cache.get_computed_blocks(request) if lookup else ([], 0)
+            swapped = self.kv_cache.swapped_tokens(request) if self._swap else 0  # resumes from host
+            if swapped and not self.kv_cache.swap_ready(request) or (
+                    not swapped and lookup and self.kv_cache.loading_prefix(request)):
+                # Its blocks are on their way to the host (swap copies, disk reads): it waits aside, and the
+                # requests behind it may start meanwhile.
+                held.append(self.waiting.pop())
+                continue
+            computed_ids, num_hit = (([], swapped) if swapped else
+                                     self.kv_cache.get_computed_blocks(request) if lookup else ([], 0))
             if not self.config.enable_chunked_prefill and request.num_tokens - num_hit > budget:
                 break
             request.num_computed_tokens = num_hit
             num_new, prompt_rows = self._fit_prompt_rows(request, num_hit, self._num_new_tokens(request, budget),
                                                          prompt_rows_left)
-            new_blocks = allocate(request, num_new, computed_ids) if num_new > 0 else None
+            if num_new <= 0:
+                new_blocks = None
+            elif swapped:
+                new_blocks = self.kv_cache.swap_in(request, num_new)
+            else:
+                new_blocks = allocate(request, num_new, computed_ids)
             if new_blocks is None:
                 request.num_computed_tokens = 0
                 break
@@ -343,6 +383,8 @@ class Scheduler:
                 new=NewRequestData(list(request.all_token_ids), request.num_prompt_tokens, request.sampling_params,
                                    request.seed, request.eos_token_ids, request.max_tokens))))
             budget -= num_new
+        for request in reversed(held):  # back in their places (FCFS: at the front, in order)
+            self.waiting.push(request, front=True)
 
         if self._fair:  # service is charged as it is given: every token computed this step
             charge = self.waiting.charge

@@ -17,11 +17,15 @@ import collections
 import functools
 import hashlib
 import math
+import queue
+import threading
+import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.kv_tiers.disk_store import DiskKVStore
@@ -40,9 +44,10 @@ def _gather(kv_caches, ids, *, axis: int):
 
 
 def _scatter(kv_caches, ids, data, *, axis: int):
+    """(the caches with `data` written into blocks `ids`, a scalar that is ready once they are)."""
     index = (slice(None),) * axis
     return [kv.at[(*index, ids)].set(jnp.moveaxis(data[:, i], 0, axis).astype(kv.dtype))
-            for i, kv in enumerate(kv_caches)]
+            for i, kv in enumerate(kv_caches)], ids[0]
 
 
 def model_identity(config: EngineConfig, model_config, block_shape: tuple[int, ...], dtype) -> bytes:
@@ -85,13 +90,27 @@ class KVTransfer:
         self.max_move = 1 << max(0, min(6, int(math.log2(max(1, MOVE_BYTES // block_bytes)))))
         self.sizes = [1 << i for i in range(int(math.log2(self.max_move)) + 1)]
         shardings = [c.sharding for c in runner.kv_caches]
+        first = shardings[0]
+        scalar = NamedSharding(first.mesh, PartitionSpec()) if isinstance(first, NamedSharding) else first
         self._gather = jax.jit(functools.partial(_gather, axis=self.axis))
         self._scatter = jax.jit(functools.partial(_scatter, axis=self.axis), donate_argnums=0,
-                                out_shardings=shardings)
+                                out_shardings=(shardings, scalar))
         self._compiled: dict[tuple[str, int], jax.stages.Compiled] = {}
         self._pending: collections.deque[tuple[list, jax.Array]] = collections.deque()
         self._data_shape = tiers.host.block_shape
         self._dtype = kv.dtype
+        # Load latency (TierCounters.host_load_seconds): a watcher thread waits for each step's loads.
+        self._loads_done: queue.SimpleQueue = queue.SimpleQueue()
+        self._watcher = threading.Thread(target=self._time_loads, name="jaxserve-kv-loads", daemon=True)
+        self._watcher.start()
+
+    def _time_loads(self) -> None:
+        counters = self.tiers.counters
+        while (item := self._loads_done.get()) is not None:
+            started, done = item
+            done.block_until_ready()
+            counters.host_load_seconds += time.perf_counter() - started
+            counters.host_loads += 1
 
     @staticmethod
     def block_shape(runner) -> tuple[int, ...]:
@@ -128,12 +147,15 @@ class KVTransfer:
             blocks = gather(self.runner.kv_caches, ids)
             blocks.copy_to_host_async()
             self._pending.append((moves.save_keys[start:stop], blocks))
+        started, done = time.perf_counter(), None
         for start, stop, size in self._chunks(len(moves.load_block_ids)):
             ids = self._ids(moves.load_block_ids[start:stop], size)
             data = np.zeros((size, *self._data_shape), self._dtype)
             data[:stop - start] = moves.load_data[start:stop]
             scatter = self._compiled.get(("scatter", size), self._scatter)
-            self.runner.kv_caches = scatter(self.runner.kv_caches, ids, data)
+            self.runner.kv_caches, done = scatter(self.runner.kv_caches, ids, data)
+        if done is not None:
+            self._loads_done.put((started, done))
 
     def poll(self, link: TierLink, wait: bool = False) -> None:
         """Hands the save copies that landed (all of them with `wait`; the oldest beyond MAX_PENDING) to
@@ -143,6 +165,22 @@ class KVTransfer:
             keys, blocks = pending.popleft()
             link.finish_saves(keys, np.asarray(blocks)[:len(keys)])
         self.tiers.poll(wait=wait)
+
+    def close(self, link: TierLink) -> None:
+        """Shutdown: with a disk tier, every block cached on the device or present on host that the disk
+        lacks is written to disk (waited for); then the load-latency watcher and the tiers' IO stop."""
+        self.poll(link, wait=True)
+        if self.tiers.disk is not None:
+            device_only = link.device_only()
+            for start, stop, size in self._chunks(len(device_only)):
+                ids = self._ids([block_id for block_id, _ in device_only[start:stop]], size)
+                blocks = np.asarray(self._compiled.get(("gather", size), self._gather)(self.runner.kv_caches, ids))
+                for (_, key), block in zip(device_only[start:stop], blocks):
+                    self.tiers.write_to_disk(key, block)
+            self.tiers.flush()
+        self._loads_done.put(None)
+        self._watcher.join()
+        self.tiers.close()
 
 
 def build(config: EngineConfig, runner) -> KVTransfer | None:

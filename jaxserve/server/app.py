@@ -82,6 +82,7 @@ def build_app(engine: EngineClient, config: EngineConfig) -> FastAPI:
             yield
         finally:
             bridge.stop()
+            engine.close()  # (the engine thread has ended: nothing steps it any more)
             if tokens is not None:
                 await tokens.close()
             serving.close()

@@ -6,6 +6,8 @@
                                                       replicas: counts summed, KV usage the mean); with
                                                       expert parallelism it keeps the per-expert load and
                                                       each MoE layer's max/mean expert-device load
+                                                      the KV cache tiers' counters and usage per tier
+                                                      (kv_tier_*{tier=...}, kv_swaps{direction=...})
     engine thread, per output:       record_arrival / record_tokens / record_finished
                                                    -> token counters, TTFT / ITL / E2E histograms
     GET /metrics:                    render() -> the expert gauges from the latest step, then the text
@@ -78,6 +80,7 @@ class ServerMetrics:
                                      "(1 = balanced), for the load since the last expert rebalance.",
                                      ["model_name", "layer"], registry=self.registry)
         self._model_name = model_name
+        self._tiers = KVTierMetrics(self.registry, model_name)
         self._expert_stats: tuple[tuple, tuple] = ((), ())  # the latest step's, exported at scrape time
         self._seen_queries = self._seen_hits = self._seen_preemptions = 0
         self._seen_drafts = self._seen_draft_tokens = self._seen_accepted = 0
@@ -104,6 +107,7 @@ class ServerMetrics:
             if count > previous or position >= len(seen):  # (a position's series exists once it is seen)
                 self._spec_per_position.labels(self._model_name, str(position)).inc(count - previous)
         self._seen_per_position = stats.spec_accepted_per_position
+        self._tiers.record(stats)
         # NOTE: one labelled gauge per (MoE layer, expert) costs tens of ms to set: the engine thread keeps
         # only the (immutable) tuples, and render() writes the gauges when /metrics is read.
         self._expert_stats = (stats.expert_load, stats.expert_device_load_max_over_mean)
@@ -141,3 +145,52 @@ class ServerMetrics:
         for layer, ratio in enumerate(balance):
             self._expert_balance.labels(self._model_name, str(layer)).set(ratio)
         return generate_latest(self.registry)
+
+
+# The KV cache tiers' counters: metric name -> (KVCacheStats field per tier, help). Tiers: host, disk
+# (device: evictions only; the device's hits are prefix_cache_hits).
+_TIER_COUNTERS = {
+    "kv_tier_hits": ("{}_hits", "Tokens found in a KV cache tier after the tiers above missed."),
+    "kv_tier_misses": ("{}_misses", "Tokens looked up in a KV cache tier and not found."),
+    "kv_tier_bytes_in": ("{}_bytes_in", "Bytes written into a KV cache tier."),
+    "kv_tier_bytes_out": ("{}_bytes_out", "Bytes read out of a KV cache tier."),
+    "kv_tier_evictions": ("{}_evictions", "KV blocks evicted from a tier (device: cached blocks reused)."),
+    "kv_tier_loads": ("{}_loads", "Loads out of a KV cache tier (host: one step's blocks; disk: one block)."),
+    "kv_tier_load_seconds": ("{}_load_seconds", "Seconds the loads out of a KV cache tier took, asked to "
+                                                "landed (divide by kv_tier_loads for the mean)."),
+}
+
+
+class KVTierMetrics:
+    """Per-tier series of the KV cache tiers: one counter family per quantity labelled by tier, the
+    usage of each tier, and swap preemptions out and in. No series until an engine reports tiers."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str):
+        labels = ["model_name", "tier"]
+        self._counters = {name: Counter(PREFIX + name, doc, labels, registry=registry)
+                          for name, (_, doc) in _TIER_COUNTERS.items()}
+        self._usage = Gauge(PREFIX + "kv_tier_usage_perc", "Share of a KV cache tier in use, from 0 to 1 "
+                            "(device: blocks held by requests; host: slots; disk: bytes of its cap).", labels,
+                            registry=registry)
+        self._swaps = Counter(PREFIX + "kv_swaps", "Requests preempted by swapping their KV blocks to host (out) "
+                              "and resumed from there (in).", ["model_name", "direction"], registry=registry)
+        self._model_name = model_name
+        self._seen: dict[tuple[str, str], float] = {}
+
+    def _advance(self, counter: Counter, label: str, key: tuple[str, str], total: float) -> None:
+        counter.labels(self._model_name, label).inc(max(0.0, total - self._seen.get(key, 0)))
+        self._seen[key] = total
+
+    def record(self, stats: EngineStats) -> None:
+        kv = stats.kv_cache
+        tiers = [tier for tier, _ in stats.kv_tier_usage if tier != "device"]
+        if kv is None or not tiers:
+            return
+        for tier, share in stats.kv_tier_usage:
+            self._usage.labels(self._model_name, tier).set(share)
+        self._advance(self._counters["kv_tier_evictions"], "device", ("kv_tier_evictions", "device"), kv.evictions)
+        for tier in tiers:
+            for name, (field, _) in _TIER_COUNTERS.items():
+                self._advance(self._counters[name], tier, (name, tier), getattr(kv, field.format(tier)))
+        self._advance(self._swaps, "out", ("kv_swaps", "out"), kv.swaps_out)
+        self._advance(self._swaps, "in", ("kv_swaps", "in"), kv.swaps_in)

@@ -7,6 +7,7 @@ A key is in one of three states:
     absent -- reserve() --> in transit (a slot is reserved, its data is being written) -- commit() --> present
                             in transit -- abort() --> absent
     present -- evicted (LRU, to make room for a reservation) --> absent, its data handed to `on_evict` first
+    present -- discard() --> absent (a swapped request's block, read back)
 Only present keys are found by lookup(), so a reader never sees a half-written slot. A pinned key (a load
 in progress reads its slot) is never evicted.
 """
@@ -47,6 +48,11 @@ class HostKVPool:
     @property
     def num_in_transit(self) -> int:
         return len(self._in_transit)
+
+    @property
+    def num_reservable(self) -> int:
+        """Slots a reservation could take now: free ones and those of unpinned present keys."""
+        return len(self._free) + len(self._present) - len(self._pins)
 
     @property
     def usage(self) -> float:
@@ -102,6 +108,12 @@ class HostKVPool:
         self.write(key, block)
         self.commit(key)
         return True
+
+    def discard(self, key: Hashable) -> None:
+        """Present (unpinned) -> absent: the slot is free again, its data dropped (not handed to on_evict)."""
+        if self._pins[key]:
+            raise RuntimeError(f"host KV block {key!r} is pinned; unpin it before discarding it")
+        self._free.append(self._present.pop(key))
 
     def pin(self, key: Hashable) -> int:
         """Keeps a present key from eviction until unpin(); returns its slot."""

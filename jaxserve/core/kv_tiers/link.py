@@ -12,18 +12,24 @@ request's prefix is still on its way up from disk.
 
 A load target evicted before take() (a refused request's hit, its block reused in the same schedule())
 is dropped without a save: its data never reached the device and the host still has it.
+
+Swap preemption uses the same moves under keys of its own (SwapKey, never a prefix-cache key):
+    swap_out: every block of the request (its partial last block too) -> saves; each lands pinned on host
+    swap_in (once all landed, swap_ready): fresh device blocks -> loads; take() reads them and frees the
+        host slots
+    drop_swap (the request finished while swapped): its host slots freed, or freed as their copies land
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 if TYPE_CHECKING:
-    from jaxserve.core.kv_cache_manager import BlockPool, KVCacheBlock
+    from jaxserve.core.block_pool import BlockPool, KVCacheBlock
     from jaxserve.core.kv_tiers.tiers import KVTiers
 
 
@@ -40,6 +46,14 @@ class Transfers:
         return bool(self.save_block_ids or self.load_block_ids)
 
 
+class SwapKey(NamedTuple):
+    """A swapped request's block on host: pinned from landing until read back, so never evicted to disk."""
+
+    request_id: str
+    swap: int  # a number per swap_out: each swap has keys of its own
+    index: int  # the block's index in the request's block table
+
+
 class TierLink:
     def __init__(self, pool: BlockPool, tiers: KVTiers, block_size: int):
         self.pool = pool
@@ -47,12 +61,16 @@ class TierLink:
         self.block_size = block_size
         self._saves: list[tuple[int, Hashable]] = []
         self._loads: dict[int, Hashable] = {}  # device block id -> its key, pinned on host until take()
+        self._swapped: dict[str, tuple[list[SwapKey], int]] = {}  # request id -> (its keys, tokens they hold)
+        self._dropped: set[SwapKey] = set()  # keys of requests that finished while the keys were in transit
+        self._num_swaps = 0
         pool.on_evict = self._evicted
 
     def _evicted(self, block: KVCacheBlock) -> None:
         key = block.block_hash
-        if self._loads.pop(block.block_id, None) is not None:
-            self.tiers.host.unpin(key)
+        load_key = self._loads.pop(block.block_id, None)
+        if load_key is not None:
+            self.tiers.host.unpin(load_key)
             return
         if self.tiers.host.reserve(key) is not None:
             self._saves.append((block.block_id, key))
@@ -61,24 +79,34 @@ class TierLink:
 
     def loading(self, keys: Sequence[Hashable]) -> bool:
         """Whether blocks of this prefix (`keys`: the blocks a hit may cover) are on their way to the
-        host tier; starts reading those found on disk. The prefix ends at the first block no tier has."""
-        tiers = self.tiers
+        host tier; starts reading those found on disk. The prefix ends at the first block no tier has, and
+        at the host's size (its loaded part is staged there at once)."""
+        tiers, host = self.tiers, self.tiers.host
         tiers.poll()
         moving = False
+        staged = 0  # blocks of this prefix on host or on their way there
         for key in keys:
             if self.pool.get_cached_block(key) is not None:
                 continue
             where = tiers.locate(key)
-            if where == "disk":
-                if not tiers.start_read(key):
-                    break  # no host slot free now: the prefix stops here
-                moving = True
+            if where == "host":
+                host.lookup(key)  # now recently used: reads for the rest of the prefix evict other blocks first
             elif where == "moving":
                 moving = True
-            elif where is None:
+            elif where == "disk":
+                if staged >= host.num_slots:
+                    break
+                if not tiers.start_read(key):
+                    # No slot free now: wait while slots are in transit or pinned by this step's loads (they
+                    # can be evicted once landed, or once take() read them); otherwise the prefix stops here.
+                    moving = moving or host.num_in_transit > 0 or bool(self._loads)
+                    break
+                moving = True
+            else:
                 if tiers.disk is not None:
                     tiers.counters.disk_misses += self.block_size
                 break
+            staged += 1
         return moving
 
     def extend_hits(self, keys: Sequence[Hashable], hits: list[KVCacheBlock]) -> list[KVCacheBlock]:
@@ -136,6 +164,8 @@ class TierLink:
             data = host.read([host.lookup(key) for _, key in loads])
             for _, key in loads:
                 host.unpin(key)
+                if type(key) is SwapKey:
+                    host.discard(key)
             self.tiers.counters.host_bytes_out += data.nbytes
         return Transfers([block_id for block_id, _ in saves], [key for _, key in saves],
                          [block_id for block_id, _ in loads], data)
@@ -144,13 +174,67 @@ class TierLink:
         """The device -> host copies of `keys` landed: `data[i]` is keys[i]'s block."""
         host = self.tiers.host
         for key, block in zip(keys, data):
+            if self._dropped and key in self._dropped:
+                self._dropped.remove(key)
+                host.abort(key)
+                continue
             host.write(key, block)
             host.commit(key)
+            if type(key) is SwapKey:
+                host.pin(key)
         self.tiers.counters.host_bytes_in += len(keys) * host.block_bytes
 
     def abort_saves(self, keys: Sequence[Hashable]) -> None:
         for key in keys:
             self.tiers.host.abort(key)
+
+    def device_only(self) -> list[tuple[int, Hashable]]:
+        """(block id, key) of every block cached on the device that no tier below holds (nor is loading)."""
+        return [(block.block_id, key) for key, block in self.pool.cached_blocks.items()
+                if block.block_id not in self._loads and self.tiers.locate(key) is None]
+
+    # ---- swap preemption ----
+    def swap_out(self, request_id: str, block_ids: Sequence[int], num_tokens: int) -> bool:
+        """Saves `block_ids` (a preempted request's blocks holding `num_tokens` tokens) to host slots that stay
+        pinned until swap_in; False, nothing done, when the host pool lacks the room."""
+        host = self.tiers.host
+        if host.num_reservable < len(block_ids):
+            return False
+        self._num_swaps += 1
+        keys = [SwapKey(request_id, self._num_swaps, i) for i in range(len(block_ids))]
+        for key in keys:
+            host.reserve(key)  # (each succeeds: reservations evict only unpinned present keys)
+        self._saves += zip(block_ids, keys)
+        self._swapped[request_id] = (keys, num_tokens)
+        self.tiers.counters.swaps_out += 1
+        return True
+
+    def swapped_tokens(self, request_id: str) -> int:
+        """Tokens a swapped request's host blocks hold (0: it is not swapped)."""
+        entry = self._swapped.get(request_id)
+        return entry[1] if entry is not None else 0
+
+    def swap_ready(self, request_id: str) -> bool:
+        """Whether every block of the swapped request landed on host."""
+        host = self.tiers.host
+        return all(host.state(key) == "present" for key in self._swapped[request_id][0])
+
+    def swap_in(self, request_id: str, block_ids: Sequence[int]) -> None:
+        """Loads the swapped request's blocks into `block_ids` (fresh device blocks, its first ones)."""
+        keys, _ = self._swapped.pop(request_id)
+        self._loads.update(zip(block_ids, keys))  # (pinned since they landed)
+        self.tiers.counters.swaps_in += 1
+
+    def drop_swap(self, request_id: str) -> None:
+        """The swapped request finished (aborted): its host blocks are freed now or as they land."""
+        keys, _ = self._swapped.pop(request_id, ((), 0))
+        host = self.tiers.host
+        for key in keys:
+            if host.state(key) == "present":
+                host.unpin(key)
+                host.discard(key)
+            else:
+                self._dropped.add(key)
 
     def reset(self) -> None:
         """The device's prefix cache was cleared: pending loads have no target any more."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import time
 from collections.abc import Hashable
 
 import numpy as np
@@ -29,19 +30,27 @@ logger = logging.getLogger(__name__)
 @dataclasses.dataclass
 class TierCounters:
     """Per tier: tokens found, tokens asked for and not found (the tiers above had missed), bytes moved
-    (in: written into the tier, out: read from it), blocks evicted."""
+    (in: written into the tier, out: read from it), blocks evicted, and loads out of it with the seconds
+    they took (host: one step's host -> device copy, dispatch to done on the device; disk: one block's
+    read, asked to present on host)."""
 
     host_hits: int = 0
     host_misses: int = 0
     host_bytes_in: int = 0
     host_bytes_out: int = 0
     host_evictions: int = 0
+    host_loads: int = 0
+    host_load_seconds: float = 0.0
     disk_hits: int = 0
     disk_misses: int = 0
     disk_bytes_in: int = 0
     disk_bytes_out: int = 0
     disk_evictions: int = 0
+    disk_loads: int = 0
+    disk_load_seconds: float = 0.0
     disk_errors: int = 0  # failed writes (disk full, permissions): the block is dropped
+    swaps_out: int = 0  # requests preempted by swapping their blocks to host (core/preemption.py)
+    swaps_in: int = 0  # of those, resumed from host
 
 
 class KVTiers:
@@ -63,7 +72,7 @@ class KVTiers:
 
     def _host_evicted(self, key: Hashable, data: np.ndarray) -> None:
         self.counters.host_evictions += 1
-        if self._io is None:
+        if self._io is None or not isinstance(key, bytes):  # (only prefix-cache keys name disk blocks)
             return
         previous = self._writes.get(key)
         if previous is not None and not previous.done():
@@ -84,8 +93,13 @@ class KVTiers:
         no host slot is free."""
         if self.host.reserve(key) is None:
             return False
-        self._reads[key] = self._io.submit(self.disk.read, key)
+        self._reads[key] = self._io.submit(self._timed_read, key, time.perf_counter())
         return True
+
+    def _timed_read(self, key: Hashable, asked: float) -> tuple[np.ndarray | None, float]:
+        """(the block or None, seconds since it was asked for): runs on the IO thread."""
+        block = self.disk.read(key)
+        return block, time.perf_counter() - asked
 
     def poll(self, wait: bool = False) -> None:
         """Completes finished disk IO (every queued one with `wait`): a read block becomes present on host,
@@ -95,10 +109,13 @@ class KVTiers:
         for key, future in [(k, f) for k, f in self._reads.items() if f.done()]:
             del self._reads[key]
             try:
-                block = future.result()
+                block, seconds = future.result()
             except OSError as err:
                 logger.warning("KV disk tier: reading a block failed (%s); it is recomputed", err)
                 block = None
+            if block is not None:
+                self.counters.disk_loads += 1
+                self.counters.disk_load_seconds += seconds
             if block is None:
                 self.host.abort(key)
                 self.counters.disk_misses += self.block_tokens
@@ -117,6 +134,27 @@ class KVTiers:
                 logger.warning("KV disk tier: writing a block failed (%s); it is dropped", err)
         if self.disk is not None:
             self.counters.disk_evictions = self.disk.num_evictions
+
+    def write_to_disk(self, key: Hashable, block: np.ndarray) -> None:
+        """Queues a disk write of `block` (a copy the caller gives up) under `key` (a prefix-cache key)."""
+        if key not in self._writes and not self.disk.contains(key):
+            self._writes[key] = self._io.submit(self.disk.write, key, block)
+
+    def flush(self) -> None:
+        """Writes every present host block that the disk lacks to disk and waits for every queued write
+        (shutdown)."""
+        host = self.host
+        for key in host.keys():
+            if isinstance(key, bytes):
+                self.write_to_disk(key, host.data[host.lookup(key)].copy())
+        self.poll(wait=True)
+
+    def usage(self) -> tuple[tuple[str, float], ...]:
+        """(tier, share of its capacity in use) for the host tier and, when configured, the disk tier."""
+        usage = (("host", self.host.usage),)
+        if self.disk is not None:
+            usage += (("disk", min(1.0, self.disk.used_bytes / self.disk.capacity_bytes)),)
+        return usage
 
     @property
     def num_reads(self) -> int:

@@ -1,0 +1,93 @@
+"""A waiting request whose prefix is still coming up from disk (or whose swapped blocks are still on their
+way to host) does not hold up the requests behind it, and it starts, with its hit, once its blocks landed;
+the queue keeps its order otherwise."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from jaxserve.config import SchedulerConfig
+from jaxserve.core.kv_cache_manager import KVCacheManager
+from jaxserve.core.sched_types import RunnerOutput
+from jaxserve.core.scheduler import Scheduler
+from jaxserve.request import Request, RequestStatus
+from jaxserve.sampling_params import SamplingParams
+from tests.test_kv_cache_manager import FakeRequest
+from tests.test_kv_tiers_store import SHAPE, make_tiers
+
+pytestmark = pytest.mark.cpu_test
+
+SIZE = 2
+SEED = 11
+LOADING = [1, 2, 3, 4, 5, 6, 7]  # 3 full blocks on disk
+
+
+def block_keys(tokens: list[int]) -> list[bytes]:
+    manager = KVCacheManager(16, SIZE, hash_seed=SEED)
+    request = FakeRequest("k", tokens)
+    manager.get_computed_blocks(request)
+    return list(manager._requests["k"].block_hashes)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "fair"])
+def test_requests_behind_a_loading_prefix_are_scheduled(tmp_path, policy):
+    tiers = make_tiers(tmp_path / "kv", host_slots=8, disk_blocks=64, block_tokens=SIZE)
+    for key in block_keys(LOADING):
+        tiers.disk.write(key, np.full(SHAPE, 1.0, np.float32))
+    manager = KVCacheManager(32, SIZE, hash_seed=SEED, tiers=tiers)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, policy=policy), manager, 64)
+    gate = threading.Event()
+    tiers._io.submit(gate.wait)  # the disk IO thread is busy: the reads queue behind this
+    requests = [Request(name, tokens, SamplingParams(max_tokens=2), arrival_time=t)
+                for t, (name, tokens) in enumerate([("loading", LOADING), ("b", [9, 9, 9]), ("c", [8, 8])])]
+    for request in requests:
+        scheduler.add_request(request)
+    first = scheduler.schedule()
+    assert [item.request_id for item in first.scheduled] == ["b", "c"]
+    assert requests[0].status == RequestStatus.WAITING and scheduler.waiting.peek() is requests[0]
+    assert len(scheduler.waiting) == 1
+    gate.set()
+    tiers.poll(wait=True)  # the three blocks landed on host
+    second = scheduler.schedule()
+    assert [item.request_id for item in second.scheduled] == ["loading"]
+    assert second.scheduled[0].num_computed_tokens == 6  # its prefix, loaded from the tiers
+    assert manager.stats.disk_hits == 6
+    tiers.close()
+
+
+def test_a_swapped_request_waits_aside_until_its_blocks_landed(tmp_path):
+    tiers = make_tiers(tmp_path / "kv", host_slots=8, disk_blocks=None, block_tokens=SIZE)
+    manager = KVCacheManager(6, SIZE, hash_seed=SEED, tiers=tiers)  # 5 usable blocks
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, preemption_mode="swap"),
+                          manager, 64)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    early = Request("early", [1, 2, 3], params, arrival_time=0)
+    late = Request("late", [4, 5, 6], params, arrival_time=1)
+    scheduler.add_request(early)
+    scheduler.add_request(late)
+    link = manager.tier_link
+    out = scheduler.schedule()  # both prefill: 2 blocks each
+    for _ in range(2):  # two decode steps; the second needs a third block each, and only one is free
+        scheduler.update_from_output(out, RunnerOutput([r.request_id for r in (early, late)], [7, 7]))
+        out = scheduler.schedule()
+    assert late.status == RequestStatus.PREEMPTED and manager.swapped_tokens(late) == 4
+    moves = link.take()  # the swap's copies: dispatched, not landed yet
+    assert len(moves.save_keys) == 2
+    scheduler.add_request(Request("newcomer", [3, 3], params, arrival_time=2))
+    scheduler.update_from_output(out, RunnerOutput(["early"], [7]))
+    out = scheduler.schedule()
+    assert [item.request_id for item in out.scheduled] == ["newcomer"] and late.status == RequestStatus.PREEMPTED
+    assert scheduler.waiting.peek() is late  # still first in line
+    link.finish_saves(moves.save_keys, np.zeros((2, *SHAPE), np.float32))
+    scheduler.abort_requests(["early", "newcomer"])  # room for it
+    out = scheduler.schedule()
+    assert [(item.request_id, item.num_computed_tokens, item.num_new_tokens) for item in out.scheduled] == [
+        ("late", 4, 1)]  # its 4 computed tokens loaded back; the last known one fed again for its logits
+    loads = link.take()
+    assert loads.load_block_ids == sorted(out.scheduled[0].new_block_ids[:2])
+    # the swap's host slots are free again; in transit: write-backs of cached blocks its fresh blocks evicted
+    assert tiers.host.num_present == 0 and all(isinstance(key, bytes) for key in loads.save_keys)
+    assert tiers.host.num_reservable == tiers.host.num_slots - len(loads.save_keys)
