@@ -46,7 +46,7 @@ from jaxserve.core.sched_types import (MAX_PROMPT_LOGPROB_ROWS, NewRequestData, 
 from jaxserve.models import registry
 from jaxserve.models.layers import ModelBatch
 from jaxserve.models.loader import LoadedModel
-from jaxserve.runner import prompt_logprobs, sampler, spec_verify
+from jaxserve.runner import draft_runner, prompt_logprobs, sampler, spec_verify
 from jaxserve.runner.device_setup import (enable_compilation_cache, kv_cache_num_blocks, load_model,
                                          resolve_attention_backend, resolve_max_model_len,
                                          setup_all_reduce)
@@ -106,6 +106,7 @@ class StepHandle:
     expert_load: jax.Array | None = None  # the expert load accumulated up to this step (ep_runner.py)
     guesses: spec_verify.Guesses | None = None  # HostStep.guesses
     num_accepted: jax.Array | None = None  # [max_rows] guesses accepted per sampling row (with `guesses`)
+    drafts: jax.Array | None = None  # [max_rows, k] the draft model's guesses for each row's next step
 
 
 class ModelRunner:
@@ -164,8 +165,11 @@ class ModelRunner:
         if self.supports_prompt_logprobs:
             reserved += max(prompt_logprobs.device_bytes(t, self.max_prompt_logprob_rows, self.cfg.vocab_size,
                                                          self.max_logprobs) for t in self.buckets.token_buckets)
+        # the draft model (speculative.method draft_model): its K/V shares the target's blocks
+        self.drafter = draft_runner.DraftRunner(config, tp, self.cfg, max_model_len) if config.speculative.uses_model \
+            else None
         self.num_blocks = kv_cache_num_blocks(self.cfg, config, max_model_len, np.dtype(dtype).itemsize, tp,
-                                              reserved)
+                                              reserved, self.drafter.block_bytes() if self.drafter else 0)
         self.kv_caches = registry.family_of(self.cfg).init_kv_caches(self.cfg, self.num_blocks, self.block_size,
                                                                      self.attention_backend, tp=tp)
 
@@ -190,6 +194,8 @@ class ModelRunner:
         # Sampled tokens come back padded to the largest request bucket, so the next step reads them
         # from the device with one compiled shape.
         self.max_rows = self.buckets.request_buckets[-1] * self.num_shards
+        if self.drafter is not None:
+            self.drafter.init_caches(self.num_blocks, self.max_rows, self.on_device)
         # A prompt-logprob step of T tokens pads its requests to the largest bucket T pairs with.
         self._prompt_requests = {t: max(r for t2, r in self.buckets.precompile_plan() if t2 == t)
                                  for t in self.buckets.token_buckets} if self.supports_prompt_logprobs else {}
@@ -411,6 +417,8 @@ class ModelRunner:
             handle = StepHandle(step.request_ids, step.rows, step.generations, tokens, result.logprobs,
                                 tokens, prompt=prompt, index=step.index, guesses=step.guesses,
                                 num_accepted=num_accepted)
+        if self.drafter is not None:
+            handle.drafts = self.drafter.run(self, step, handle)
         self._last = handle
         return handle
 
@@ -502,7 +510,7 @@ class ModelRunner:
         if handle.prompt is not None:
             prompt = prompt_logprobs.chunks(*handle.prompt, self.row_generation, self.row_data, self.cfg.vocab_size)
         handle.output = RunnerOutput(handle.request_ids, tokens.tolist(), logprobs, prompt, num_accepted,
-                                     guess_logprobs)
+                                     guess_logprobs, draft_runner.DraftRunner.read(handle, len(rows)))
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """One step without overlap: dispatch, then wait for its tokens."""
@@ -576,6 +584,8 @@ class ModelRunner:
         if self.speculative:
             rows = jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=on_device)
             jobs[("verify",)] = (lambda: spec_verify.verify.lower(rows, rows, rows).compile(), ())
+        if self.drafter is not None:
+            jobs.update(self.drafter.precompile_jobs(self))
         bar = tqdm(total=len(jobs), desc="compiling buckets", disable=not progress, leave=False)
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
             futures = {pool.submit(fn, *args): key for key, (fn, args) in jobs.items()}
