@@ -48,6 +48,7 @@ class DraftRunner:
         """Loads speculative.model as the draft of the `target` model config; ValueError when it cannot
         draft for it (another vocabulary, a shorter context)."""
         spec = config.speculative
+        self.tp = draft_parallel(config, tp)
         try:
             cfg, _ = loader.load_config(spec.model, target.dtype)
         except loader.CheckpointError as err:
@@ -60,7 +61,6 @@ class DraftRunner:
             raise ValueError(f"speculative.model {spec.model!r} takes {cfg.max_position_embeddings} positions but "
                              f"max_model_len is {max_model_len}; lower model.max_model_len or choose a draft with "
                              f"a longer context")
-        self.tp = draft_parallel(config, tp)
         self.model = loader.load_model(spec.model, dtype=target.dtype, tp=self.tp)
         self.cfg = cfg
         self.k = spec.num_speculative_tokens
