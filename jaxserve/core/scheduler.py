@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import heapq
 
 from jaxserve.config import SchedulerConfig, SpeculativeConfig
@@ -139,7 +140,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.speculative = speculative if speculative is not None and speculative.enabled else None
         # a draft model guesses during each step: rows it drafts for get its KV slots (spec_schedule.lookahead)
-        self._drafts = self.speculative is not None and self.speculative.uses_model
+        self._lookahead = (functools.partial(spec_schedule.lookahead, spec=speculative, max_model_len=max_model_len)
+                           if self.speculative is not None and speculative.uses_model else None)
         # request id -> (row, blocks kept): block tables cut after a speculative step, sent with the next step
         self._truncated: dict[str, tuple[int, int]] = {}
         self.num_draft_tokens = 0  # guesses scored, and of those accepted (speculative decoding's counters)
@@ -239,7 +241,7 @@ class Scheduler:
         preempted = False
         prompt_rows_left = self.max_prompt_logprob_rows
         drafting: set[str] = set()  # requests given the slots of a draft model's lookahead this step
-        lookahead = self._lookahead if self._drafts else None
+        lookahead = self._lookahead
 
         # Running requests first, in order (over a copy: preemption takes requests out of `running`).
         running = self.running
@@ -387,14 +389,10 @@ class Scheduler:
             # step's tokens come back (the priority policy can do both in one schedule() call) must not
             # take them.
             self._in_flight[self.step_count] = (sampled, [request.num_preemptions for request in sampled], step_guesses,
-                                                {i for i, request in enumerate(sampled)
-                                                 if request.request_id in drafting} if drafting else set())
+                                                {i for i, r in enumerate(sampled) if r.request_id in drafting})
         return SchedulerOutput([request.request_id for request in decode], [request.row for request in decode],
                                decode_positions, decode_new_blocks, [item for _, item in scheduled],
                                self.config.max_num_batched_tokens - budget, finished, self.step_count, truncated)
-
-    def _lookahead(self, request: Request, end: int) -> int:
-        return spec_schedule.lookahead(request, end, self.speculative, self.max_model_len)
 
     @staticmethod
     def _unschedule(victim: Request, decode: list[Request], decode_positions: list[int],
@@ -441,7 +439,8 @@ class Scheduler:
         With overlap the next step was scheduled already: a request that finishes here had one more
         token in flight, which is dropped when it arrives (the request is no longer running).
         """
-        sampled, epochs, step_guesses, drafting = self._in_flight.pop(scheduler_output.step, ([], [], {}, set()))
+        sampled, epochs, step_guesses, drafting = self._in_flight.pop(scheduler_output.step,
+                                                                      ([], [], {}, set()))
         tokens = runner_output.sampled_token_ids
         if len(tokens) != len(sampled):
             raise ValueError(f"step {scheduler_output.step} sampled {len(sampled)} requests but the runner returned "

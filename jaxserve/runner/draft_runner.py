@@ -43,30 +43,52 @@ def draft_parallel(config: EngineConfig, tp: TensorParallel | None) -> TensorPar
     return tp if size == tp.size else dataclasses.replace(tp, rules=REPLICATED, all_reduce=None)
 
 
+def make(config: EngineConfig, tp: TensorParallel | None, target, max_model_len: int) -> DraftRunner | None:
+    """The proposer runner of speculative.method (None for a method without a model)."""
+    if config.speculative.method == "draft_model":
+        return DraftRunner(config, tp, target, max_model_len)
+    if config.speculative.method == "eagle":
+        from jaxserve.runner.eagle_runner import EagleRunner
+        return EagleRunner(config, tp, target, max_model_len)
+    return None
+
+
 class DraftRunner:
+    """The draft model's state and its part of each step; eagle_runner.EagleRunner is the EAGLE head's,
+    overriding what differs (loading, the programs and their arguments)."""
+
+    needs_hidden = False  # the step's target hidden states are an input (ModelRunner's forward returns them)
+    fill_program, propose_program = staticmethod(draft_model.fill), staticmethod(draft_model.propose)
+
     def __init__(self, config: EngineConfig, tp: TensorParallel | None, target, max_model_len: int):
-        """Loads speculative.model as the draft of the `target` model config; ValueError when it cannot
-        draft for it (another vocabulary, a shorter context)."""
-        spec = config.speculative
-        self.tp = draft_parallel(config, tp)
+        """Loads speculative.model to guess for the `target` model config; ValueError when it cannot."""
+        self.tp = self._parallel(config, tp)
+        self.k = config.speculative.num_speculative_tokens
+        self.block_size = config.cache.block_size
+        self.target = target
+        self.cfg, self.params = self._load(config.speculative.model, target, max_model_len)
+        self.attention_backend = resolve_attention_backend(config.runner.attention_backend, self.cfg, self.block_size)
+        self.kv_caches: list[jax.Array] = []
+
+    @staticmethod
+    def _parallel(config: EngineConfig, tp: TensorParallel | None) -> TensorParallel | None:
+        return draft_parallel(config, tp)
+
+    def _load(self, path: str, target, max_model_len: int):
+        """-> (the draft's model config, its params placed on self.tp's mesh)."""
         try:
-            cfg, _ = loader.load_config(spec.model, target.dtype)
+            cfg, _ = loader.load_config(path, target.dtype)
         except loader.CheckpointError as err:
             raise ValueError(f"speculative.model: {err}") from None
         if cfg.vocab_size != target.vocab_size:
-            raise ValueError(f"speculative.model {spec.model!r} has a vocabulary of {cfg.vocab_size} tokens but the "
+            raise ValueError(f"speculative.model {path!r} has a vocabulary of {cfg.vocab_size} tokens but the "
                              f"target model's has {target.vocab_size}: a draft must share the target's tokenizer; "
                              f"choose a draft of the same family and vocabulary")
         if cfg.max_position_embeddings < max_model_len:
-            raise ValueError(f"speculative.model {spec.model!r} takes {cfg.max_position_embeddings} positions but "
+            raise ValueError(f"speculative.model {path!r} takes {cfg.max_position_embeddings} positions but "
                              f"max_model_len is {max_model_len}; lower model.max_model_len or choose a draft with "
                              f"a longer context")
-        self.model = loader.load_model(spec.model, dtype=target.dtype, tp=self.tp)
-        self.cfg = cfg
-        self.k = spec.num_speculative_tokens
-        self.block_size = config.cache.block_size
-        self.attention_backend = resolve_attention_backend(config.runner.attention_backend, cfg, self.block_size)
-        self.kv_caches: list[jax.Array] = []
+        return cfg, loader.load_model(path, dtype=target.dtype, tp=self.tp).params
 
     def block_bytes(self) -> int:
         """Bytes of the draft's K/V per KV block on one device (added to the target's in the KV budget)."""
@@ -77,13 +99,18 @@ class DraftRunner:
                                                                      self.attention_backend, tp=self.tp)
         self.on_device = on_device
         self._no_guesses = zeros((max_rows,), jnp.int32, on_device)  # num_accepted of a step without guesses
+        self._no_rows = zeros((4, max_rows), jnp.int32, on_device)  # `rows` of a step that samples nothing
 
     def _static(self) -> dict:
         return dict(cfg=self.cfg, attention_backend=self.attention_backend, tp=self.tp)
 
+    def _propose_static(self) -> dict:
+        return dict(self._static(), k=self.k, block_size=self.block_size)
+
     def rows(self, runner, step) -> np.ndarray:
-        """[3, max_rows] int32 of a step's sampling rows (draft_model.propose's `rows`): the batch row of each,
-        the position its next token takes when no guess is accepted, and its allocated slots (0: padding)."""
+        """[4, max_rows] int32 of a step's sampling rows (the propose programs' `rows`): the batch row of each,
+        the position after its input token (its next token's when no guess is accepted), its allocated slots
+        (0: padding), and its input token's index in the step's tokens."""
         batch, num_rows = step.batch, len(step.rows)
         if step.guesses is None:
             last = batch.logits_indices[:num_rows]
@@ -91,33 +118,46 @@ class DraftRunner:
         else:  # a request's logits rows: its input position, then one per guess
             num_guesses = np.bincount(step.guesses.row_of, minlength=num_rows)[:num_rows] - 1
             last = step.guesses.logits_rows[step.guesses.first[:num_rows] + num_guesses]
-        out = np.zeros((3, runner.max_rows), np.int32)
+        out = np.zeros((4, runner.max_rows), np.int32)
         out[0, :num_rows] = np.searchsorted(batch.query_start_loc, last, side="right") - 1
         out[1, :num_rows] = batch.positions[last] - num_guesses + 1
         out[2, :num_rows] = runner.row_num_blocks[step.rows] * self.block_size
+        out[3, :num_rows] = last - num_guesses
         return out
 
-    def run(self, runner, step, handle) -> jax.Array | None:
-        """The draft's part of a dispatched step -> drafts [max_rows, k] int32 (copying to the host), or None
-        when the step samples nothing."""
+    def _fill_args(self, runner, step, staged, hidden, num_accepted, rows) -> tuple:
+        """The fill program's arguments (`step` None: abstract ones, for precompiling)."""
+        return self.params, staged, self.kv_caches
+
+    def _propose_args(self, runner, staged, carry, tokens, num_accepted, rows) -> tuple:
+        """The propose program's arguments; `carry`: what the fill returned besides the caches."""
+        return self.params, staged.block_tables, self.kv_caches, tokens, num_accepted, rows
+
+    def _carry(self, runner):
+        """The abstract `carry` of the fill program's output (precompiling propose); None: the fill gives
+        the caches alone."""
+        return None
+
+    def run(self, runner, step, handle, forward_outputs: list) -> jax.Array | None:
+        """The draft's part of a dispatched step (`forward_outputs`: the target forward's outputs after its
+        logits and tokens, the hidden states [T, D] last when needs_hidden) -> drafts [max_rows, k] int32
+        (copying to the host), or None when the step samples nothing."""
+        hidden = forward_outputs[-1] if self.needs_hidden else None
         t_pad, r_pad = step.batch.token_ids.shape[-1], step.batch.seq_lens.shape[-1]
         staged = runner._staged[(t_pad, r_pad)]
-        fill = runner._compiled.get(("draft_fill", t_pad, r_pad))
-        if fill is not None:
-            self.kv_caches = fill(self.model.params, staged, self.kv_caches)
-        else:
-            self.kv_caches = draft_model.fill(self.model.params, staged, self.kv_caches, **self._static())
-        if step.sampling is None:
-            return None
-        rows = jax.device_put(self.rows(runner, step), self.on_device)
+        sampling = step.sampling is not None
+        rows = jax.device_put(self.rows(runner, step), self.on_device) if sampling else self._no_rows
         num_accepted = handle.num_accepted if handle.num_accepted is not None else self._no_guesses
-        args = (self.model.params, staged.block_tables, self.kv_caches, handle.tokens, num_accepted, rows)
+        fill = runner._compiled.get(("draft_fill", t_pad, r_pad))
+        args = self._fill_args(runner, step, staged, hidden, num_accepted, rows)
+        out = fill(*args) if fill is not None else self.fill_program(*args, **self._static())
+        self.kv_caches, carry = out if isinstance(out, tuple) else (out, None)
+        if not sampling:
+            return None
+        args = self._propose_args(runner, staged, carry, handle.tokens, num_accepted, rows)
         propose = runner._compiled.get(("draft_propose", r_pad))
-        if propose is not None:
-            self.kv_caches, drafts = propose(*args)
-        else:
-            self.kv_caches, drafts = draft_model.propose(*args, k=self.k, block_size=self.block_size,
-                                                         **self._static())
+        self.kv_caches, drafts = (propose(*args) if propose is not None
+                                  else self.propose_program(*args, **self._propose_static()))
         drafts.copy_to_host_async()
         return drafts
 
@@ -130,20 +170,23 @@ class DraftRunner:
     def precompile_jobs(self, runner) -> dict:
         """runner.precompile's jobs for the draft (their executables go into runner._compiled): a fill per
         step shape, and a propose per request bucket (the block tables it reads are the staged batch's)."""
-        def device_batch(t_pad: int, r_pad: int):
-            return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=runner.batch_sharding),
-                                runner._host_batch(t_pad, r_pad))
+        def abstract(shape, dtype=jnp.int32, sharding=runner.batch_sharding):
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+        def inputs(t_pad: int, r_pad: int):  # (staged batch, target hidden states) of a step shape
+            batch = jax.tree.map(lambda a: abstract(a.shape, a.dtype), runner._host_batch(t_pad, r_pad))
+            return batch, abstract((t_pad, self.target.hidden_size), self.target.jnp_dtype, self.on_device)
+
+        tokens = abstract((runner.max_rows,), sharding=self.on_device)
+        rows = abstract((4, runner.max_rows), sharding=self.on_device)
 
         def fill(t_pad: int, r_pad: int):
-            return draft_model.fill.lower(self.model.params, device_batch(t_pad, r_pad), self.kv_caches,
-                                          **self._static()).compile()
+            args = self._fill_args(runner, None, *inputs(t_pad, r_pad), tokens, rows)
+            return self.fill_program.lower(*args, **self._static()).compile()
 
         def propose(r_pad: int):
-            tokens = jax.ShapeDtypeStruct((runner.max_rows,), jnp.int32, sharding=self.on_device)
-            rows = jax.ShapeDtypeStruct((3, runner.max_rows), jnp.int32, sharding=self.on_device)
-            tables = device_batch(r_pad, r_pad).block_tables
-            return draft_model.propose.lower(self.model.params, tables, self.kv_caches, tokens, tokens, rows,
-                                             k=self.k, block_size=self.block_size, **self._static()).compile()
+            args = self._propose_args(runner, inputs(r_pad, r_pad)[0], self._carry(runner), tokens, tokens, rows)
+            return self.propose_program.lower(*args, **self._propose_static()).compile()
 
         jobs = {("draft_fill", t_pad, r_pad): (fill, (t_pad, r_pad)) for t_pad, r_pad in runner._step_shapes}
         jobs.update({("draft_propose", r_pad): (propose, (r_pad,)) for r_pad in {r for _, r in runner._step_shapes}})

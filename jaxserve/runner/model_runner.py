@@ -88,6 +88,7 @@ class HostStep(NamedTuple):
     prompt: prompt_logprobs.PromptRows | None = None  # rows that give prompt logprobs
     index: np.ndarray | None = None  # where each sampling row's token lies in the step's tokens (None: in order)
     guesses: spec_verify.Guesses | None = None  # the logits rows of speculative rows (spec_verify.py)
+    layout: StepRows | None = None  # the step's requests (an EAGLE head's inputs follow them)
 
 
 @dataclasses.dataclass
@@ -125,7 +126,6 @@ class ModelRunner:
         # The step's all-reduces: XLA's, or a peer-memory kernel whose state (`comm`) lives with the runner.
         self.tp, self.comm, self._all_reduce_workspace = setup_all_reduce(tp, config.parallel.all_reduce,
                                                                           model.config.jnp_dtype)
-        # Small device arrays made where the step runs (the mesh under tensor parallelism).
         # where the step's small arrays and logits live: replicated on the mesh, or the params' device
         self.on_device = tp.sharding(()) if tp is not None else jax.tree.leaves(model.params)[0].sharding
         # where the staged batch and the logits live (split over the expert shards in ep_runner.py)
@@ -165,11 +165,10 @@ class ModelRunner:
         if self.supports_prompt_logprobs:
             reserved += max(prompt_logprobs.device_bytes(t, self.max_prompt_logprob_rows, self.cfg.vocab_size,
                                                          self.max_logprobs) for t in self.buckets.token_buckets)
-        # the draft model (speculative.method draft_model): its K/V shares the target's blocks
-        self.drafter = draft_runner.DraftRunner(config, tp, self.cfg, max_model_len) if config.speculative.uses_model \
-            else None
-        self.num_blocks = kv_cache_num_blocks(self.cfg, config, max_model_len, np.dtype(dtype).itemsize, tp,
-                                              reserved, self.drafter.block_bytes() if self.drafter else 0)
+        # the draft model or EAGLE head (speculative.method draft_model, eagle): its K/V shares the blocks
+        self.drafter = draft_runner.make(config, tp, self.cfg, max_model_len)
+        self.num_blocks = kv_cache_num_blocks(self.cfg, config, max_model_len, np.dtype(dtype).itemsize, tp, reserved,
+                                              extra_block_bytes=self.drafter.block_bytes() if self.drafter else 0)
         self.kv_caches = registry.family_of(self.cfg).init_kv_caches(self.cfg, self.num_blocks, self.block_size,
                                                                      self.attention_backend, tp=tp)
 
@@ -208,7 +207,7 @@ class ModelRunner:
         self._logits: dict[int, jax.Array] = {}
         self._twin: dict[tuple[int, int], bool] = {}  # the twin executable the last decode step of a shape ran
         platform = (tp.mesh.devices.flat[0] if tp is not None else jax.devices()[0]).platform
-        self.forward_fn = forward_fn(platform)
+        self.forward_fn = forward_fn(platform, self.drafter is not None and self.drafter.needs_hidden)
         self.use_twins = platform == "gpu"  # (only XLA:GPU replays graphs; see _run_forward)
         self.speculative = config.speculative.enabled  # steps may carry guesses (spec_verify.py)
 
@@ -352,7 +351,7 @@ class ModelRunner:
         self.row_prev_index[sample_rows] = np.arange(len(sample_rows))
         self.row_pending[sample_rows] += 1
         return HostStep(batch, prev_index, sample_rows, self.row_generation[sample_rows], request_ids, sampling,
-                        decode_only, prompt, guesses=guesses)
+                        decode_only, prompt, guesses=guesses, layout=layout)
 
     def _sampling_metadata(self, rows: np.ndarray, r_pad: int, index: np.ndarray | None = None):
         """Sampling metadata of `r_pad` logits rows: row i of `rows` at index[i] (default: i)."""
@@ -418,7 +417,7 @@ class ModelRunner:
                                 tokens, prompt=prompt, index=step.index, guesses=step.guesses,
                                 num_accepted=num_accepted)
         if self.drafter is not None:
-            handle.drafts = self.drafter.run(self, step, handle)
+            handle.drafts = self.drafter.run(self, step, handle, prompt_arrays)
         self._last = handle
         return handle
 

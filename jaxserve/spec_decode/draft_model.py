@@ -59,11 +59,11 @@ def decode_batch(tokens: jax.Array, positions: jax.Array, capacity: jax.Array, b
 def _propose(params, batch_tables: jax.Array, kv_caches, tokens: jax.Array, num_accepted: jax.Array,
              rows: jax.Array, *, cfg, k: int, block_size: int, attention_backend: str, tp):
     """batch_tables [R, max_blocks] (the step's staged block tables, in batch order), tokens [M] (each
-    sampling row's next token), num_accepted [M], rows [3, M] int32 (each sampling row's batch row, the
-    position its next token would have with no guess accepted, its capacity) -> (caches, drafts [M, k]).
-    The k steps are unrolled (k is small): each is the family's decode-only forward."""
+    sampling row's next token), num_accepted [M], rows [4, M] int32 (DraftRunner.rows: each sampling row's
+    batch row, the position its next token takes with no guess accepted, its capacity) -> (caches, drafts
+    [M, k]). The k steps are unrolled (k is small): each is the family's decode-only forward."""
     forward = registry.family_of(cfg).forward
-    batch_row, base, capacity = rows[0], rows[1], rows[2]
+    batch_row, base, capacity = rows[0], rows[1], rows[2]  # (rows[3]: the EAGLE head's)
     block_tables = batch_tables[batch_row]
     positions = base + num_accepted
     drafts = []
