@@ -13,10 +13,13 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.config import SpeculativeConfig
 from jaxserve.models import registry
 from jaxserve.spec_decode import eagle
 from tests.conftest import HF_FIXTURES, TINY_MODEL
+from tests.scheduler_harness import Driver, FakeRunner, make_request, make_scheduler
 from tests.test_engine import _summary, _workload, assert_no_leaks, make_llm, problems
+from tests.test_scheduler_spec import OverlapDriver, cyclic, prompt
 
 TINY_DRAFT = TINY_MODEL.parent / "tiny-adder-draft"
 TINY_EAGLE = TINY_MODEL.parent / "tiny-adder-eagle"
@@ -33,8 +36,58 @@ def eagle_spec(model=TINY_EAGLE, k: int = 3) -> dict:
     return spec(model, k, "eagle")
 
 
+DRAFT = SpeculativeConfig(method="draft_model", model=str(TINY_DRAFT), num_speculative_tokens=3)
+
+
 def token_ids(outputs):
     return [c.token_ids for out in outputs for c in out.outputs]
+
+
+class DraftingRunner(FakeRunner):
+    """The scheduler harness's fake runner plus a draft model's part of each step: k guesses per sampled row
+    from its new token (the 'model' itself, wrong at every 5th position so that some are rejected), and the
+    K/V slots they write: the new token's position on, within the row's blocks (past them: the null block),
+    each left holding what no request may read as context (the harness checks every read)."""
+
+    k = 3
+
+    def execute(self, out, tokens=None):
+        result = super().execute(out, tokens)
+        drafts = []
+        for request_id in result.request_ids:
+            state = self.states[request_id]
+            sequence, capacity = list(state.token_ids), len(state.block_ids) * self.block_size
+            for position in range(len(sequence) - 1, len(sequence) - 1 + self.k):
+                if position < capacity:
+                    self.slots[self._slot(state, position)] = ("draft", request_id, position)
+                sequence.append(cyclic(request_id, sequence) + (len(sequence) % 5 == 0))
+            drafts.append(sequence[len(state.token_ids):])
+        result.draft_token_ids = drafts
+        return result
+
+
+@pytest.mark.cpu_test
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_scheduler_keeps_drafts_and_their_slots(overlap):
+    """Scheduler side alone: drafting rows get the lookahead's slots (writes past them would land in other
+    requests' blocks, which the harness catches), drafts become the next step's guesses (one token behind
+    under overlap), outputs equal decoding without them, with preemption and shared prefixes, nothing leaks."""
+    prompts = {f"r{i}": prompt(i % 2, 9 + 4 * (i % 3)) for i in range(6)}
+    outputs = {}
+    for speculative, num_blocks in [(None, 64), (DRAFT, 64), (DRAFT, 11)]:
+        scheduler = make_scheduler(num_blocks=num_blocks, block_size=4, speculative=speculative)
+        driver = (OverlapDriver if overlap else Driver)(scheduler, cyclic)
+        driver.runner = DraftingRunner(scheduler, cyclic)
+        requests = [make_request(request_id, tokens, max_tokens=16, temperature=0.0)
+                    for request_id, tokens in prompts.items()]
+        driver.add(*requests)
+        driver.run()
+        outputs[speculative, num_blocks] = [request.output_token_ids for request in requests]
+        assert scheduler.kv_cache.num_free_blocks == num_blocks - 1
+        if speculative is not None:
+            assert 0 < scheduler.num_accepted_tokens < scheduler.num_draft_tokens
+            assert scheduler.num_preemptions > 0 or num_blocks == 64
+    assert outputs[DRAFT, 64] == outputs[DRAFT, 11] == outputs[None, 64]
 
 
 @pytest.fixture(scope="module")
