@@ -1,12 +1,14 @@
-"""The draft model beside a ModelRunner (speculative.method draft_model): loading, its KV cache, and its
-part of every step (the programs are in spec_decode/draft_model.py).
+"""A draft model beside a ModelRunner (speculative.method draft_model; eagle_runner.py for eagle): loading,
+its KV cache, and its part of every step (the programs are in spec_decode/draft_model.py).
 
-    ModelRunner.__init__  DraftRunner(config, tp, target config, max_model_len): checks and loads the
-                          draft; block_bytes() joins the KV budget; init_caches(num_blocks) after it
-    ModelRunner.dispatch  run(runner, step, handle) after the target's step is enqueued: fill the draft's
-                          K/V over the step's staged batch; when the step samples, propose k drafts per
-                          sampling row from its next token -> drafts [max_rows, k] (copying to the host)
+    ModelRunner.__init__  make(config, tp, target config, max_model_len): checks and loads the draft;
+                          block_bytes() joins the KV budget; init_caches(num_blocks, ...) after it
+    ModelRunner.dispatch  run(runner, step, handle, forward outputs) after the target's step (forward,
+                          sampler, verification) is enqueued: fill the draft's K/V over the step's staged
+                          batch; when the step samples, propose k drafts per sampling row from its next
+                          token -> drafts [max_rows, k] (copying to the host with the step's tokens)
     ModelRunner._collect  read(handle, num_rows) -> each sampling row's k drafts (RunnerOutput.draft_token_ids)
+    ModelRunner.precompile  precompile_jobs(runner): a fill per step shape, a propose per request bucket
 
 The draft runs on the target's devices: split over them as the target is (draft_tensor_parallel_size =
 parallel.model), or whole on every one of them (1: its parameters and cache replicated).
