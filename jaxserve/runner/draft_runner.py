@@ -6,7 +6,7 @@ its KV cache, and its part of every step (the programs are in spec_decode/draft_
     ModelRunner.dispatch  run(runner, step, handle, forward outputs) after the target's step (forward,
                           sampler, verification) is enqueued: fill the draft's K/V over the step's staged
                           batch; when the step samples, propose k drafts per sampling row from its next
-                          token -> drafts [max_rows, k] (copying to the host with the step's tokens)
+                          token -> drafts [R, k] (R: the step's request bucket; copying to the host with the step's tokens)
     ModelRunner._collect  read(handle, num_rows) -> each sampling row's k drafts (RunnerOutput.draft_token_ids)
     ModelRunner.precompile  precompile_jobs(runner): a fill per step shape, a propose per request bucket
 
@@ -142,8 +142,8 @@ class DraftRunner:
 
     def run(self, runner, step, handle, forward_outputs: list) -> jax.Array | None:
         """The draft's part of a dispatched step (`forward_outputs`: the target forward's outputs after its
-        logits and tokens, the hidden states [T, D] last when needs_hidden) -> drafts [max_rows, k] int32
-        (copying to the host), or None when the step samples nothing."""
+        logits and tokens, the hidden states [T, D] last when needs_hidden) -> drafts [R, k] int32 (copying
+        to the host), or None when the step samples nothing."""
         hidden = forward_outputs[-1] if self.needs_hidden else None
         t_pad, r_pad = step.batch.token_ids.shape[-1], step.batch.seq_lens.shape[-1]
         staged = runner._staged[(t_pad, r_pad)]

@@ -107,7 +107,7 @@ class StepHandle:
     expert_load: jax.Array | None = None  # the expert load accumulated up to this step (ep_runner.py)
     guesses: spec_verify.Guesses | None = None  # HostStep.guesses
     num_accepted: jax.Array | None = None  # [max_rows] guesses accepted per sampling row (with `guesses`)
-    drafts: jax.Array | None = None  # [max_rows, k] the draft model's guesses for each row's next step
+    drafts: jax.Array | None = None  # [R, k] the draft model's guesses for each sampling row's next step
 
 
 class ModelRunner:

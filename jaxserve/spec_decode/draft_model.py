@@ -8,10 +8,10 @@ count in the KV budget. Each engine step runs, after the target's forward, sampl
         the draft's forward over the same ragged batch (prefill chunks, decode rows, guesses): its K/V is
         written at every slot the target wrote this step; its logits are not used
     propose(draft params, block tables, draft caches, tokens, num_accepted, rows)
-        k greedy decode steps of the draft, one query token per sampling row (M = the runner's max rows):
+        k greedy decode steps of the draft, one query token per row of the step's request bucket R:
         step 0 feeds each row's next token (the step's sampled or corrected token, still on device) at
         position base + num_accepted, step j the draft's own argmax of step j - 1 one position further;
-        -> drafts [M, k]. The K/V of those positions is written into the row's own slots (the scheduler
+        -> drafts [R, k]. The K/V of those positions is written into the row's own slots (the scheduler
         allocated them: positions up to the step's last + k) and rewritten by a later step's fill before
         any step reads it as context, since every position a request computes is filled in the step that
         computes it.
@@ -56,13 +56,22 @@ def decode_batch(tokens: jax.Array, positions: jax.Array, capacity: jax.Array, b
     return ModelBatch(tokens, positions, slots.astype(jnp.int32), index, positions + 1, block_tables, index[:rows])
 
 
+def first_rows(num_rows: int, *arrays):
+    """The first num_rows rows of each [M, ...] array (of `rows` [4, M]: its first columns). A step's sampling
+    rows are at most its padded request count R, so the guessing steps run R rows, not the runner's max."""
+    *arrays, rows = arrays
+    return (*(a[:num_rows] for a in arrays), rows[:, :num_rows])
+
+
 def _propose(params, batch_tables: jax.Array, kv_caches, tokens: jax.Array, num_accepted: jax.Array,
              rows: jax.Array, *, cfg, k: int, block_size: int, attention_backend: str, tp):
     """batch_tables [R, max_blocks] (the step's staged block tables, in batch order), tokens [M] (each
     sampling row's next token), num_accepted [M], rows [4, M] int32 (DraftRunner.rows: each sampling row's
     batch row, the position its next token takes with no guess accepted, its capacity) -> (caches, drafts
-    [M, k]). The k steps are unrolled (k is small): each is the family's decode-only forward."""
+    [R, k]): the first R rows guess (`first_rows`). The k steps are unrolled (k is small): each is the family's
+    decode-only forward."""
     forward = registry.family_of(cfg).forward
+    tokens, num_accepted, rows = first_rows(batch_tables.shape[0], tokens, num_accepted, rows)
     batch_row, base, capacity = rows[0], rows[1], rows[2]  # (rows[3]: the EAGLE head's)
     block_tables = batch_tables[batch_row]
     positions = base + num_accepted
