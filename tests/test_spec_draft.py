@@ -194,6 +194,8 @@ def test_bad_draft_configs_are_refused_at_start(tmp_path):
         make_llm(precompile=False, speculative_config=spec(k=0))
     with pytest.raises(ValueError, match="draft_tensor_parallel_size=2"):
         make_llm(precompile=False, speculative_config={**spec(), "draft_tensor_parallel_size": 2})
+    with pytest.raises(ValueError, match="method=draft_model is not supported yet with parallel.data > 1"):
+        make_llm(precompile=False, data_parallel_size=2, speculative_config=spec())
     narrow = tmp_path / "narrow-head"
     narrow.mkdir()
     hf = json.loads((TINY_EAGLE / "config.json").read_text())
