@@ -2,11 +2,12 @@
 its KV cache, and its part of every step (the programs are in spec_decode/draft_model.py).
 
     ModelRunner.__init__  make(config, tp, target config, max_model_len): checks and loads the draft;
-                          block_bytes() joins the KV budget; init_caches(num_blocks, ...) after it
+                          memory() joins the KV budget; init_caches(num_blocks, ...) after it
     ModelRunner.dispatch  run(runner, step, handle, forward outputs) after the target's step (forward,
                           sampler, verification) is enqueued: fill the draft's K/V over the step's staged
                           batch; when the step samples, propose k drafts per sampling row from its next
-                          token -> drafts [R, k] (R: the step's request bucket; copying to the host with the step's tokens)
+                          token -> drafts [R, k] (R: the step's request bucket), copying to the host with
+                          the step's tokens
     ModelRunner._collect  read(handle, num_rows) -> each sampling row's k drafts (RunnerOutput.draft_token_ids)
     ModelRunner.precompile  precompile_jobs(runner): a fill per step shape, a propose per request bucket
 
@@ -92,9 +93,14 @@ class DraftRunner:
                              f"a longer context")
         return cfg, loader.load_model(path, dtype=target.dtype, tp=self.tp).params
 
-    def block_bytes(self) -> int:
-        """Bytes of the draft's K/V per KV block on one device (added to the target's in the KV budget)."""
-        return kv_block_bytes(self.cfg, self.block_size, np.dtype(self.cfg.jnp_dtype).itemsize, self.tp)
+    def memory(self, buckets) -> tuple[int, int]:
+        """(bytes of the draft's step outputs and temporaries at the largest shapes, bytes of its K/V per KV
+        block on one device): what the KV budget sets aside besides the target's. The step's: float32 logits
+        of the fill and of a propose step (R rows each), and the target's hidden states [T, D] when read."""
+        rows, tokens = buckets.request_buckets[-1], max(buckets.token_buckets)
+        hidden = tokens * self.target.hidden_size * np.dtype(self.target.jnp_dtype).itemsize if self.needs_hidden else 0
+        per_block = kv_block_bytes(self.cfg, self.block_size, np.dtype(self.cfg.jnp_dtype).itemsize, self.tp)
+        return 2 * 4 * rows * self.target.vocab_size + hidden, per_block
 
     def init_caches(self, num_blocks: int, max_rows: int, on_device) -> None:
         self.kv_caches = registry.family_of(self.cfg).init_kv_caches(self.cfg, num_blocks, self.block_size,

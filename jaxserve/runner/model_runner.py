@@ -167,8 +167,9 @@ class ModelRunner:
                                                          self.max_logprobs) for t in self.buckets.token_buckets)
         # the draft model or EAGLE head (speculative.method draft_model, eagle): its K/V shares the blocks
         self.drafter = draft_runner.make(config, tp, self.cfg, max_model_len)
-        self.num_blocks = kv_cache_num_blocks(self.cfg, config, max_model_len, np.dtype(dtype).itemsize, tp, reserved,
-                                              extra_block_bytes=self.drafter.block_bytes() if self.drafter else 0)
+        draft_bytes = self.drafter.memory(self.buckets) if self.drafter else (0, 0)  # (step buffers, per block)
+        self.num_blocks = kv_cache_num_blocks(self.cfg, config, max_model_len, np.dtype(dtype).itemsize, tp,
+                                              reserved + draft_bytes[0], extra_block_bytes=draft_bytes[1])
         self.kv_caches = registry.family_of(self.cfg).init_kv_caches(self.cfg, self.num_blocks, self.block_size,
                                                                      self.attention_backend, tp=tp)
 
