@@ -11,6 +11,7 @@ import json
 import jax
 import numpy as np
 import pytest
+import safetensors.numpy
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import SpeculativeConfig
@@ -204,6 +205,15 @@ def test_bad_draft_configs_are_refused_at_start(tmp_path):
         make_llm(precompile=False, speculative_config=eagle_spec(narrow))
     with pytest.raises(ValueError, match="an EAGLE head has one decoder layer"):
         make_llm(precompile=False, speculative_config=eagle_spec(TINY_DRAFT))
+    other = tmp_path / "other-head"  # an fc missing, a final norm too many
+    other.mkdir()
+    (other / "config.json").write_text((TINY_EAGLE / "config.json").read_text())
+    tensors = safetensors.numpy.load_file(TINY_EAGLE / "model.safetensors")
+    tensors["norm.weight"] = tensors.pop("fc.weight")[:, 0]
+    safetensors.numpy.save_file(tensors, other / "model.safetensors")
+    with pytest.raises(ValueError, match=r"not an EAGLE-1 head: missing tensors \['fc.weight'\]; unexpected tensors "
+                                         r"\['norm.weight'\]"):
+        make_llm(precompile=False, speculative_config=eagle_spec(other))
 
 
 @pytest.mark.parametrize("speculative", [spec(k=2), eagle_spec(k=2)], ids=["draft_model", "eagle"])

@@ -82,9 +82,10 @@ def load_head(head_dir: str | Path, cfg: llama.LlamaConfig, place) -> dict:
                               (f"{prefix}embed_tokens.weight", ("embed",), (cfg.vocab_size, d))):
         if name in files:
             table[name] = (path, shape, False)
-    missing = sorted(set(table) - set(files))
-    if missing:
-        raise loader.CheckpointError(f"{head_dir}: missing EAGLE head tensors {missing}")
+    missing, extra = sorted(set(table) - set(files)), sorted(set(files) - set(table))
+    if missing or extra:  # (an input norm, a final norm or an lm head would be another head than EAGLE-1's)
+        raise loader.CheckpointError(f"{head_dir}: not an EAGLE-1 head: " + "; ".join(
+            [f"missing tensors {missing}"] * bool(missing) + [f"unexpected tensors {extra}"] * bool(extra)))
     params: dict = {"layer": {}}
     for name, (path, shape, transposed) in table.items():
         with safe_open(files[name], framework="numpy") as f:
