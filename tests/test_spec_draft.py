@@ -119,8 +119,9 @@ def test_target_as_its_own_draft_is_accepted_with_preemption_and_prefix_caching(
 def test_trained_proposers_have_guesses_accepted(reference, speculative, rate):
     """The embedded draft and head agree with the target on 90% and 99.7% of held-out answer tokens
     (teacher-forced; their TRAINING.md): most guesses are accepted, also those made one token behind
-    (overlap) and those after a first guess."""
-    llm = make_llm(precompile=False, num_blocks=10, speculative_config=speculative)
+    (overlap), those after a first guess, and those after chunked prompts (the head reads each chunk's next
+    prompt token from the host)."""
+    llm = make_llm(precompile=False, num_blocks=10, max_num_batched_tokens=5, speculative_config=speculative)
     assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == token_ids(reference["greedy"])
     scheduler = llm.engine.scheduler
     assert rate * scheduler.num_draft_tokens <= scheduler.num_accepted_tokens <= scheduler.num_draft_tokens
