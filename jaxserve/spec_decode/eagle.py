@@ -65,6 +65,10 @@ def head_config(head_dir: str | Path, dtype: str) -> llama.LlamaConfig:
     if cfg.num_layers != 1:
         raise loader.CheckpointError(f"{path}: an EAGLE head has one decoder layer, this config has "
                                      f"num_hidden_layers={cfg.num_layers}")
+    extras = [name for name in ("qkv_bias", "o_bias", "mlp_bias", "qk_norm", "sliding_window") if getattr(cfg, name)]
+    if extras:
+        raise loader.CheckpointError(f"{path}: an EAGLE-1 head's layer is a plain Llama layer; this config asks for "
+                                     f"{extras} (attention_bias, mlp_bias, ...), which jaxserve's EAGLE does not run")
     return cfg
 
 
