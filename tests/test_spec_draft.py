@@ -12,6 +12,9 @@ import jax
 import numpy as np
 import pytest
 import safetensors.numpy
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import SpeculativeConfig
@@ -20,6 +23,7 @@ from jaxserve.spec_decode import eagle
 from tests.conftest import HF_FIXTURES, TINY_MODEL
 from tests.scheduler_harness import Driver, FakeRunner, make_request, make_scheduler
 from tests.test_engine import _summary, _workload, assert_no_leaks, make_llm, problems
+from tests.test_scheduler_machine import SchedulerMachine, configs
 from tests.test_scheduler_spec import OverlapDriver, cyclic, prompt
 
 TINY_DRAFT = TINY_MODEL.parent / "tiny-adder-draft"
@@ -46,11 +50,13 @@ def token_ids(outputs):
 
 class DraftingRunner(FakeRunner):
     """The scheduler harness's fake runner plus a draft model's part of each step: k guesses per sampled row
-    from its new token (the 'model' itself, wrong at every 5th position so that some are rejected), and the
+    from its new token (the `cyclic` model, wrong at every 5th position so that some are rejected), and the
     K/V slots they write: the new token's position on, within the row's blocks (past them: the null block),
     each left holding what no request may read as context (the harness checks every read)."""
 
-    k = 3
+    def __init__(self, scheduler, token_fn=cyclic, k: int = 3):
+        super().__init__(scheduler, token_fn)
+        self.k = k
 
     def execute(self, out, tokens=None):
         result = super().execute(out, tokens)
@@ -89,6 +95,23 @@ def test_scheduler_keeps_drafts_and_their_slots(overlap):
             assert 0 < scheduler.num_accepted_tokens < scheduler.num_draft_tokens
             assert scheduler.num_preemptions > 0 or num_blocks == 64
     assert outputs[DRAFT, 64] == outputs[DRAFT, 11] == outputs[None, 64]
+
+
+class DraftingSchedulerMachine(SchedulerMachine):
+    """test_scheduler_machine's random arrivals, steps, aborts and invariants, with a draft model's guesses
+    (DraftingRunner) instead of n-gram ones."""
+
+    @initialize(setup=configs(), k=st.integers(1, 3))
+    def setup(self, setup, k):
+        speculative = SpeculativeConfig(method="draft_model", model="draft", num_speculative_tokens=k)
+        SchedulerMachine.setup(self, {**setup, "speculative": speculative})
+        self.runner = DraftingRunner(self.scheduler, k=k)
+
+
+TestDraftingSchedulerMachine = DraftingSchedulerMachine.TestCase
+TestDraftingSchedulerMachine.settings = settings(max_examples=25, stateful_step_count=30, deadline=None,
+                                                 suppress_health_check=[HealthCheck.too_slow])
+TestDraftingSchedulerMachine = pytest.mark.cpu_test(TestDraftingSchedulerMachine)
 
 
 @pytest.fixture(scope="module")
