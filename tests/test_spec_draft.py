@@ -2,7 +2,9 @@
 without it (the embedded model, with overlap on and off, under preemption and prefix caching, beside
 requests that do not guess; tensor parallelism; HF fixtures with a draft of the same vocabulary or a random
 EAGLE head), a draft identical to the target has its guesses accepted, the trained embedded draft and EAGLE
-head have some accepted, bad configs are refused at start, and nothing compiles after start-up."""
+head have some accepted, bad configs are refused at start, and nothing compiles after start-up. The
+scheduler's side alone runs against the scheduler harness's fake runner with a fake draft (its lookahead
+K/V writes checked against every read), also in test_scheduler_machine's state machine."""
 
 from __future__ import annotations
 
