@@ -78,6 +78,9 @@ class Engine:
         if config.speculative.enabled and (config.parallel.expert > 1 or config.parallel.num_processes > 1):
             raise ValueError("speculative decoding is not supported yet with parallel.expert > 1 or "
                              "parallel.num_processes > 1; leave speculative_config unset there")
+        if config.speculative.uses_model and config.parallel.data > 1:
+            raise ValueError(f"speculative.method={config.speculative.method} is not supported yet with "
+                             f"parallel.data > 1; use method ngram there, or one replica")
         distributed.check_leader(config.parallel)
         self.config = config
         self.tp = distributed.engine_devices(config.parallel, mesh)

@@ -41,7 +41,8 @@ class Request:
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_ids", "max_tokens", "arrival_time",
                  "priority", "cache_salt", "lora_id", "seed", "tenant", "status", "all_token_ids",
                  "num_computed_tokens", "num_pending", "row", "token_limit", "stop_ids", "min_stop_len",
-                 "num_cached_tokens", "num_preemptions", "stop_reason", "draft_token_ids")
+                 "num_cached_tokens", "num_preemptions", "stop_reason", "draft_token_ids",
+                 "proposal")
 
     def __init__(
         self,
@@ -83,6 +84,8 @@ class Request:
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.draft_token_ids: list[int] = []  # guesses of its speculative step in flight ([]: none)
+        # A draft model's guesses from its last step: (the token index the first guess stands for, guesses)
+        self.proposal: tuple[int, list[int]] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

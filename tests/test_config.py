@@ -235,20 +235,33 @@ def test_speculative_section_and_vllm_speculative_config():
     assert (refined.speculative.num_speculative_tokens, refined.speculative.lookup_range) == (2, (2, 3))
     assert config.with_overrides(prompt_lookup_min=2).speculative.lookup_range == (2, 4)
     assert EngineConfig().with_overrides(speculative_config=None) == EngineConfig()
+    draft = EngineConfig().with_overrides(speculative_config={"model": "/draft", "num_speculative_tokens": 2}).speculative
+    assert (draft.method, draft.model, draft.uses_model, draft.draft_tensor_parallel_size) == (
+        "draft_model", "/draft", True, None)
     assert EngineConfig.from_dict({"speculative": {"method": "ngram", "num_speculative_tokens": 2}}) == \
         EngineConfig().with_overrides(**{"speculative.method": "ngram", "num_speculative_tokens": 2})
     for value, message in [
-        ({"method": "eagle", "num_speculative_tokens": 2}, r"speculative.method='eagle' is not supported yet"),
-        ({"method": "draft_model", "num_speculative_tokens": 2}, "'draft_model' is not supported yet"),
-        ({"model": "/draft", "num_speculative_tokens": 2}, r"model='/draft': a draft model is not supported yet"),
+        ({"method": "eagle3", "num_speculative_tokens": 2}, r"speculative.method='eagle3' is not supported yet"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "'draft_model' needs speculative.model"),
+        ({"method": "eagle", "num_speculative_tokens": 2}, "'eagle' needs speculative.model: the directory of the "
+                                                           "EAGLE head"),
+        ({"model": "/draft"}, r"num_speculative_tokens must be an integer >= 1 with method draft_model, got None"),
+        ({"model": "/draft", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
+        ({"model": "/draft", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 0},
+         "draft_tensor_parallel_size must be >= 1"),
+        ({"model": "/draft", "num_speculative_tokens": 2, "prompt_lookup_max": 2}, "are for method ngram"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "model": "/draft"},
+         "speculative.model is for method draft_model or eagle"),
         ({"method": "ngram"}, r"num_speculative_tokens must be an integer >= 1 with method ngram, got None"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
          r"prompt_lookup_min \(4\) and prompt_lookup_max \(2\) must satisfy"),
-        ({"method": "ngrams", "num_speculative_tokens": 2}, "speculative.method must be ngram"),
+        ({"method": "ngrams", "num_speculative_tokens": 2}, "speculative.method must be ngram, draft_model or eagle"),
         ({"num_speculative_tokens": 2}, "num_speculative_tokens is set but speculative.method is not"),
         ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1},
-         r"unknown or unsupported key\(s\) \['draft_tensor_parallel_size'\]"),
+         "draft_tensor_parallel_size is for method draft_model or eagle"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "acceptance": 0.5},
+         r"unknown or unsupported key\(s\) \['acceptance'\]"),
         ("ngram", r"speculative_config must be a mapping or null"),
     ]:
         with pytest.raises(ValueError, match=message):

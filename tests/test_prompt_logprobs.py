@@ -123,7 +123,7 @@ def test_kv_cache_sizing_reserves_the_prompt_logprob_outputs(monkeypatch):
     reserved = []
     sizing = model_runner.kv_cache_num_blocks
     monkeypatch.setattr(model_runner, "kv_cache_num_blocks",
-                        lambda *args: reserved.append(args[-1]) or sizing(*args))
+                        lambda *args, **kwargs: reserved.append(args[-1]) or sizing(*args, **kwargs))
     vocab = tiny(max_logprobs=-1).engine.vocab_size  # K = V = 16; token buckets up to 256
     tiny(max_logprobs=0)  # K = 0
     assert reserved[0] - reserved[1] == 2 * min(256, 512) * 8 * vocab

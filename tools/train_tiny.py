@@ -8,10 +8,19 @@ training: the accuracy test draws its problems from there. The result is written
 Face layout (config.json, model.safetensors, tokenizer.json, tokenizer_config.json,
 generation_config.json) and loads through the same loader as any HF checkpoint.
 
-Usage: `python tools/train_tiny.py --out jaxserve/assets/tiny-adder [--steps 30000]`, after
+`--draft` trains a smaller Llama of the same vocabulary instead (DRAFT_CONFIG: 2 layers, width 64), the
+embedded draft model of speculative decoding (`jaxserve/assets/tiny-adder-draft`); its TRAINING.md also
+records how often its greedy token equals the embedded model's on held-out problems (teacher-forced: the
+chance that one guess is accepted). `--eagle` trains an EAGLE head (EAGLE_CONFIG: one layer over the embedded
+model's hidden states, spec_decode/eagle.py) for it (`jaxserve/assets/tiny-adder-eagle`): cross-entropy of
+the target's next-next token plus regression onto the target's next feature, over two passes, the second
+reading the head's own features (as proposing does after its first guess).
+
+Usage: `python tools/train_tiny.py --out jaxserve/assets/tiny-adder [--steps 30000]` (or `--draft`), after
 `pip install -e '.[train]'` (optax). The data helpers (`held_out_problems`, `sample_batch`) need no optax:
 the embedded-model tests import them.
-Measured: see `jaxserve/assets/tiny-adder/TRAINING.md`, written by the run that made the weights.
+Measured: see `jaxserve/assets/tiny-adder/TRAINING.md` (and `tiny-adder-draft/`), written by the runs that
+made the weights.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ except ImportError:  # only training needs it (the `train` extra); main() says s
     optax = None
 
 from jaxserve.models import loader, registry
+from jaxserve.spec_decode import eagle
 
 VOCAB = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{c: i + 4 for i, c in enumerate("0123456789+=")}}
 PAD, BOS, EOS = 0, 1, 2
@@ -46,6 +56,19 @@ CHAT_TEMPLATE = (
 MODEL_CONFIG = registry.config_from_hf({
     "architectures": ["LlamaForCausalLM"], "vocab_size": len(VOCAB), "hidden_size": 128, "intermediate_size": 384,
     "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+    "max_position_embeddings": 32, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True,
+    "torch_dtype": "float32"})
+# The draft model of speculative decoding: the same vocabulary and context, a fraction of the compute.
+DRAFT_CONFIG = registry.config_from_hf({
+    "architectures": ["LlamaForCausalLM"], "vocab_size": len(VOCAB), "hidden_size": 64, "intermediate_size": 192,
+    "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+    "max_position_embeddings": 32, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True,
+    "torch_dtype": "float32"})
+# The EAGLE head of the embedded model: one decoder layer of the target's width (it uses the target's
+# embedding and lm head).
+EAGLE_CONFIG = registry.config_from_hf({
+    "architectures": ["LlamaForCausalLM"], "vocab_size": len(VOCAB), "hidden_size": 128, "intermediate_size": 256,
+    "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
     "max_position_embeddings": 32, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True,
     "torch_dtype": "float32"})
 FAMILY = registry.family_of(MODEL_CONFIG)
@@ -100,33 +123,66 @@ def sample_batch(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarr
     return rows, mask
 
 
-def loss_fn(params, rows, mask):
-    logits = FAMILY.forward_dense(params, MODEL_CONFIG, rows)
+def loss_fn(params, rows, mask, target=None, cfg=MODEL_CONFIG):
+    logits = FAMILY.forward_dense(params, cfg, rows)
     targets = jnp.roll(rows, -1, axis=1)
     nll = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     return jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
-@partial(jax.jit, static_argnums=(0,), donate_argnums=(1, 2))
-def train_chunk(optimizer, params, opt_state, rows, masks):
-    """Several optimizer steps in one device call: rows, masks [steps, batch, SEQ_LEN]."""
+def _eagle_inputs(target, rows, mask):
+    """(token p + 1's embedding at p, the target's features [B, L, D], the mask of positions p whose token
+    p + 2 is a completion token)."""
+    _, features = FAMILY.forward_dense(target, MODEL_CONFIG, rows, return_hidden=True)
+    return target["embed"][jnp.roll(rows, -1, axis=1)], jax.lax.stop_gradient(features), jnp.roll(mask, -1, axis=1)
+
+
+def eagle_loss(params, rows, mask, target, cfg=EAGLE_CONFIG):
+    embeds, features, mask = _eagle_inputs(target, rows, mask)
+    targets, next_features = jnp.roll(rows, -2, axis=1), jnp.roll(features, -1, axis=1)
+    weight = mask / jnp.maximum(jnp.sum(mask), 1.0)
+    loss, inputs = 0.0, features
+    for _ in range(2):
+        x = eagle.forward_dense(params, cfg, embeds, inputs)
+        nll = optax.softmax_cross_entropy_with_integer_labels(FAMILY.head_logits(target, MODEL_CONFIG, x), targets)
+        regression = jnp.mean(optax.huber_loss(x, next_features), axis=-1)
+        loss += jnp.sum((nll + regression) * weight)
+        inputs = jnp.concatenate([features[:, :1], x[:, :-1]], axis=1)  # p reads the head's guess of f_p
+    return loss
+
+
+def eagle_agreement(params, target, problems: list[tuple[int, int]], cfg=EAGLE_CONFIG) -> float:
+    """How often the head's first guess (from the target's features) equals the target's greedy token at the
+    completion positions of `problems` (teacher-forced)."""
+    rows, mask = encode_problems(np.array([p[0] for p in problems]), np.array([p[1] for p in problems]))
+    embeds, features, mask = _eagle_inputs(target, rows, mask)
+    guess = np.argmax(np.asarray(FAMILY.head_logits(target, MODEL_CONFIG,
+                                                    eagle.forward_dense(params, cfg, embeds, features))), axis=-1)
+    greedy = np.roll(np.argmax(np.asarray(FAMILY.forward_dense(target, MODEL_CONFIG, rows)), axis=-1), -1, axis=1)
+    return float(((guess == greedy) * np.asarray(mask)).sum() / np.asarray(mask).sum())
+
+
+@partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2, 3))
+def train_chunk(optimizer, loss, params, opt_state, rows, masks, target=None):
+    """Several optimizer steps in one device call: rows, masks [steps, batch, SEQ_LEN]; `loss`(params, rows,
+    mask, target)."""
     def step(carry, batch):
         params, opt_state = carry
-        loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
+        loss_value, grads = jax.value_and_grad(loss)(params, *batch, target)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), loss
+        return (optax.apply_updates(params, updates), opt_state), loss_value
 
     (params, opt_state), losses = jax.lax.scan(step, (params, opt_state), (rows, masks))
     return params, opt_state, losses
 
 
-@jax.jit
-def greedy_answers(params, prompts):
+@partial(jax.jit, static_argnums=(2,))
+def greedy_answers(params, prompts, cfg=MODEL_CONFIG):
     """Greedy-decode 5 tokens after each prompt. prompts [n, SEQ_LEN]: the prompt, then padding."""
     lengths = jnp.sum(prompts != PAD, axis=1)
 
     def step(i, rows):
-        logits = FAMILY.forward_dense(params, MODEL_CONFIG, rows)
+        logits = FAMILY.forward_dense(params, cfg, rows)
         pos = lengths + i - 1
         nxt = jnp.argmax(logits[jnp.arange(rows.shape[0]), pos], axis=-1).astype(rows.dtype)
         return rows.at[jnp.arange(rows.shape[0]), jnp.minimum(pos + 1, SEQ_LEN - 1)].set(nxt)
@@ -134,13 +190,13 @@ def greedy_answers(params, prompts):
     return jax.lax.fori_loop(0, 5, step, prompts)
 
 
-def accuracy(params, problems: list[tuple[int, int]]) -> float:
+def accuracy(params, problems: list[tuple[int, int]], cfg=MODEL_CONFIG) -> float:
     a = np.array([p[0] for p in problems])
     b = np.array([p[1] for p in problems])
     rows, mask = encode_problems(a, b)
     prompt_len = np.array([len(f"{x}+{y}=") + 1 for x, y in problems])
     prompts = np.where(np.arange(SEQ_LEN)[None] < prompt_len[:, None], rows, PAD)
-    out = np.asarray(greedy_answers(params, prompts))
+    out = np.asarray(greedy_answers(params, prompts, cfg))
     correct = [np.array_equal(out[i, prompt_len[i]: prompt_len[i] + len(str(x + y)) + 1], rows[i, prompt_len[i]:
                prompt_len[i] + len(str(x + y)) + 1]) for i, (x, y) in enumerate(problems)]
     return float(np.mean(correct))
@@ -162,10 +218,22 @@ def write_tokenizer(out: Path) -> None:
     }, indent=2) + "\n")
 
 
-def save(params, out: Path, notes: str) -> None:
+def agreement(params, cfg, target_params, problems: list[tuple[int, int]]) -> float:
+    """How often the model's greedy token equals the target's (the embedded model's) at the completion
+    positions of `problems`, both reading the same correct prefix: the rate at which a draft's guess is
+    accepted when the guesses before it were."""
+    a = np.array([p[0] for p in problems])
+    b = np.array([p[1] for p in problems])
+    rows, mask = encode_problems(a, b)
+    ours = np.argmax(np.asarray(FAMILY.forward_dense(params, cfg, rows)), axis=-1)
+    theirs = np.argmax(np.asarray(FAMILY.forward_dense(target_params, MODEL_CONFIG, rows)), axis=-1)
+    return float(((ours == theirs) * mask).sum() / mask.sum())
+
+
+def save(params, out: Path, notes: str, cfg=MODEL_CONFIG) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    loader.save_safetensors(params, MODEL_CONFIG, out / "model.safetensors")
-    hf = registry.to_hf_config(MODEL_CONFIG, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD)
+    loader.save_safetensors(params, cfg, out / "model.safetensors")
+    hf = registry.to_hf_config(cfg, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD)
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": BOS, "eos_token_id": EOS, "pad_token_id": PAD, "do_sample": False}, indent=2) + "\n")
@@ -175,7 +243,14 @@ def save(params, out: Path, notes: str) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="tools/train_tiny.py", description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("jaxserve/assets/tiny-adder"))
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default: jaxserve/assets/tiny-adder, or tiny-adder-draft with --draft")
+    parser.add_argument("--draft", action="store_true",
+                        help="train the draft model (DRAFT_CONFIG) instead of the embedded model")
+    parser.add_argument("--eagle", action="store_true",
+                        help="train the embedded model's EAGLE head (EAGLE_CONFIG) instead")
+    parser.add_argument("--target", type=Path, default=Path("jaxserve/assets/tiny-adder"),
+                        help="--draft, --eagle: the model whose guesses it makes")
     parser.add_argument("--steps", type=int, default=30000)
     parser.add_argument("--batch-size", type=int, default=512)
     parser.add_argument("--lr", type=float, default=2e-3)
@@ -185,8 +260,15 @@ def main(argv=None) -> None:
     if optax is None:
         raise SystemExit("training needs optax: pip install -e '.[train]'")
 
+    cfg = EAGLE_CONFIG if args.eagle else DRAFT_CONFIG if args.draft else MODEL_CONFIG
+    name = "tiny-adder-eagle" if args.eagle else "tiny-adder-draft" if args.draft else "tiny-adder"
+    out = args.out or Path("jaxserve/assets") / name
     rng = np.random.default_rng(args.seed)
-    params = FAMILY.init_params(MODEL_CONFIG, jax.random.key(args.seed), std=0.02)
+    target = loader.load_model(args.target, dtype="float32").params if args.draft or args.eagle else None
+    if args.eagle:
+        params, loss = eagle.init_head(cfg, jax.random.key(args.seed)), eagle_loss
+    else:
+        params, loss = FAMILY.init_params(cfg, jax.random.key(args.seed), std=0.02), partial(loss_fn, cfg=cfg)
     warmup = min(1000, args.steps // 10)
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps, end_value=args.lr * 0.01)
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.98, weight_decay=0.01))
@@ -200,21 +282,36 @@ def main(argv=None) -> None:
         batches = [sample_batch(rng, args.batch_size) for _ in range(n)]
         rows = np.stack([b[0] for b in batches])
         masks = np.stack([b[1] for b in batches])
-        params, opt_state, losses = train_chunk(optimizer, params, opt_state, rows, masks)
+        params, opt_state, losses = train_chunk(optimizer, loss, params, opt_state, rows, masks, target)
         if (done + n) % (args.chunk * 4) == 0 or done + n == args.steps:
-            acc = accuracy(params, eval_set)
-            line = f"step {done + n:6d}  loss {float(losses[-1]):.4f}  held-out acc {acc:.4f}  {time.time() - start:.0f}s"
+            acc = eagle_agreement(params, target, eval_set) if args.eagle else accuracy(params, eval_set, cfg)
+            what = "agreement" if args.eagle else "acc"
+            line = (f"step {done + n:6d}  loss {float(losses[-1]):.4f}  held-out {what} {acc:.4f}  "
+                    f"{time.time() - start:.0f}s")
             print(line, flush=True)
             log.append(line)
-    final = accuracy(params, held_out)
+    flags = " --eagle" if args.eagle else " --draft" if args.draft else ""
     notes = (
-        f"# tiny-adder training record\n\nCommand: `python tools/train_tiny.py --steps {args.steps} --batch-size "
+        f"# {name} training record\n\nCommand: `python tools/train_tiny.py{flags} --steps {args.steps} --batch-size "
         f"{args.batch_size} --lr {args.lr} --seed {args.seed}`\n\nDevice: {jax.devices()[0].device_kind}; wall time "
-        f"{time.time() - start:.0f} s (data drawn on the host).\n\nHeld-out accuracy (all {len(held_out)} held-out "
-        f"problems, greedy): {final:.4f}\n\n```\n" + "\n".join(log) + "\n```\n"
+        f"{time.time() - start:.0f} s (data drawn on the host).\n"
     )
+    if not args.eagle:
+        notes += (f"\nHeld-out accuracy (all {len(held_out)} held-out problems, greedy): "
+                  f"{accuracy(params, held_out, cfg):.4f}\n")
+    if target is not None:
+        rate = eagle_agreement(params, target, held_out) if args.eagle else agreement(params, cfg, target, held_out)
+        notes += (f"\nAgreement with {args.target.name} (its first guess equals the greedy token at the completion "
+                  f"positions of every held-out problem, teacher-forced: the rate at which one guess is accepted): "
+                  f"{rate:.4f}\n")
+    notes += "\n```\n" + "\n".join(log) + "\n```\n"
     print(notes)
-    save(params, args.out, notes)
+    if args.eagle:
+        out.mkdir(parents=True, exist_ok=True)
+        eagle.save_head(params, cfg, out)
+        (out / "TRAINING.md").write_text(notes)
+    else:
+        save(params, out, notes, cfg)
 
 
 if __name__ == "__main__":

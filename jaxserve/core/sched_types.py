@@ -23,6 +23,11 @@ past the rejected positions and frees the blocks that only they used; the runner
 `truncated_block_tables` of a later step (block tables are append-only between such cuts). Until the
 step is processed the request's token count is unknown, so it is not scheduled again (under overlap it
 sits out one step).
+
+With a draft model (or EAGLE head) the guesses are made on the device during a step, from the token
+the step samples: they come back as RunnerOutput.draft_token_ids and the next schedule makes them a
+row's draft_token_ids. The scheduler allocates the KV slots the draft writes while guessing (positions up
+to the step's last + k) with the row's other slots; the runner learns nothing more.
 """
 
 from __future__ import annotations
@@ -138,3 +143,6 @@ class RunnerOutput:
     num_accepted: list[int] | None = None
     # sampling index -> Logprobs of its accepted guesses (requests asking logprobs that accepted any)
     guess_logprobs: dict[int, list[Logprobs]] | None = None
+    # Per sampled request, the k tokens a draft model guesses for its next step (speculative.method draft_model
+    # or eagle): after its new tokens of this step, the first stands for the token after them; None: no drafts.
+    draft_token_ids: list[list[int]] | None = None

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import heapq
 
 from jaxserve.config import SchedulerConfig, SpeculativeConfig
@@ -120,7 +121,8 @@ class Scheduler:
         runner's bound); prefill chunks of requests asking for them are shortened to fit. The runner rows
         it assigns are first_row .. first_row + max_num_seqs - 1 (several schedulers feeding one runner,
         core/sharded_scheduler.py, each get their own). `speculative` (enabled): decode rows carry n-gram
-        guesses (sched_types: draft_token_ids). `preemption_cost`: the rates preemption_mode auto compares."""
+        or draft-model guesses (sched_types: draft_token_ids). `preemption_cost`: the rates preemption_mode
+        auto compares."""
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({config.max_num_batched_tokens}) is smaller than max_model_len "
@@ -137,11 +139,15 @@ class Scheduler:
         self._finished_ids: set[str] = set()  # runner state to drop at the next step
         self._free_rows = list(range(first_row + config.max_num_seqs - 1, first_row - 1, -1))
         # Per scheduled step not yet updated: the requests that sample, in the step's sampling order, their
-        # preemption counts then, and the guesses of rows that had any (sampling index -> guesses).
-        self._in_flight: dict[int, tuple[list[Request], list[int], dict[int, list[int]]]] = {}
+        # preemption counts then, the guesses of rows that had any (sampling index -> guesses), and the
+        # sampling indices whose drafts (a draft model's, made during the step) are kept.
+        self._in_flight: dict[int, tuple[list[Request], list[int], dict[int, list[int]], set[int]]] = {}
         self.step_count = 0
         self.num_preemptions = 0
         self.speculative = speculative if speculative is not None and speculative.enabled else None
+        # a draft model guesses during each step: rows it drafts for get its KV slots (spec_schedule.lookahead)
+        self._lookahead = (functools.partial(spec_schedule.lookahead, spec=speculative, max_model_len=max_model_len)
+                           if self.speculative is not None and speculative.uses_model else None)
         # request id -> (row, blocks kept): block tables cut after a speculative step, sent with the next step
         self._truncated: dict[str, tuple[int, int]] = {}
         # Speculative decoding's counters (vLLM's spec_decode_*): steps of a request with guesses, the
@@ -189,6 +195,7 @@ class Scheduler:
             request.row = -1
         request.num_pending = 0
         request.draft_token_ids = []
+        request.proposal = None
         self._truncated.pop(request.request_id, None)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
@@ -266,6 +273,8 @@ class Scheduler:
         scheduled: list[tuple[Request, ScheduledRequest]] = []
         preempted = False
         prompt_rows_left = self.max_prompt_logprob_rows
+        drafting: set[str] = set()  # requests given the slots of a draft model's lookahead this step
+        lookahead = self._lookahead
 
         # Running requests first, in order (over a copy: preemption takes requests out of `running`).
         running = self.running
@@ -289,9 +298,12 @@ class Scheduler:
                 guesses = proposals.get(request.request_id)
             if guesses:
                 guesses = guesses[:min(budget - 1, guess_rows, (threshold or budget) - 1)]
+                extra = lookahead(request, computed + 1 + len(guesses)) if lookahead else 0
                 # No room for the guesses: the row goes on without them (before anything is preempted).
-                new_blocks = allocate(request, 1 + len(guesses))
+                new_blocks = allocate(request, 1 + len(guesses) + extra)
                 if new_blocks is not None:
+                    if extra:
+                        drafting.add(request.request_id)
                     request.draft_token_ids = guesses
                     num_guesses += len(guesses)
                     scheduled.append((request, ScheduledRequest(request.request_id, request.row, computed,
@@ -299,9 +311,12 @@ class Scheduler:
                                                                 draft_token_ids=guesses)))
                     budget -= 1 + len(guesses)
                     continue
-            if remaining == 1 and computed < fast_until.get(request.request_id, 0):  # hot path: its blocks have room
+            extra = lookahead(request, computed + 1) if lookahead and remaining == 1 else 0
+            if remaining == 1 and computed + extra < fast_until.get(request.request_id, 0):  # hot path: room
                 if request.num_pending and known >= request.token_limit:
                     continue  # its pending token ends it (length): nothing more to compute
+                if extra:
+                    drafting.add(request.request_id)
                 append_decode(request)
                 append_position(computed)
                 request.num_computed_tokens = computed + 1
@@ -316,7 +331,11 @@ class Scheduler:
             num_new, prompt_rows = self._fit_prompt_rows(request, computed, num_new, prompt_rows_left)
             if num_new <= 0:
                 continue
-            while (new_blocks := allocate(request, num_new)) is None:
+            extra = lookahead(request, computed + num_new) if lookahead else 0
+            new_blocks = allocate(request, num_new + extra) if extra else None
+            if new_blocks is not None:
+                drafting.add(request.request_id)
+            while new_blocks is None and (new_blocks := allocate(request, num_new)) is None:
                 victim = max(reversed(running), key=_victim_key)  # ties: the latest scheduled
                 preempted = True
                 # Taken out of this step again if it was scheduled; the KV cache manager uncaches its
@@ -367,7 +386,12 @@ class Scheduler:
             elif swapped:
                 new_blocks = self.kv_cache.swap_in(request, num_new)
             else:
-                new_blocks = allocate(request, num_new, computed_ids)
+                extra = lookahead(request, num_hit + num_new) if lookahead else 0
+                new_blocks = allocate(request, num_new + extra, computed_ids) if extra else None
+                if new_blocks is not None:
+                    drafting.add(request.request_id)
+                else:
+                    new_blocks = allocate(request, num_new, computed_ids)
             if new_blocks is None:
                 request.num_computed_tokens = 0
                 break
@@ -413,8 +437,8 @@ class Scheduler:
             # With each request, its preemption count: a request preempted and re-admitted before this
             # step's tokens come back (the priority policy can do both in one schedule() call) must not
             # take them.
-            self._in_flight[self.step_count] = (sampled, [request.num_preemptions for request in sampled],
-                                                step_guesses)
+            self._in_flight[self.step_count] = (sampled, [request.num_preemptions for request in sampled], step_guesses,
+                                                {i for i, r in enumerate(sampled) if r.request_id in drafting})
         return SchedulerOutput([request.request_id for request in decode], [request.row for request in decode],
                                decode_positions, decode_new_blocks, [item for _, item in scheduled],
                                self.config.max_num_batched_tokens - budget, finished, self.step_count, truncated)
@@ -464,7 +488,8 @@ class Scheduler:
         With overlap the next step was scheduled already: a request that finishes here had one more
         token in flight, which is dropped when it arrives (the request is no longer running).
         """
-        sampled, epochs, step_guesses = self._in_flight.pop(scheduler_output.step, ([], [], {}))
+        sampled, epochs, step_guesses, drafting = self._in_flight.pop(scheduler_output.step,
+                                                                      ([], [], {}, set()))
         tokens = runner_output.sampled_token_ids
         if len(tokens) != len(sampled):
             raise ValueError(f"step {scheduler_output.step} sampled {len(sampled)} requests but the runner returned "
@@ -473,6 +498,7 @@ class Scheduler:
         logprobs = runner_output.logprobs
         kept_logprobs = [] if logprobs is not None else None
         num_accepted = runner_output.num_accepted
+        drafts = runner_output.draft_token_ids if drafting else None
         running_status = RequestStatus.RUNNING
         for i, (request, token, epoch) in enumerate(zip(sampled, tokens, epochs)):
             if request.status != running_status or request.num_preemptions != epoch:
@@ -490,6 +516,8 @@ class Scheduler:
                 spec_schedule.count_accepted(self.accepted_per_position, len(step_guesses[i]), num_accepted[i])
                 if status is None and (kept := self.kv_cache.trim(request)) is not None:
                     self._truncated[request.request_id] = (request.row, kept)  # rejected guesses' blocks
+                if drafts is not None and i in drafting:
+                    spec_schedule.keep_proposal(request, drafts[i])
                 requests.append(request)
                 kept_tokens.append(run[-1])
                 if len(run) > 1:
@@ -509,6 +537,8 @@ class Scheduler:
             all_tokens.append(token)
             requests.append(request)
             kept_tokens.append(token)
+            if drafts is not None and i in drafting:
+                spec_schedule.keep_proposal(request, drafts[i])
             if kept_logprobs is not None:
                 kept_logprobs.append(logprobs[i])
             # Stop checks (inlined: this loop runs for every running request every step). Length first, as

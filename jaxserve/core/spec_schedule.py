@@ -11,6 +11,14 @@
 
 A request's token count after a step with guesses is unknown until that step is processed, so under
 overlap it sits out the next step (Request.draft_token_ids marks the step in flight).
+
+A draft model (draft_model, eagle) guesses on the device instead, during a step, from the token that step
+samples: the scheduler gives such a row `lookahead` more KV slots (the draft writes the K/V of its k
+guesses), keeps the drafts that come back (`keep_proposal`: Request.proposal) and `propose` makes them the
+row's guesses in its next step. Under overlap a row's next step may be scheduled while the step that
+drafted for it is still in flight; it then goes on without guesses, and in the step after, the proposal is
+one token behind: its first guess stands for the token still in flight and is dropped, as the n-gram
+proposer does.
 """
 
 from __future__ import annotations
@@ -29,7 +37,60 @@ def may_guess(request: Request) -> bool:
     return True
 
 
+def _can_take_guesses(request: Request) -> bool:
+    """A decode row (its one new token is its last known one, at most that one in flight) whose guessed
+    step is not in flight, with room for one guess within its token limit."""
+    known = len(request.all_token_ids) + request.num_pending
+    return (request.num_pending <= 1 and not request.draft_token_ids
+            and request.num_computed_tokens == known - 1 and known + 2 <= request.token_limit
+            and may_guess(request))
+
+
 def propose(running: list[Request], spec: SpeculativeConfig) -> dict[str, list[int]]:
+    """The guesses of the running decode rows (request id -> guesses): n-gram lookups, or the draft model's
+    proposals, capped so that the guesses and the step's own token stay within each request's token limit."""
+    if spec.uses_model:
+        proposals = {}
+        for request in running:
+            if request.proposal is not None and _can_take_guesses(request):
+                guesses = _current(request, request.proposal)
+                if guesses:
+                    known = len(request.all_token_ids) + request.num_pending
+                    proposals[request.request_id] = guesses[:request.token_limit - known - 1]
+        return proposals
+    return propose_ngram(running, spec)
+
+
+def _current(request: Request, proposal: tuple[int, list[int]]) -> list[int]:
+    """A draft model's proposal (the token index its first guess stands for, guesses) as guesses for the
+    request's next token on: the guesses for tokens known since it was made are dropped (those on the host
+    must equal them; one still in flight is taken as guessed: verification checks every guess)."""
+    start, guesses = proposal
+    tokens = request.all_token_ids
+    on_host = len(tokens) - start
+    skip = on_host + request.num_pending
+    if on_host < 0 or skip >= len(guesses) or tokens[start:] != guesses[:on_host]:
+        return []
+    return guesses[skip:]
+
+
+def lookahead(request: Request, end: int, spec: SpeculativeConfig, max_model_len: int) -> int:
+    """KV slots a draft model writes past a step's tokens for `request` (`end`: its computed tokens after
+    the step): k where the step samples the request and it could take guesses in a later step, else 0 (the
+    runner's drafts of such a row are not kept). Positions stay below max_model_len (the block tables' room)."""
+    k = spec.num_speculative_tokens
+    known = len(request.all_token_ids) + request.num_pending
+    if end < known or end + k > max_model_len or known + 3 > request.token_limit:
+        return 0
+    return k if may_guess(request) else 0
+
+
+def keep_proposal(request: Request, drafts: list[int]) -> None:
+    """A step's drafts for a request whose new tokens are appended: they guess its tokens from the next on."""
+    request.proposal = (len(request.all_token_ids), drafts)
+
+
+def propose_ngram(running: list[Request], spec: SpeculativeConfig) -> dict[str, list[int]]:
     """N-gram guesses for the running decode rows, capped so that the guesses and the step's own token
     stay within each request's token limit.
 
@@ -38,11 +99,7 @@ def propose(running: list[Request], spec: SpeculativeConfig) -> dict[str, list[i
     dropped. The device verifies every guess against the real tokens, so a wrong stand-in costs only
     acceptance, never correctness.
     """
-    eligible = [request for request in running
-                if request.num_pending <= 1 and not request.draft_token_ids
-                and request.num_computed_tokens == len(request.all_token_ids) + request.num_pending - 1
-                and len(request.all_token_ids) + request.num_pending + 2 <= request.token_limit
-                and may_guess(request)]
+    eligible = [request for request in running if _can_take_guesses(request)]
     if not eligible:
         return {}
     k = spec.num_speculative_tokens

@@ -364,8 +364,9 @@ def forward(
     return (logits, kv_caches, *rest)
 
 
-def forward_dense(params: Params, cfg: LlamaConfig, token_ids: jax.Array) -> jax.Array:
-    """Cache-free causal forward for training and tests: token_ids [B, T] -> logits [B, T, V]."""
+def forward_dense(params: Params, cfg: LlamaConfig, token_ids: jax.Array, return_hidden: bool = False):
+    """Cache-free causal forward for training and tests: token_ids [B, T] -> logits [B, T, V]; with
+    `return_hidden`, (logits, final-normed hidden states [B, T, D]) (an EAGLE head's training features)."""
     inv_freq = layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     batch, length = token_ids.shape
     positions = jnp.arange(length, dtype=jnp.int32)
@@ -379,7 +380,8 @@ def forward_dense(params: Params, cfg: LlamaConfig, token_ids: jax.Array) -> jax
             sliding_window=cfg.sliding_window,
         )
         h, x = _out_and_mlp(lp, cfg, x, attn.reshape(batch * length, *attn.shape[2:]), next_norm)
-    return _head(params, cfg, h).reshape(batch, length, -1)
+    logits = _head(params, cfg, h).reshape(batch, length, -1)
+    return (logits, h.reshape(batch, length, -1)) if return_hidden else logits
 
 
 def init_kv_caches(cfg: LlamaConfig, num_blocks: int, block_size: int, attention_backend: str = "reference",

@@ -161,16 +161,17 @@ def device_memory(device) -> tuple[int, int]:
 
 
 def kv_cache_num_blocks(cfg: ModelConfig, config: EngineConfig, max_model_len: int, dtype_bytes: int,
-                       tp: TensorParallel | None = None, reserved_bytes: int = 0) -> int:
+                       tp: TensorParallel | None = None, reserved_bytes: int = 0, extra_block_bytes: int = 0) -> int:
     """Blocks that fit on one of the engine's devices (or the configured count); over several processes,
     the fewest any process offers, so that every process builds the same cache. `reserved_bytes`: buffers
-    made later (step inputs and outputs, temporaries).
+    made later (step inputs and outputs, temporaries). `extra_block_bytes`: what each block holds besides
+    the model's K/V (a draft model's K/V in the same blocks).
 
     memory_fraction (jaxserve's): that share of the memory free after the weights and `reserved_bytes`.
     gpu_memory_utilization (vLLM's): the engine may hold that share of the device's memory (XLA's limit),
     and the KV cache gets what the weights, whatever else is in use and `reserved_bytes` leave of it."""
     cache = config.cache
-    per_block = kv_block_bytes(cfg, cache.block_size, dtype_bytes, tp)
+    per_block = kv_block_bytes(cfg, cache.block_size, dtype_bytes, tp) + extra_block_bytes
     if cache.num_blocks is not None:
         num_blocks = cache.num_blocks
     elif jax.default_backend() == "cpu":

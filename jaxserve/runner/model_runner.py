@@ -46,7 +46,7 @@ from jaxserve.core.sched_types import (MAX_PROMPT_LOGPROB_ROWS, NewRequestData, 
 from jaxserve.models import registry
 from jaxserve.models.layers import ModelBatch
 from jaxserve.models.loader import LoadedModel
-from jaxserve.runner import prompt_logprobs, sampler, spec_verify
+from jaxserve.runner import draft_runner, prompt_logprobs, sampler, spec_verify
 from jaxserve.runner.device_setup import (enable_compilation_cache, kv_cache_num_blocks, load_model,
                                          resolve_attention_backend, resolve_max_model_len,
                                          setup_all_reduce)
@@ -88,6 +88,7 @@ class HostStep(NamedTuple):
     prompt: prompt_logprobs.PromptRows | None = None  # rows that give prompt logprobs
     index: np.ndarray | None = None  # where each sampling row's token lies in the step's tokens (None: in order)
     guesses: spec_verify.Guesses | None = None  # the logits rows of speculative rows (spec_verify.py)
+    layout: StepRows | None = None  # the step's requests (an EAGLE head's inputs follow them)
 
 
 @dataclasses.dataclass
@@ -106,6 +107,7 @@ class StepHandle:
     expert_load: jax.Array | None = None  # the expert load accumulated up to this step (ep_runner.py)
     guesses: spec_verify.Guesses | None = None  # HostStep.guesses
     num_accepted: jax.Array | None = None  # [max_rows] guesses accepted per sampling row (with `guesses`)
+    drafts: jax.Array | None = None  # [R, k] the draft model's guesses for each sampling row's next step
 
 
 class ModelRunner:
@@ -124,7 +126,6 @@ class ModelRunner:
         # The step's all-reduces: XLA's, or a peer-memory kernel whose state (`comm`) lives with the runner.
         self.tp, self.comm, self._all_reduce_workspace = setup_all_reduce(tp, config.parallel.all_reduce,
                                                                           model.config.jnp_dtype)
-        # Small device arrays made where the step runs (the mesh under tensor parallelism).
         # where the step's small arrays and logits live: replicated on the mesh, or the params' device
         self.on_device = tp.sharding(()) if tp is not None else jax.tree.leaves(model.params)[0].sharding
         # where the staged batch and the logits live (split over the expert shards in ep_runner.py)
@@ -164,8 +165,11 @@ class ModelRunner:
         if self.supports_prompt_logprobs:
             reserved += max(prompt_logprobs.device_bytes(t, self.max_prompt_logprob_rows, self.cfg.vocab_size,
                                                          self.max_logprobs) for t in self.buckets.token_buckets)
+        # the draft model or EAGLE head (speculative.method draft_model, eagle): its K/V shares the blocks
+        self.drafter = draft_runner.make(config, tp, self.cfg, max_model_len)
+        draft_bytes = self.drafter.memory(self.buckets) if self.drafter else (0, 0)  # (step buffers, per block)
         self.num_blocks = kv_cache_num_blocks(self.cfg, config, max_model_len, np.dtype(dtype).itemsize, tp,
-                                              reserved)
+                                              reserved + draft_bytes[0], extra_block_bytes=draft_bytes[1])
         self.kv_caches = registry.family_of(self.cfg).init_kv_caches(self.cfg, self.num_blocks, self.block_size,
                                                                      self.attention_backend, tp=tp)
 
@@ -190,6 +194,8 @@ class ModelRunner:
         # Sampled tokens come back padded to the largest request bucket, so the next step reads them
         # from the device with one compiled shape.
         self.max_rows = self.buckets.request_buckets[-1] * self.num_shards
+        if self.drafter is not None:
+            self.drafter.init_caches(self.num_blocks, self.max_rows, self.on_device)
         # A prompt-logprob step of T tokens pads its requests to the largest bucket T pairs with.
         self._prompt_requests = {t: max(r for t2, r in self.buckets.precompile_plan() if t2 == t)
                                  for t in self.buckets.token_buckets} if self.supports_prompt_logprobs else {}
@@ -202,7 +208,7 @@ class ModelRunner:
         self._logits: dict[int, jax.Array] = {}
         self._twin: dict[tuple[int, int], bool] = {}  # the twin executable the last decode step of a shape ran
         platform = (tp.mesh.devices.flat[0] if tp is not None else jax.devices()[0]).platform
-        self.forward_fn = forward_fn(platform)
+        self.forward_fn = forward_fn(platform, self.drafter is not None and self.drafter.needs_hidden)
         self.use_twins = platform == "gpu"  # (only XLA:GPU replays graphs; see _run_forward)
         self.speculative = config.speculative.enabled  # steps may carry guesses (spec_verify.py)
         # The bench's synthetic acceptance (spec_verify.py): a step input, changed between runs without a compile
@@ -350,7 +356,7 @@ class ModelRunner:
         self.row_prev_index[sample_rows] = np.arange(len(sample_rows))
         self.row_pending[sample_rows] += 1
         return HostStep(batch, prev_index, sample_rows, self.row_generation[sample_rows], request_ids, sampling,
-                        decode_only, prompt, guesses=guesses)
+                        decode_only, prompt, guesses=guesses, layout=layout)
 
     def _sampling_metadata(self, rows: np.ndarray, r_pad: int, index: np.ndarray | None = None,
                            offsets: np.ndarray | None = None):
@@ -421,6 +427,8 @@ class ModelRunner:
             handle = StepHandle(step.request_ids, step.rows, step.generations, tokens, result.logprobs,
                                 tokens, prompt=prompt, index=step.index, guesses=step.guesses,
                                 num_accepted=num_accepted)
+        if self.drafter is not None:
+            handle.drafts = self.drafter.run(self, step, handle, prompt_arrays)
         self._last = handle
         return handle
 
@@ -512,7 +520,7 @@ class ModelRunner:
         if handle.prompt is not None:
             prompt = prompt_logprobs.chunks(*handle.prompt, self.row_generation, self.row_data, self.cfg.vocab_size)
         handle.output = RunnerOutput(handle.request_ids, tokens.tolist(), logprobs, prompt, num_accepted,
-                                     guess_logprobs)
+                                     guess_logprobs, draft_runner.DraftRunner.read(handle, len(rows)))
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """One step without overlap: dispatch, then wait for its tokens."""
@@ -585,6 +593,8 @@ class ModelRunner:
                      for r_pad in self.buckets.request_buckets for variant in variants})
         if self.speculative:
             jobs.update(spec_verify.compile_jobs(self.max_rows, on_device, self.synthetic_acceptance is not None))
+        if self.drafter is not None:
+            jobs.update(self.drafter.precompile_jobs(self))
         bar = tqdm(total=len(jobs), desc="compiling buckets", disable=not progress, leave=False)
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
             futures = {pool.submit(fn, *args): key for key, (fn, args) in jobs.items()}

@@ -1,0 +1,201 @@
+"""A draft model beside a ModelRunner (speculative.method draft_model; eagle_runner.py for eagle): loading,
+its KV cache, and its part of every step (the programs are in spec_decode/draft_model.py).
+
+    ModelRunner.__init__  make(config, tp, target config, max_model_len): checks and loads the draft;
+                          memory() joins the KV budget; init_caches(num_blocks, ...) after it
+    ModelRunner.dispatch  run(runner, step, handle, forward outputs) after the target's step (forward,
+                          sampler, verification) is enqueued: fill the draft's K/V over the step's staged
+                          batch; when the step samples, propose k drafts per sampling row from its next
+                          token -> drafts [R, k] (R: the step's request bucket), copying to the host with
+                          the step's tokens
+    ModelRunner._collect  read(handle, num_rows) -> each sampling row's k drafts (RunnerOutput.draft_token_ids)
+    ModelRunner.precompile  precompile_jobs(runner): a fill per step shape, a propose per request bucket
+
+The draft runs on the target's devices: split over them as the target is (draft_tensor_parallel_size =
+parallel.model), or whole on every one of them (1: its parameters and cache replicated).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.config import EngineConfig
+from jaxserve.models import loader, registry
+from jaxserve.runner.device_setup import kv_block_bytes, resolve_attention_backend
+from jaxserve.spec_decode import draft_model
+from sharding import TENSOR_PARALLEL, AxisRules, TensorParallel
+from sharding.tensor_parallel import zeros
+
+# Every logical axis whole on every device: a draft of tensor-parallel size 1 beside a sharded target.
+REPLICATED = AxisRules(mapping=tuple((name, None) for name, _ in TENSOR_PARALLEL.mapping))
+
+
+def draft_parallel(config: EngineConfig, tp: TensorParallel | None) -> TensorParallel | None:
+    """The draft's TensorParallel on the target's mesh (None on a single device)."""
+    size = config.speculative.draft_tensor_parallel_size or config.parallel.model
+    if size not in (1, config.parallel.model):
+        raise ValueError(f"speculative.draft_tensor_parallel_size={size}: the draft runs on the target's "
+                         f"{config.parallel.model} device(s), split as the target ({config.parallel.model}) or "
+                         f"whole on each (1); set one of those")
+    if tp is None or tp.size == 1:
+        return tp
+    return tp if size == tp.size else dataclasses.replace(tp, rules=REPLICATED, all_reduce=None)
+
+
+def make(config: EngineConfig, tp: TensorParallel | None, target, max_model_len: int) -> DraftRunner | None:
+    """The proposer runner of speculative.method (None for a method without a model)."""
+    if config.speculative.method == "draft_model":
+        return DraftRunner(config, tp, target, max_model_len)
+    if config.speculative.method == "eagle":
+        from jaxserve.runner.eagle_runner import EagleRunner
+        return EagleRunner(config, tp, target, max_model_len)
+    return None
+
+
+class DraftRunner:
+    """The draft model's state and its part of each step; eagle_runner.EagleRunner is the EAGLE head's,
+    overriding what differs (loading, the programs and their arguments)."""
+
+    needs_hidden = False  # the step's target hidden states are an input (ModelRunner's forward returns them)
+    fill_program, propose_program = staticmethod(draft_model.fill), staticmethod(draft_model.propose)
+
+    def __init__(self, config: EngineConfig, tp: TensorParallel | None, target, max_model_len: int):
+        """Loads speculative.model to guess for the `target` model config; ValueError when it cannot."""
+        self.tp = self._parallel(config, tp)
+        self.k = config.speculative.num_speculative_tokens
+        self.block_size = config.cache.block_size
+        self.target = target
+        self.cfg, self.params = self._load(config.speculative.model, target, max_model_len)
+        self.attention_backend = resolve_attention_backend(config.runner.attention_backend, self.cfg, self.block_size)
+        self.kv_caches: list[jax.Array] = []
+
+    @staticmethod
+    def _parallel(config: EngineConfig, tp: TensorParallel | None) -> TensorParallel | None:
+        return draft_parallel(config, tp)
+
+    def _load(self, path: str, target, max_model_len: int):
+        """-> (the draft's model config, its params placed on self.tp's mesh)."""
+        try:
+            cfg, _ = loader.load_config(path, target.dtype)
+        except loader.CheckpointError as err:
+            raise ValueError(f"speculative.model: {err}") from None
+        if cfg.vocab_size != target.vocab_size:
+            raise ValueError(f"speculative.model {path!r} has a vocabulary of {cfg.vocab_size} tokens but the "
+                             f"target model's has {target.vocab_size}: a draft must share the target's tokenizer; "
+                             f"choose a draft of the same family and vocabulary")
+        if cfg.max_position_embeddings < max_model_len:
+            raise ValueError(f"speculative.model {path!r} takes {cfg.max_position_embeddings} positions but "
+                             f"max_model_len is {max_model_len}; lower model.max_model_len or choose a draft with "
+                             f"a longer context")
+        return cfg, loader.load_model(path, dtype=target.dtype, tp=self.tp).params
+
+    def memory(self, buckets) -> tuple[int, int]:
+        """(bytes of the draft's step outputs and temporaries at the largest shapes, bytes of its K/V per KV
+        block on one device): what the KV budget sets aside besides the target's. The step's: float32 logits
+        of the fill and of a propose step (R rows each), and the target's hidden states [T, D] when read."""
+        rows, tokens = buckets.request_buckets[-1], max(buckets.token_buckets)
+        hidden = tokens * self.target.hidden_size * np.dtype(self.target.jnp_dtype).itemsize if self.needs_hidden else 0
+        per_block = kv_block_bytes(self.cfg, self.block_size, np.dtype(self.cfg.jnp_dtype).itemsize, self.tp)
+        return 2 * 4 * rows * self.target.vocab_size + hidden, per_block
+
+    def init_caches(self, num_blocks: int, max_rows: int, on_device) -> None:
+        self.kv_caches = registry.family_of(self.cfg).init_kv_caches(self.cfg, num_blocks, self.block_size,
+                                                                     self.attention_backend, tp=self.tp)
+        self.on_device = on_device
+        self._no_guesses = zeros((max_rows,), jnp.int32, on_device)  # num_accepted of a step without guesses
+        self._no_rows = zeros((4, max_rows), jnp.int32, on_device)  # `rows` of a step that samples nothing
+
+    def _static(self) -> dict:
+        return dict(cfg=self.cfg, attention_backend=self.attention_backend, tp=self.tp)
+
+    def _propose_static(self) -> dict:
+        return dict(self._static(), k=self.k, block_size=self.block_size)
+
+    def rows(self, runner, step) -> np.ndarray:
+        """[4, max_rows] int32 of a step's sampling rows (the propose programs' `rows`): the batch row of each,
+        the position after its input token (its next token's when no guess is accepted), its allocated slots
+        (0: padding), and its input token's index in the step's tokens."""
+        batch, num_rows = step.batch, len(step.rows)
+        if step.guesses is None:
+            last = batch.logits_indices[:num_rows]
+            num_guesses = np.zeros(num_rows, np.int64)
+        else:  # a request's logits rows: its input position, then one per guess
+            num_guesses = np.bincount(step.guesses.row_of, minlength=num_rows)[:num_rows] - 1
+            last = step.guesses.logits_rows[step.guesses.first[:num_rows] + num_guesses]
+        out = np.zeros((4, runner.max_rows), np.int32)
+        out[0, :num_rows] = np.searchsorted(batch.query_start_loc, last, side="right") - 1
+        out[1, :num_rows] = batch.positions[last] - num_guesses + 1
+        out[2, :num_rows] = runner.row_num_blocks[step.rows] * self.block_size
+        out[3, :num_rows] = last - num_guesses
+        return out
+
+    def _fill_args(self, runner, step, staged, hidden, num_accepted, rows) -> tuple:
+        """The fill program's arguments (`step` None: abstract ones, for precompiling)."""
+        return self.params, staged, self.kv_caches
+
+    def _propose_args(self, runner, staged, carry, tokens, num_accepted, rows) -> tuple:
+        """The propose program's arguments; `carry`: what the fill returned besides the caches."""
+        return self.params, staged.block_tables, self.kv_caches, tokens, num_accepted, rows
+
+    def _carry(self, runner):
+        """The abstract `carry` of the fill program's output (precompiling propose); None: the fill gives
+        the caches alone."""
+        return None
+
+    def run(self, runner, step, handle, forward_outputs: list) -> jax.Array | None:
+        """The draft's part of a dispatched step (`forward_outputs`: the target forward's outputs after its
+        logits and tokens, the hidden states [T, D] last when needs_hidden) -> drafts [R, k] int32 (copying
+        to the host), or None when the step samples nothing."""
+        hidden = forward_outputs[-1] if self.needs_hidden else None
+        t_pad, r_pad = step.batch.token_ids.shape[-1], step.batch.seq_lens.shape[-1]
+        staged = runner._staged[(t_pad, r_pad)]
+        sampling = step.sampling is not None
+        rows = jax.device_put(self.rows(runner, step), self.on_device) if sampling else self._no_rows
+        num_accepted = handle.num_accepted if handle.num_accepted is not None else self._no_guesses
+        fill = runner._compiled.get(("draft_fill", t_pad, r_pad))
+        args = self._fill_args(runner, step, staged, hidden, num_accepted, rows)
+        out = fill(*args) if fill is not None else self.fill_program(*args, **self._static())
+        self.kv_caches, carry = out if isinstance(out, tuple) else (out, None)
+        if not sampling:
+            return None
+        args = self._propose_args(runner, staged, carry, handle.tokens, num_accepted, rows)
+        propose = runner._compiled.get(("draft_propose", r_pad))
+        self.kv_caches, drafts = (propose(*args) if propose is not None
+                                  else self.propose_program(*args, **self._propose_static()))
+        drafts.copy_to_host_async()
+        return drafts
+
+    @staticmethod
+    def read(handle, num_rows: int) -> list[list[int]] | None:
+        """A collected step's drafts, per sampling row."""
+        drafts = getattr(handle, "drafts", None)
+        return None if drafts is None else np.asarray(drafts)[:num_rows].tolist()
+
+    def precompile_jobs(self, runner) -> dict:
+        """runner.precompile's jobs for the draft (their executables go into runner._compiled): a fill per
+        step shape, and a propose per request bucket (the block tables it reads are the staged batch's)."""
+        def abstract(shape, dtype=jnp.int32, sharding=runner.batch_sharding):
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+        def inputs(t_pad: int, r_pad: int):  # (staged batch, target hidden states) of a step shape
+            batch = jax.tree.map(lambda a: abstract(a.shape, a.dtype), runner._host_batch(t_pad, r_pad))
+            return batch, abstract((t_pad, self.target.hidden_size), self.target.jnp_dtype, self.on_device)
+
+        tokens = abstract((runner.max_rows,), sharding=self.on_device)
+        rows = abstract((4, runner.max_rows), sharding=self.on_device)
+
+        def fill(t_pad: int, r_pad: int):
+            args = self._fill_args(runner, None, *inputs(t_pad, r_pad), tokens, rows)
+            return self.fill_program.lower(*args, **self._static()).compile()
+
+        def propose(r_pad: int):
+            args = self._propose_args(runner, inputs(r_pad, r_pad)[0], self._carry(runner), tokens, tokens, rows)
+            return self.propose_program.lower(*args, **self._propose_static()).compile()
+
+        jobs = {("draft_fill", t_pad, r_pad): (fill, (t_pad, r_pad)) for t_pad, r_pad in runner._step_shapes}
+        jobs.update({("draft_propose", r_pad): (propose, (r_pad,)) for r_pad in {r for _, r in runner._step_shapes}})
+        return jobs

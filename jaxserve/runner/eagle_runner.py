@@ -1,0 +1,82 @@
+"""The EAGLE head beside a ModelRunner (speculative.method eagle): DraftRunner's flow (draft_runner.py) with
+the head's programs (spec_decode/eagle.py), which also read the target's hidden states of the step and the
+target's embedding and lm head.
+
+The head is small: it runs whole on every device of the target's mesh (its parameters and one-layer KV
+cache replicated), whatever draft_tensor_parallel_size says.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.models import llama, loader
+from jaxserve.runner.draft_runner import REPLICATED, DraftRunner
+from jaxserve.spec_decode import eagle
+
+
+class EagleRunner(DraftRunner):
+    needs_hidden = True
+    fill_program, propose_program = staticmethod(eagle.fill), staticmethod(eagle.propose)
+
+    @staticmethod
+    def _parallel(config, tp):
+        return None if tp is None or tp.size == 1 else dataclasses.replace(tp, rules=REPLICATED, all_reduce=None)
+
+    def _load(self, path: str, target, max_model_len: int):
+        if not isinstance(target, llama.LlamaConfig):
+            raise ValueError(f"speculative.method=eagle needs a Llama-family target (its embedding and lm head); "
+                             f"this one is {target.architecture}")
+        try:
+            cfg = eagle.head_config(path, target.dtype)
+        except (loader.CheckpointError, ValueError) as err:
+            raise ValueError(f"speculative.model: {err}") from None
+        if cfg.hidden_size != target.hidden_size:
+            raise ValueError(f"speculative.model {path!r}: the EAGLE head's hidden_size is {cfg.hidden_size} but the "
+                             f"target model's is {target.hidden_size}; use a head trained for this target")
+        if cfg.vocab_size != target.vocab_size:
+            raise ValueError(f"speculative.model {path!r}: the EAGLE head's vocabulary has {cfg.vocab_size} tokens but "
+                             f"the target model's has {target.vocab_size}; use a head trained for this target")
+        sharding = None if self.tp is None else self.tp.sharding(())
+        try:
+            params = eagle.load_head(path, cfg, lambda array: jax.device_put(array, sharding))
+        except loader.CheckpointError as err:
+            raise ValueError(f"speculative.model: {err}") from None
+        return cfg, params
+
+    def _propose_static(self) -> dict:
+        return dict(self._static(), target_cfg=self.target, k=self.k, block_size=self.block_size)
+
+    def next_tokens(self, runner, step) -> np.ndarray:
+        """[T] int32 per token of the step, its next token for the fill (spec_decode/eagle.py): -1 the next in
+        the batch, -2 none (a sampling request's last token, and padding), or a prefill chunk's next prompt
+        token."""
+        layout = step.layout
+        out = np.full(step.batch.token_ids.shape[-1], -1, np.int32)
+        out[layout.num_tokens:] = -2
+        last = layout.ends - 1
+        samples = np.zeros(len(layout.rows), bool)
+        samples[layout.sample_index] = True
+        out[last[samples]] = -2
+        chunks = ~samples  # mid-prompt: the next token is a known prompt token
+        out[last[chunks]] = runner.token_buf[layout.rows[chunks], layout.pos[last[chunks]] + 1]
+        return out
+
+    def _fill_args(self, runner, step, staged, hidden, num_accepted, rows) -> tuple:
+        if step is None:
+            next_tokens = jax.ShapeDtypeStruct(staged.token_ids.shape, jnp.int32, sharding=self.on_device)
+        else:
+            next_tokens = jax.device_put(self.next_tokens(runner, step), self.on_device)
+        return (self.params, runner.model.params, staged, hidden, self.kv_caches, next_tokens, num_accepted, rows)
+
+    def _propose_args(self, runner, staged, carry, tokens, num_accepted, rows) -> tuple:
+        return (self.params, runner.model.params, staged.block_tables, carry, self.kv_caches, tokens, num_accepted,
+                rows)
+
+    def _carry(self, runner):
+        return jax.ShapeDtypeStruct((runner.max_rows, self.cfg.hidden_size), self.target.jnp_dtype,
+                                    sharding=self.on_device)
