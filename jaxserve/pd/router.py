@@ -1,10 +1,13 @@
 """`jaxserve router`: one OpenAI-compatible endpoint in front of prefill and decode instances.
 
     client -> POST /v1/completions | /v1/chat/completions (stream or not)
-      pick a decode instance (fewest requests in flight from here; down ones skipped) and a prefill instance
-      (rendezvous hash of the prompt's start, for prefix-cache affinity, unless it is busier than the least
-      loaded by more than AFFINITY_SLACK); sign kv_transfer_params {transfer_id, decode_address}
-      -> prefill instance, stream=false: it computes the prompt and sends the KV; its stop_reason
+      pick a decode instance (fewest requests in flight from here, their prefill phase included; down ones
+      skipped) and a prefill instance (rendezvous hash of the prompt's start, for prefix-cache affinity,
+      unless it is busier than the least loaded by more than AFFINITY_SLACK); sign kv_transfer_params
+      {transfer_id, decode_address}
+      -> prefill instance, stream=false: it computes the prompt and sends the KV (down or 5xx: another
+         prefill instance; none left: the decode instance without a transfer, which prefills locally); its
+         stop_reason
          "kv_transfer:<outcome>" says how the transfer ended
            refused (decode out of blocks) -> another decode instance, then waiting (backoff) until
                                              kv_transfer_timeout_s, then the least loaded one (it queues the
@@ -149,9 +152,19 @@ class Router:
                                   + "; retry later", retry=True)
                 return await self._decode(decode, path, body, None, headers, failures)
             params = self._params(decode)
-            outcome = await self._prefill(path, body, params, affinity, headers, failures)
+            decode.in_flight += 1  # counts from the reservation on, so concurrent picks spread out
+            try:
+                outcome = await self._prefill(path, body, params, affinity, headers, failures)
+            finally:
+                decode.in_flight -= 1
             if isinstance(outcome, Response):
                 return outcome
+            if outcome is None:  # no prefill instance up: the decode instance prefills the prompt itself
+                self._count("no_prefill")
+                response = await self._decode(decode, path, body, None, headers, failures)
+                if response is not None:
+                    return response
+                continue
             self._count(f"transfer_{outcome}")
             if outcome == "refused":
                 refused.add(decode.url)
@@ -170,8 +183,9 @@ class Router:
                 "signature": proto.sign_params(self.key, transfer_id, decode.kv_address)}
 
     async def _prefill(self, path: str, body: dict, params: dict, affinity: bytes, headers: dict,
-                       failures: list[str]) -> str | Response:
-        """The transfer's outcome, or the response to give the client (a 4xx, or 503: no prefill instance)."""
+                       failures: list[str]) -> str | Response | None:
+        """The transfer's outcome, the response to give the client (a 4xx), or None when no prefill instance
+        could take the request."""
         prefill_body = {**body, "stream": False, "kv_transfer_params": params, "max_tokens": 1}
         for key in ("stream_options", "max_completion_tokens", "logprobs", "top_logprobs"):
             prefill_body.pop(key, None)
@@ -197,10 +211,7 @@ class Router:
             choices = response.json().get("choices") or [{}]
             reason = str(choices[0].get("stop_reason") or "")
             return reason[len(OUTCOME_PREFIX):] if reason.startswith(OUTCOME_PREFIX) else "failed"
-        self._count("no_prefill")
-        return _error(503, "no prefill instance could take the request" + (f" ({'; '.join(failures)})"
-                                                                             if failures else "") + "; retry later",
-                      retry=True)
+        return None
 
     async def _decode(self, decode: Instance, path: str, body: dict, params: dict | None, headers: dict,
                       failures: list[str]) -> Response | None:
