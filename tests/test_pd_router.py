@@ -1,21 +1,25 @@
 """Prefill/decode disaggregation end to end, as separate processes on loopback with the embedded model:
-`jaxserve router` over one prefill and one decode instance (`jaxserve serve --pd-role ...`).
+`jaxserve router` over two prefill and two decode instances (`jaxserve serve --pd-role ...`), started once
+for the module; the tests that kill instances run last.
 
-Greedy outputs through the router equal the decode instance's own colocated answers (it runs the same
-engine), streaming and not, completions and chat, with the prompt's KV transferred (the decode instance
-claims it). Faults: a decode instance that stops answering makes the transfer time out and the decode
-instance re-prefill locally; a killed decode instance gives a clear 503. After each scenario both pools are
-back at their starting free-block counts (/metrics).
+Greedy outputs through the router equal a decode instance's own colocated answers (it runs the same
+engine), streaming and not, completions and chat, one by one and as 200 concurrent streams. Faults: dropped,
+delayed, duplicated and truncated control messages (a proxy between the prefill and the decode instance,
+the test playing the router), a decode pool full of reservations (the router goes elsewhere, then waits),
+a decode instance that stops answering, a prefill instance killed mid-transfer, every prefill instance
+gone, decode instances killed. Every request completes or fails with a clear error, and after each
+scenario the pools of the instances still up are back at their starting free-block counts (/metrics) with
+no transfer open.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,20 +28,24 @@ import time
 import httpx
 import pytest
 
+from jaxserve.pd import protocol as proto
 from tests.conftest import ROOT
+from tests.pd_fault_proxy import FaultProxy, free_port
 
-TIMEOUT_S = 2.0  # server.kv_transfer_timeout_s of both instances
+TIMEOUT_S = 2.0  # server.kv_transfer_timeout_s of the instances
 PROMPTS = ["1234+5678=", "99+1=", "505+250=", "31415+92653="]
+LONG = "1234567+7654321+11111+222="  # 27 tokens with BOS: 6 transferable blocks of 4
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+def _fresh(i: int) -> str:
+    """A prompt like LONG that no instance has seen (so its blocks really move)."""
+    return f"{i:07d}+7654321+11111+222="
+KEY = proto.derive_key(None)  # the instances run without server.kv_transfer_token (loopback only)
+INSTANCES = ("prefill0", "prefill1", "decode0", "decode1")
 
 
 def _wait_up(process: subprocess.Popen, url: str, what: str) -> None:
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + 240
     while True:
         assert process.poll() is None, f"{what} exited: " + process.stderr.read().decode()[-3000:]
         assert time.monotonic() < deadline, f"{what} did not start"
@@ -51,28 +59,27 @@ def _wait_up(process: subprocess.Popen, url: str, what: str) -> None:
 
 @contextlib.contextmanager
 def _processes():
-    started = []
+    started, urls = {}, {}
     try:
-        urls = {}
-        for role in ("prefill", "decode"):
-            port = _free_port()
+        for name in INSTANCES:
+            port = free_port()
             command = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(port), "--access-log", "false",
-                       "--log-level", "warning", "--pd-role", role, "--kv-transfer-timeout-s", str(TIMEOUT_S)]
-            started.append(subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                            env={**os.environ, "PYTHONUNBUFFERED": "1"}))
-            urls[role] = f"http://127.0.0.1:{port}"
-        for process, (role, url) in zip(started, urls.items()):
-            _wait_up(process, url, role)
-        port = _free_port()
-        router = subprocess.Popen([sys.executable, "-m", "jaxserve.cli", "router", "--prefill", urls["prefill"],
-                                   "--decode", urls["decode"], "--port", str(port), "--log-level", "warning"],
-                                  cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        started.append(router)
+                       "--log-level", "error", "--pd-role", name[:-1], "--kv-transfer-timeout-s", str(TIMEOUT_S)]
+            started[name] = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            urls[name] = f"http://127.0.0.1:{port}"
+        for name in INSTANCES:
+            _wait_up(started[name], urls[name], name)
+        port = free_port()
+        command = [sys.executable, "-m", "jaxserve.cli", "router", "--port", str(port), "--log-level", "error"]
+        for name in INSTANCES:
+            command += [f"--{name[:-1]}", urls[name]]
+        started["router"] = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         urls["router"] = f"http://127.0.0.1:{port}"
-        _wait_up(router, urls["router"], "router")
-        yield dict(zip(("prefill", "decode", "router"), started)), urls
+        _wait_up(started["router"], urls["router"], "router")
+        yield started, urls
     finally:
-        for process in started:
+        for process in started.values():
             if process.poll() is None:
                 process.kill()
             process.wait()
@@ -81,8 +88,9 @@ def _processes():
 @pytest.fixture(scope="module")
 def pd():
     with _processes() as (processes, urls):
-        start = {role: _free_blocks(urls[role]) for role in ("prefill", "decode")}
-        yield processes, urls, start
+        start = {name: _free_blocks(urls[name]) for name in INSTANCES}
+        expected = {p: _completion(urls["decode0"], p) for p in PROMPTS + [LONG]}  # colocated answers
+        yield processes, urls, start, expected
 
 
 def _free_blocks(url: str) -> int:
@@ -94,18 +102,22 @@ def _info(url: str) -> dict:
     return httpx.get(url + "/pd/info").json()
 
 
-def _assert_pools_return(urls: dict, start: dict, roles=("prefill", "decode")) -> None:
+def _outcome(url: str, what: str) -> int:
+    return _info(url)["outcomes"].get(what, 0)
+
+
+def _assert_pools_return(urls: dict, start: dict, names=INSTANCES) -> None:
     deadline = time.monotonic() + 3 * TIMEOUT_S + 5
     while True:
-        state = {role: (_free_blocks(urls[role]), _info(urls[role])["open_transfers"]) for role in roles}
-        if all(state[role] == (start[role], 0) for role in roles):
+        state = {name: (_free_blocks(urls[name]), _info(urls[name])["open_transfers"]) for name in names}
+        if all(state[name] == (start[name], 0) for name in names):
             return
         assert time.monotonic() < deadline, f"blocks not returned: {state}, start {start}"
         time.sleep(0.2)
 
 
 def _completion(url: str, prompt: str, stream: bool = False, **extra) -> tuple[str, str]:
-    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, **extra}
+    body = {"prompt": prompt, "max_tokens": 3, "temperature": 0, **extra}
     if not stream:
         response = httpx.post(url + "/v1/completions", json=body, timeout=60)
         assert response.status_code == 200, response.text
@@ -124,64 +136,204 @@ def _completion(url: str, prompt: str, stream: bool = False, **extra) -> tuple[s
 
 
 def test_outputs_equal_colocated_streaming_and_not(pd):
-    _, urls, start = pd
-    expected = [_completion(urls["decode"], p) for p in PROMPTS]  # the decode instance alone: colocated
-    assert [_completion(urls["router"], p) for p in PROMPTS] == expected
-    assert [_completion(urls["router"], p, stream=True) for p in PROMPTS] == expected
-    prefill, decode = _info(urls["prefill"]), _info(urls["decode"])
-    assert prefill["outcomes"].get("sent", 0) >= 2 * len(PROMPTS)
-    assert decode["outcomes"].get("claimed", 0) >= 2 * len(PROMPTS)
+    _, urls, start, expected = pd
+    sent = _outcome(urls["prefill0"], "sent") + _outcome(urls["prefill1"], "sent")
+    assert [_completion(urls["router"], p) for p in PROMPTS] == [expected[p] for p in PROMPTS]
+    assert [_completion(urls["router"], p, stream=True) for p in PROMPTS] == [expected[p] for p in PROMPTS]
+    assert _outcome(urls["prefill0"], "sent") + _outcome(urls["prefill1"], "sent") == sent + 2 * len(PROMPTS)
+    assert _outcome(urls["decode0"], "claimed") + _outcome(urls["decode1"], "claimed") >= 2 * len(PROMPTS)
     _assert_pools_return(urls, start)
 
 
 def test_chat_through_the_router(pd):
-    _, urls, start = pd
+    _, urls, start, _ = pd
     body = {"messages": [{"role": "user", "content": "12+34="}], "max_tokens": 6, "temperature": 0}
-    direct = httpx.post(urls["decode"] + "/v1/chat/completions", json=body, timeout=60).json()
+    direct = httpx.post(urls["decode0"] + "/v1/chat/completions", json=body, timeout=60).json()
     routed = httpx.post(urls["router"] + "/v1/chat/completions", json=body, timeout=60).json()
     assert routed["choices"][0]["message"] == direct["choices"][0]["message"]
     _assert_pools_return(urls, start)
 
 
 def test_router_refuses_client_kv_transfer_params_and_instances_refuse_unsigned_ones(pd):
-    _, urls, _ = pd
+    _, urls, _, _ = pd
     bad = {"prompt": "1+1=", "kv_transfer_params": {"transfer_id": "ab" * 16, "decode_address": "10.0.0.1:1",
                                                     "signature": "00"}}
     assert httpx.post(urls["router"] + "/v1/completions", json=bad).status_code == 400
-    response = httpx.post(urls["prefill"] + "/v1/completions", json=bad)
+    response = httpx.post(urls["prefill0"] + "/v1/completions", json=bad)
     assert response.status_code == 400 and "kv_transfer_token" in response.text
 
 
+def test_200_concurrent_streams_over_two_prefill_and_two_decode_instances(pd):
+    _, urls, start, expected = pd
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(200)]
+
+    async def stream(client: httpx.AsyncClient, prompt: str) -> tuple[str, str]:
+        text, finish = "", None
+        body = {"prompt": prompt, "max_tokens": 3, "temperature": 0, "stream": True}
+        async with client.stream("POST", urls["router"] + "/v1/completions", json=body) as response:
+            assert response.status_code == 200, await response.aread()
+            async for line in response.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunk = json.loads(line[6:])
+                    assert "error" not in chunk, chunk
+                    text += chunk["choices"][0]["text"]
+                    finish = chunk["choices"][0]["finish_reason"] or finish
+        return text, finish
+
+    async def run_all():
+        limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+            return await asyncio.gather(*(stream(client, p) for p in prompts))
+
+    assert asyncio.run(run_all()) == [expected[p] for p in prompts]
+    for name in ("prefill0", "prefill1", "decode0", "decode1"):
+        assert _info(urls[name])["outcomes"], f"{name} took no part"
+    _assert_pools_return(urls, start)
+
+
+def _reserve(info: dict, transfer_id: str, prompt_ids: list[int]) -> str:
+    message = proto.encode(KEY, "reserve", transfer_id, token_ids=prompt_ids, cache_salt=None, timeout_s=TIMEOUT_S,
+                           layout=info["kv_layout"])
+    return proto.request(info["kv_transfer_address"], KEY, message, 5.0)["type"]
+
+
+def _fill_with_reservations(url: str) -> int:
+    """Reserves the decode instance's pool until it refuses (the reservations expire after TIMEOUT_S)."""
+    info, tokens = _info(url), [1] * 28  # 6 usable blocks each
+    count = 0
+    while _reserve(info, proto.new_transfer_id(), tokens) == "reserved":
+        count += 1
+    return count
+
+
+def test_decode_pool_full_goes_elsewhere_then_waits_never_drops(pd):
+    _, urls, start, expected = pd
+    state = lambda: httpx.get(urls["router"] + "/router/state").json()["counts"]  # noqa: E731
+    refused = state().get("transfer_refused", 0)
+    assert _fill_with_reservations(urls["decode0"]) > 0
+    assert _completion(urls["router"], LONG) == expected[LONG]  # decode0 refuses; decode1 takes it
+    assert state()["transfer_refused"] == refused + 1
+    assert _fill_with_reservations(urls["decode1"]) > 0
+    assert _completion(urls["router"], LONG) == expected[LONG]  # both full: waits until reservations expire
+    assert state()["transfer_refused"] >= refused + 3
+    _assert_pools_return(urls, start)
+
+
+def _params(address: str) -> dict:
+    transfer_id = proto.new_transfer_id()
+    return {"transfer_id": transfer_id, "decode_address": address,
+            "signature": proto.sign_params(KEY, transfer_id, address)}
+
+
+def _prefill(url: str, prompt: str, params: dict) -> str:
+    response = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1, "temperature": 0,
+                                                         "kv_transfer_params": params}, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["stop_reason"]
+
+
+# (faults by message type, the prefill side's outcomes, the decode side's) — the decode side's claim of a
+# transfer whose ack was lost races the prefill side's abort, so both are allowed there.
+FAULTS = {
+    "dropped_reserve": ({"reserve": "drop"}, {"timeout", "failed"}, {"recomputed"}),
+    "delayed_reserve": ({"reserve": "delay"}, {"timeout"}, {"recomputed"}),
+    "truncated_ready": ({"ready": "truncate"}, {"failed"}, {"recomputed"}),
+    "truncated_ready_abort_dropped": ({"ready": "truncate", "abort": "drop"}, {"failed"}, {"recomputed"}),
+    "delayed_ready": ({"ready": "delay"}, {"timeout", "failed"}, {"recomputed"}),
+    "dropped_ack": ({"ready": "drop_reply"}, {"failed"}, {"recomputed", "claimed"}),
+    "duplicated_ready": ({"ready": "duplicate"}, {"sent"}, {"claimed"}),
+}
+
+
+@pytest.mark.parametrize("scenario", list(FAULTS))
+def test_control_message_faults_end_in_a_local_re_prefill_or_a_transfer(pd, scenario):
+    _, urls, start, expected = pd
+    faults, prefill_outcomes, decode_outcomes = FAULTS[scenario]
+    prompt = _fresh(list(FAULTS).index(scenario))
+    answer = _completion(urls["decode1"], prompt)  # colocated, on the other decode instance
+    decode = _info(urls["decode0"])
+    with FaultProxy(decode["kv_transfer_address"], faults, delay_s=TIMEOUT_S + 0.5) as proxy:
+        params = _params(proxy.address)
+        outcome = _prefill(urls["prefill0"], prompt, params)
+        assert outcome.removeprefix("kv_transfer:") in prefill_outcomes, (outcome, proxy.seen)
+        before = _info(urls["decode0"])["outcomes"]
+        assert _completion(urls["decode0"], prompt, kv_transfer_params=params) == answer
+        after = _info(urls["decode0"])["outcomes"]
+        assert {k for k in ("claimed", "recomputed") if after.get(k, 0) > before.get(k, 0)} <= decode_outcomes
+        if scenario == "duplicated_ready":
+            assert proxy.replies[-1] == "ignored"  # the second copy is recognised, not installed twice
+        _assert_pools_return(urls, start)
+
+
 def test_transfer_timeout_makes_decode_re_prefill_locally(pd):
-    processes, urls, start = pd
-    expected = _completion(urls["decode"], PROMPTS[3])
-    recomputed = _info(urls["decode"])["outcomes"].get("recomputed", 0)
-    os.kill(processes["decode"].pid, signal.SIGSTOP)  # answers nothing: the prefill side's reserve times out
+    processes, urls, start, expected = pd
+    recomputed = _outcome(urls["decode0"], "recomputed")
+    timeouts = _outcome(urls["prefill0"], "timeout") + _outcome(urls["prefill1"], "timeout")
+    os.kill(processes["decode0"].pid, signal.SIGSTOP)  # answers nothing: the prefill side's reserve times out
     try:
-        with httpx.Client(timeout=60) as client:
+        with httpx.Client(timeout=60) as client:  # an idle router picks decode0 (the first of the least loaded)
             pending = client.build_request("POST", urls["router"] + "/v1/completions",
-                                           json={"prompt": PROMPTS[3], "max_tokens": 8, "temperature": 0})
+                                           json={"prompt": PROMPTS[3], "max_tokens": 3, "temperature": 0})
             result = {}
             thread = threading.Thread(target=lambda: result.update(r=client.send(pending)))
             thread.start()
             time.sleep(TIMEOUT_S + 1.0)
-            os.kill(processes["decode"].pid, signal.SIGCONT)
+            os.kill(processes["decode0"].pid, signal.SIGCONT)
             thread.join(60)
     finally:
-        os.kill(processes["decode"].pid, signal.SIGCONT)
+        os.kill(processes["decode0"].pid, signal.SIGCONT)
     response = result["r"]
     assert response.status_code == 200, response.text
     choice = response.json()["choices"][0]
-    assert (choice["text"], choice["finish_reason"]) == expected
-    assert _info(urls["prefill"])["outcomes"].get("timeout", 0) >= 1
-    assert _info(urls["decode"])["outcomes"].get("recomputed", 0) == recomputed + 1
+    assert (choice["text"], choice["finish_reason"]) == expected[PROMPTS[3]]
+    assert _outcome(urls["prefill0"], "timeout") + _outcome(urls["prefill1"], "timeout") == timeouts + 1
+    assert _outcome(urls["decode0"], "recomputed") == recomputed + 1
     _assert_pools_return(urls, start)
 
 
-def test_killed_decode_instance_gives_a_clear_503_and_frees_the_prefill_side(pd):
-    processes, urls, start = pd
-    processes["decode"].send_signal(signal.SIGKILL)
-    processes["decode"].wait()
+def test_prefill_killed_mid_transfer_frees_the_reservation_and_another_prefill_serves(pd):
+    processes, urls, start, expected = pd
+    prompt = _fresh(100)
+    answer = _completion(urls["decode1"], prompt)
+    decode = _info(urls["decode0"])
+    with FaultProxy(decode["kv_transfer_address"], {"ready": "hold"}) as proxy:
+        params = _params(proxy.address)
+        body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "kv_transfer_params": params}
+
+        def post():
+            with contextlib.suppress(httpx.TransportError):  # the instance is killed before it answers
+                httpx.post(urls["prefill1"] + "/v1/completions", json=body, timeout=30)
+        thread = threading.Thread(target=post)
+        thread.start()
+        proxy.wait_for("ready", timeout_s=30)  # reserved on the decode side, the blocks on their way
+        assert _info(urls["decode0"])["open_transfers"] == 1
+        processes["prefill1"].send_signal(signal.SIGKILL)
+        processes["prefill1"].wait()
+        thread.join(30)
+    recomputed = _outcome(urls["decode0"], "recomputed")
+    assert _completion(urls["decode0"], prompt, kv_transfer_params=params) == answer
+    assert _outcome(urls["decode0"], "recomputed") == recomputed + 1
+    up = ("prefill0", "decode0", "decode1")
+    _assert_pools_return(urls, start, up)  # the reservation expired at its deadline
+    # The router finds prefill1 gone and uses prefill0 for every prompt.
+    assert [_completion(urls["router"], p) for p in PROMPTS] == [expected[p] for p in PROMPTS]
+    _assert_pools_return(urls, start, up)
+
+
+def test_no_prefill_instance_left_means_the_decode_instance_prefills(pd):
+    processes, urls, start, expected = pd
+    processes["prefill0"].send_signal(signal.SIGKILL)
+    processes["prefill0"].wait()
+    assert [_completion(urls["router"], p, stream=True) for p in PROMPTS] == [expected[p] for p in PROMPTS]
+    _assert_pools_return(urls, start, ("decode0", "decode1"))
+
+
+def test_killed_decode_instances_are_retried_elsewhere_then_a_clear_503(pd):
+    processes, urls, start, expected = pd
+    processes["decode0"].send_signal(signal.SIGKILL)
+    processes["decode0"].wait()
+    assert _completion(urls["router"], PROMPTS[0]) == expected[PROMPTS[0]]  # on decode1
+    processes["decode1"].send_signal(signal.SIGKILL)
+    processes["decode1"].wait()
     response = httpx.post(urls["router"] + "/v1/completions", json={"prompt": "1+2=", "max_tokens": 4}, timeout=60)
     assert response.status_code == 503 and "decode" in response.json()["error"]["message"]
-    _assert_pools_return(urls, start, roles=("prefill",))

@@ -89,3 +89,38 @@ def test_prefill_validation_error_is_the_clients_answer():
     router = _router(handler)
     status, body = _run(router, {"prompt": "1+1=", "max_tokens": -1})
     assert status == 400 and body["error"]["param"] == "max_tokens"
+
+
+def _app_client(handler, api_key: str | None = None) -> tuple[Router, httpx.AsyncClient]:
+    from jaxserve.config import ServerConfig
+    from jaxserve.pd.router import build_router_app
+    router = _router(handler)
+    app = build_router_app(router, ServerConfig(api_key=api_key))
+    return router, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router")
+
+
+def test_router_has_the_servers_guard_validation_health_and_metrics():
+    calls = []
+
+    async def go():
+        router, client = _app_client(_handler(set(), calls), api_key="secret")
+        async with client:
+            key = {"Authorization": "Bearer secret"}
+            assert (await client.post("/v1/completions", json={"prompt": "1+1="})).status_code == 401
+            assert (await client.get("/health")).status_code == 200  # probes need no key, as in `serve`
+            bad = await client.post("/v1/completions", json={"prompt": "1+1=", "n": 10**6}, headers=key)
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "n"
+            unsupported = await client.post("/v1/chat/completions", headers=key, json={
+                "messages": [{"role": "user", "content": "1+1="}], "use_beam_search": True})
+            assert unsupported.status_code == 400 and "use_beam_search" in unsupported.text
+            assert calls == []  # refused before any instance saw them
+            ok = await client.post("/v1/completions", json={"prompt": "1+1="}, headers=key)
+            assert ok.status_code == 200 and calls[0][0] == "http://p1"
+            metrics = (await client.get("/metrics")).text
+            assert 'jaxserve:router_events{event="transfer_sent"} 1.0' in metrics
+            assert 'jaxserve:router_instance_up{role="decode",url="http://d1"} 1.0' in metrics
+            assert "jaxserve:e2e_request_latency_seconds_count" in metrics
+            for instance in router.decode:
+                instance.mark_down("test")
+            assert (await client.get("/health")).status_code == 503
+    asyncio.run(go())

@@ -1,10 +1,13 @@
 """`jaxserve router`: one OpenAI-compatible endpoint in front of prefill and decode instances.
 
     client -> POST /v1/completions | /v1/chat/completions (stream or not)
-      pick a decode instance (fewest requests in flight from here; down ones skipped) and a prefill instance
-      (rendezvous hash of the prompt's start, for prefix-cache affinity, unless it is busier than the least
-      loaded by more than AFFINITY_SLACK); sign kv_transfer_params {transfer_id, decode_address}
-      -> prefill instance, stream=false: it computes the prompt and sends the KV; its stop_reason
+      pick a decode instance (fewest requests in flight from here, their prefill phase included; down ones
+      skipped) and a prefill instance (rendezvous hash of the prompt's start, for prefix-cache affinity,
+      unless it is busier than the least loaded by more than AFFINITY_SLACK); sign kv_transfer_params
+      {transfer_id, decode_address}
+      -> prefill instance, stream=false: it computes the prompt and sends the KV (down or 5xx: another
+         prefill instance; none left: the decode instance without a transfer, which prefills locally); its
+         stop_reason
          "kv_transfer:<outcome>" says how the transfer ended
            refused (decode out of blocks) -> another decode instance, then waiting (backoff) until
                                              kv_transfer_timeout_s, then the least loaded one (it queues the
@@ -18,6 +21,13 @@
 
 Instances are addressed by their HTTP URL; a decode instance's KV endpoint is read from its GET /pd/info.
 The router forwards the client's Authorization header, so instances may share the router's API key.
+
+The router's own surface is `jaxserve serve`'s where it can be: the same request guard in front of every
+route (server.api_key, header and body limits; /health, /ping, /version and /metrics open), the same
+request models validate a body before any instance sees it (400 naming the field), and /metrics uses the
+server's metric names (TTFT and end-to-end latency as the router sees them) plus the router's own:
+jaxserve:router_events{event} (transfer outcomes, retries, fallbacks), jaxserve:router_instance_up and
+jaxserve:router_in_flight{role, url}.
 """
 
 from __future__ import annotations
@@ -32,18 +42,27 @@ from collections.abc import AsyncIterator
 
 import httpx
 from fastapi import FastAPI
+from prometheus_client import Gauge
+from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from jaxserve.config import ServerConfig
 from jaxserve.pd import protocol as proto
 from jaxserve.pd.engine import OUTCOME_PREFIX
-from jaxserve.server.errors import error_body
+from jaxserve.server import protocol as P
+from jaxserve.server.app import jaxserve_version
+from jaxserve.server.errors import ApiError, error_body
+from jaxserve.server.metrics import CONTENT_TYPE, PREFIX, ServerMetrics
+from jaxserve.server.middleware import Guard
+from jaxserve.server.serving import _validation_error
 
 logger = logging.getLogger(__name__)
 
 AFFINITY_SLACK = 4  # requests in flight a prefill instance may exceed the least loaded one by and keep affinity
 DOWN_S = 5.0  # a failed instance is skipped this long
 _HOP_HEADERS = {"authorization"}
+_MODELS = {"/v1/completions": P.CompletionRequest, "/v1/chat/completions": P.ChatCompletionRequest}
 
 
 @dataclasses.dataclass
@@ -69,14 +88,14 @@ class NoInstance(Exception):
 
 
 class Router:
-    def __init__(self, prefill: list[str], decode: list[str], token: str | None, *, api_key: str | None = None,
+    def __init__(self, prefill: list[str], decode: list[str], token: str | None, *,
                  transfer_timeout_s: float = 10.0, request_timeout_s: float = 600.0):
         if not prefill or not decode:
             raise ValueError("the router needs at least one --prefill and one --decode instance URL")
         self.prefill = [Instance(url.rstrip("/"), "prefill") for url in prefill]
         self.decode = [Instance(url.rstrip("/"), "decode") for url in decode]
         self.key = proto.derive_key(token)
-        self.api_key = api_key
+        self.metrics = ServerMetrics("router")
         self.transfer_timeout_s = transfer_timeout_s
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(request_timeout_s, connect=5.0),
                                         limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
@@ -117,16 +136,37 @@ class Router:
 
     # ---- one request ----
     async def handle(self, path: str, request: Request) -> Response:
-        if self.api_key is not None and request.headers.get("authorization") != f"Bearer {self.api_key}":
-            return _error(401, "invalid API key: send the router's key as 'Authorization: Bearer KEY'")
+        arrival = time.monotonic()
         try:
             body = json.loads(await request.body())
-        except ValueError as err:
+        except (ValueError, RecursionError) as err:
             return _error(400, f"the request body is not valid UTF-8 JSON: {err}")
         if not isinstance(body, dict):
             return _error(400, f"the request body must be a JSON object, got {type(body).__name__}")
         if "kv_transfer_params" in body:
             return _error(400, "kv_transfer_params is set by the router; leave it out", "kv_transfer_params")
+        try:  # the server's own request models: a bad field is refused here, before any transfer
+            _MODELS[path].model_validate(body)
+        except ValidationError as err:
+            invalid = _validation_error(err)
+            return _error(invalid.status, invalid.message, invalid.param)
+        response = await self._route(path, body, request)
+        if isinstance(response, StreamingResponse):
+            response.body_iterator = self._timed(response.body_iterator, arrival)
+        elif response.status_code == 200:
+            self.metrics.e2e.observe(time.monotonic() - arrival)
+        return response
+
+    async def _timed(self, chunks: AsyncIterator[bytes], arrival: float) -> AsyncIterator[bytes]:
+        first = True
+        async for chunk in chunks:
+            if first:
+                self.metrics.ttft.observe(time.monotonic() - arrival)
+                first = False
+            yield chunk
+        self.metrics.e2e.observe(time.monotonic() - arrival)
+
+    async def _route(self, path: str, body: dict, request: Request) -> Response:
         headers = {k: v for k, v in request.headers.items() if k.lower() in _HOP_HEADERS}
         affinity = json.dumps(body.get("prompt", body.get("messages")), sort_keys=True)[:512].encode()
         deadline = time.monotonic() + self.transfer_timeout_s
@@ -149,9 +189,19 @@ class Router:
                                   + "; retry later", retry=True)
                 return await self._decode(decode, path, body, None, headers, failures)
             params = self._params(decode)
-            outcome = await self._prefill(path, body, params, affinity, headers, failures)
+            decode.in_flight += 1  # counts from the reservation on, so concurrent picks spread out
+            try:
+                outcome = await self._prefill(path, body, params, affinity, headers, failures)
+            finally:
+                decode.in_flight -= 1
             if isinstance(outcome, Response):
                 return outcome
+            if outcome is None:  # no prefill instance up: the decode instance prefills the prompt itself
+                self._count("no_prefill")
+                response = await self._decode(decode, path, body, None, headers, failures)
+                if response is not None:
+                    return response
+                continue
             self._count(f"transfer_{outcome}")
             if outcome == "refused":
                 refused.add(decode.url)
@@ -170,8 +220,9 @@ class Router:
                 "signature": proto.sign_params(self.key, transfer_id, decode.kv_address)}
 
     async def _prefill(self, path: str, body: dict, params: dict, affinity: bytes, headers: dict,
-                       failures: list[str]) -> str | Response:
-        """The transfer's outcome, or the response to give the client (a 4xx, or 503: no prefill instance)."""
+                       failures: list[str]) -> str | Response | None:
+        """The transfer's outcome, the response to give the client (a 4xx), or None when no prefill instance
+        could take the request."""
         prefill_body = {**body, "stream": False, "kv_transfer_params": params, "max_tokens": 1}
         for key in ("stream_options", "max_completion_tokens", "logprobs", "top_logprobs"):
             prefill_body.pop(key, None)
@@ -197,10 +248,7 @@ class Router:
             choices = response.json().get("choices") or [{}]
             reason = str(choices[0].get("stop_reason") or "")
             return reason[len(OUTCOME_PREFIX):] if reason.startswith(OUTCOME_PREFIX) else "failed"
-        self._count("no_prefill")
-        return _error(503, "no prefill instance could take the request" + (f" ({'; '.join(failures)})"
-                                                                             if failures else "") + "; retry later",
-                      retry=True)
+        return None
 
     async def _decode(self, decode: Instance, path: str, body: dict, params: dict | None, headers: dict,
                       failures: list[str]) -> Response | None:
@@ -252,9 +300,21 @@ def _error(status: int, message: str, param: str | None = None, retry: bool = Fa
                     headers={"Retry-After": "1"} if retry else None)
 
 
-def build_router_app(router: Router) -> FastAPI:
+def build_router_app(router: Router, config: ServerConfig | None = None) -> FastAPI:
+    """The router's app behind the server's request guard (`config`: its api_key and limits)."""
     app = FastAPI(title="jaxserve router")
     app.state.router = router
+    registry = router.metrics.registry
+    events = Gauge(PREFIX + "router_events", "Router events since start: transfer outcomes (transfer_*), "
+                   "decode answers (decode_<status>), fallbacks.", ["event"], registry=registry)
+    up = Gauge(PREFIX + "router_instance_up", "1 when the instance is in use, 0 while marked down.",
+               ["role", "url"], registry=registry)
+    in_flight = Gauge(PREFIX + "router_in_flight", "Requests in flight from this router per instance.",
+                      ["role", "url"], registry=registry)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_request: Request, err: ApiError) -> Response:
+        return _error(err.status, err.message, err.param)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -275,11 +335,28 @@ def build_router_app(router: Router) -> FastAPI:
             return Response(response.content, response.status_code, media_type="application/json")
         return _error(503, "no decode instance answers", retry=True)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
-        if not any(p.up for p in router.prefill) or not any(d.up for d in router.decode):
-            return _error(503, "no prefill or no decode instance is up", retry=True)
-        return JSONResponse({})
+        if not any(d.up for d in router.decode):
+            return _error(503, "no decode instance is up", retry=True)
+        return JSONResponse({})  # without a prefill instance up the decode instances prefill themselves
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        return await health()
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": jaxserve_version()})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        for event, count in list(router.counts.items()):
+            events.labels(event).set(count)
+        for instance in router.prefill + router.decode:
+            up.labels(instance.role, instance.url).set(int(instance.up))
+            in_flight.labels(instance.role, instance.url).set(instance.in_flight)
+        return Response(router.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/router/state")
     async def state() -> Response:
@@ -287,6 +364,7 @@ def build_router_app(router: Router) -> FastAPI:
             {"url": i.url, "role": i.role, "up": i.up, "in_flight": i.in_flight, "kv_address": i.kv_address}
             for i in router.prefill + router.decode]})
 
+    app.add_middleware(Guard, config=config or ServerConfig())
     return app
 
 
@@ -312,8 +390,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         server = load_config(args.config).server if args.config else load_config(None).server
-        api_key = server.api_key[0] if isinstance(server.api_key, tuple) else server.api_key
-        router = Router(args.prefill, args.decode, server.kv_transfer_token, api_key=api_key,
+        router = Router(args.prefill, args.decode, server.kv_transfer_token,
                         transfer_timeout_s=server.kv_transfer_timeout_s)
     except (ValueError, TypeError, FileNotFoundError, yaml.YAMLError) as err:
         print(f"error: {err}", file=sys.stderr)
@@ -321,6 +398,6 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     logger.info("routing http://%s:%d over %d prefill and %d decode instances", args.host, args.port,
                 len(router.prefill), len(router.decode))
-    uvicorn.run(build_router_app(router), host=args.host, port=args.port, log_level=args.log_level,
+    uvicorn.run(build_router_app(router, server), host=args.host, port=args.port, log_level=args.log_level,
                 access_log=False)
     return 0

@@ -1,7 +1,8 @@
 """A PD instance's additions to the OpenAI server: GET /pd/info and the transfer gauges in /metrics.
 
     GET /pd/info  {"role", "kv_transfer_address" (decode: where prefill instances send KV), "block_size",
-                   "num_free_blocks", "open_transfers", "outcomes": {outcome: count}} (behind the API key)
+                   "kv_layout" (what a block's bytes mean; a sender's must be equal), "num_free_blocks",
+                   "open_transfers", "outcomes": {outcome: count}} (behind the API key)
     /metrics      jaxserve:pd_free_blocks, jaxserve:pd_open_transfers, jaxserve:pd_transfers{outcome}
 """
 
@@ -43,5 +44,6 @@ def attach(app: FastAPI, engine: PDEngine) -> None:
 
 def info(engine: PDEngine) -> dict:
     return {"role": engine.role, "kv_transfer_address": engine.kv_transfer_address, "block_size": engine.block_size,
+            "kv_layout": engine.mover.layout,
             "num_free_blocks": engine.num_free_blocks, "open_transfers": engine.num_open_transfers,
             "outcomes": dict(engine.counts)}

@@ -1,0 +1,125 @@
+# Prefill/decode disaggregation on one H200, two processes sharing it (each with half the memory), in one
+# call under 9 minutes (benchmarks/pd_bench.py does the measuring):
+#   bash benchmarks/devrun_pd.sh                     on the device (Llama-3-8B shape, random weights)
+#   SMOKE=1 PYTHON=/path/to/python bash benchmarks/devrun_pd.sh    the same plumbing on a CPU: the embedded
+#       model (jaxserve/assets/tiny-adder), tiny prompts, a few seconds per run
+# Steps, logged under $OUT (default /tmp/devrun_pd), each under its own timeout, never past DEADLINE (530 s):
+#   0. the synthetic tokenizer of the 8B vocabulary (configs/llama3-8b-dummy-serve.yaml reads it)
+#   (a) transfer: a receiver and a sender process, each cache.gpu_memory_utilization 0.45 and
+#       XLA_PYTHON_CLIENT_MEM_FRACTION 0.47; KV of an 8K-token prompt (512 blocks of 16 x 32 layers) moved
+#       through the portable path (gather, device -> host, TCP, host -> device, scatter) REPS times; GB/s
+#       end to end and per phase, beside a plain device copy of the same bytes in the sender -> transfer.json
+#   (b) mixed: STREAMS steady decode streams (64-token prompts, 256 tokens each) plus one LONG-token prompt
+#       every 1/RATE s for DURATION s, against
+#         colocated      one `jaxserve serve` with gpu_memory_utilization 0.9
+#         disaggregated  a prefill and a decode instance (0.45 each) behind `jaxserve router`
+#       -> mixed_colocated.json, mixed_pd.json: decode ITL p50/p99, TTFT (short, long), output tokens/s
+# The summary (both JSONs side by side) is printed last and written to $OUT/summary.json.
+set -o pipefail
+OUT=${OUT:-/tmp/devrun_pd}
+PY=${PYTHON:-python3}
+W=$OUT/work
+mkdir -p "$W"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+DEADLINE=${DEADLINE:-530}
+PIDS=()
+cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null; done; wait 2>/dev/null; }
+trap cleanup EXIT
+left() { echo $((DEADLINE - SECONDS - ${1:-0})); }
+limit() { local t; t=$(left "$1"); echo $((t > 1 ? t : 1)); }
+port() { $PY -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+# wait_up URL PID MAX_S: until URL/health answers 200 (0), the process exits or MAX_S pass (1)
+wait_up() {
+  local t=0
+  until curl -sf "$1/health" > /dev/null; do
+    kill -0 "$2" 2>/dev/null || return 1
+    sleep 1; t=$((t + 1)); [ "$t" -lt "$3" ] || return 1
+  done
+}
+
+if [ -n "${SMOKE:-}" ]; then
+  cp jaxserve/configs/tiny.yaml "$W/half.yaml"; cp jaxserve/configs/tiny.yaml "$W/full.yaml"
+  TOKENS=16 REPS=3 STREAMS=${STREAMS:-4} SHORT=4 OUTTOK=8 LONG=20 RATE=${RATE:-2} DURATION=${DURATION:-8}
+  VOCAB=16
+  export JAX_PLATFORMS=cpu
+else
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  TOK=build/synthetic-tokenizer/llama3-8b
+  $PY benchmarks/make_synthetic_tokenizer.py --model-config configs/models/llama3-8b/config.json --out $TOK \
+    > "$W/tokenizer.log" 2>&1 || { echo "synthetic tokenizer failed"; tail -5 "$W/tokenizer.log"; exit 1; }
+  # 8K-token prompts need max_model_len past 8192 tokens of KV: 8320 (the transfer runs no model step).
+  for pair in "half 0.45" "full 0.9"; do
+    set -- $pair
+    sed -e "s|path: models/llama3-8b|path: $PWD/configs/models/llama3-8b|" \
+        -e "s|tokenizer: ../build/|tokenizer: $PWD/build/|" \
+        -e "s|max_model_len: 4096|max_model_len: 8320|" \
+        -e "s|memory_fraction: 0.85|gpu_memory_utilization: $2|" \
+        configs/llama3-8b-dummy-serve.yaml > "$W/$1.yaml"
+  done
+  TOKENS=8192 REPS=5 STREAMS=${STREAMS:-32} SHORT=64 OUTTOK=256 LONG=${LONG:-4096} RATE=${RATE:-0.5}
+  DURATION=${DURATION:-60} VOCAB=32000
+fi
+
+# (a) transfer bandwidth
+echo "== ${SECONDS}s: transfer ($TOKENS tokens)"
+P=$(port)
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.47 $PY benchmarks/pd_bench.py transfer --role recv --config "$W/half.yaml" \
+  --port "$P" > "$W/recv.log" 2>&1 &
+PIDS+=($!); RECV=$!
+t=0; until grep -q "receiver ready" "$W/recv.log"; do
+  kill -0 $RECV 2>/dev/null || break; sleep 1; t=$((t + 1)); [ $t -lt 240 ] || break
+done
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.47 timeout "$(limit 330)" $PY benchmarks/pd_bench.py transfer --role send \
+  --config "$W/half.yaml" --peer "127.0.0.1:$P" --tokens $TOKENS --reps $REPS --json "$OUT/transfer.json" \
+  > "$W/send.log" 2>&1 || { echo "   transfer failed"; tail -5 "$W/send.log" "$W/recv.log"; }
+kill $RECV 2>/dev/null; wait $RECV 2>/dev/null
+
+SERVE="$PY -m jaxserve.cli serve --log-level warning --access-log false --precompile false"
+MIXED="$PY benchmarks/pd_bench.py mixed --streams $STREAMS --short-len $SHORT --out-tokens $OUTTOK \
+  --long-len $LONG --rate $RATE --duration $DURATION --vocab $VOCAB"
+
+# (b1) colocated
+echo "== ${SECONDS}s: mixed, colocated"
+P=$(port)
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 $SERVE --config "$W/full.yaml" --port "$P" > "$W/colocated.log" 2>&1 &
+PIDS+=($!); C=$!
+if wait_up "http://127.0.0.1:$P" $C 240; then
+  timeout "$(limit 160)" $MIXED --url "http://127.0.0.1:$P" --label colocated --json "$OUT/mixed_colocated.json" \
+    > "$W/mixed_colocated.log" 2>&1 || { echo "   colocated run failed"; tail -5 "$W/mixed_colocated.log"; }
+else
+  echo "   colocated server did not start"; tail -5 "$W/colocated.log"
+fi
+kill $C 2>/dev/null; wait $C 2>/dev/null
+
+# (b2) disaggregated: the same total memory
+echo "== ${SECONDS}s: mixed, disaggregated"
+PP=$(port); DP=$(port); RP=$(port)
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.47 $SERVE --config "$W/half.yaml" --port "$DP" --pd-role decode \
+  > "$W/decode.log" 2>&1 &
+PIDS+=($!); D=$!
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.47 $SERVE --config "$W/half.yaml" --port "$PP" --pd-role prefill \
+  > "$W/prefill.log" 2>&1 &
+PIDS+=($!); PF=$!
+$PY -m jaxserve.cli router --prefill "http://127.0.0.1:$PP" --decode "http://127.0.0.1:$DP" --port "$RP" \
+  --log-level warning > "$W/router.log" 2>&1 &
+PIDS+=($!)
+if wait_up "http://127.0.0.1:$DP" $D 240 && wait_up "http://127.0.0.1:$PP" $PF 240; then
+  timeout "$(limit 5)" $MIXED --url "http://127.0.0.1:$RP" --label disaggregated --json "$OUT/mixed_pd.json" \
+    > "$W/mixed_pd.log" 2>&1 || { echo "   disaggregated run failed"; tail -5 "$W/mixed_pd.log"; }
+  curl -s "http://127.0.0.1:$DP/pd/info" > "$OUT/decode_info.json"
+else
+  echo "   PD instances did not start"; tail -5 "$W/decode.log" "$W/prefill.log"
+fi
+cleanup; PIDS=()
+
+echo "== ${SECONDS}s: done"
+tar -czf "$OUT/pd_logs.tar.gz" -C "$OUT" work
+$PY - "$OUT" <<'EOF' | tee "$OUT/summary.json"
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+summary = {}
+for name in ("transfer", "mixed_colocated", "mixed_pd"):
+    path = out / f"{name}.json"
+    summary[name] = json.loads(path.read_text()) if path.exists() else None
+print(json.dumps(summary, indent=1))
+EOF
