@@ -54,6 +54,8 @@ def propose(running: list[Request], spec: SpeculativeConfig) -> dict[str, list[i
         for request in running:
             if request.proposal is not None and _can_take_guesses(request):
                 guesses = _current(request, request.proposal)
+                if spec.synthetic_acceptance is not None:
+                    guesses = pad_guesses(guesses, spec.num_speculative_tokens, request.all_token_ids[-1])
                 if guesses:
                     known = len(request.all_token_ids) + request.num_pending
                     proposals[request.request_id] = guesses[:request.token_limit - known - 1]
