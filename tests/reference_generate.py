@@ -3,7 +3,8 @@
 It is the oracle the engine and the parity tests lean on, so it stays plain: every step, each
 unfinished request contributes its next prompt chunk (chunked prefill) or its one decode token
 (mixed batches), block ids come from an optionally shuffled list (non-contiguous pages), and
-logits are returned for every position processed so tests can compare them with HF's.
+logits are returned for every position processed so tests can compare them with HF's. Every step
+is padded to the same width (the widest step the run can take), so a run compiles one program.
 """
 
 from __future__ import annotations
@@ -28,6 +29,12 @@ class GreedyResult:
 
 def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
+
+
+def step_width(prompts: list[list[int]], chunk: int) -> int:
+    """The token count every step is padded to: a power of two covering the widest step, in which each
+    request feeds its first chunk (or, once its prompt is in, one decode token)."""
+    return _pow2(sum(max(1, min(chunk, len(p))) for p in prompts))
 
 
 def greedy_generate(
@@ -62,6 +69,7 @@ def greedy_generate(
     logits_rows: list[list[np.ndarray]] = [[] for _ in prompts]
     done = [max_new_tokens == 0] * num_reqs
     chunk = chunk_size or max(len(p) for p in prompts)
+    width = step_width(prompts, chunk)
     while not all(done):
         ids, pos, slots, spans = [], [], [], []
         seq_lens = np.zeros(num_reqs, np.int32)
@@ -75,7 +83,7 @@ def greedy_generate(
             spans.append((len(ids) - n, n))
             seq_lens[r] = span.stop if n else 0
             query_start_loc[r + 1] = len(ids)
-        pad = _pow2(len(ids)) - len(ids)
+        pad = width - len(ids)
         batch = ModelBatch(
             token_ids=np.array(ids + [0] * pad, np.int32),
             positions=np.array(pos + [0] * pad, np.int32),

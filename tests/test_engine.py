@@ -20,6 +20,17 @@ def make_llm(**overrides) -> LLM:
     return LLM(config=load_config(TINY_CONFIG), progress=False, **overrides)
 
 
+# The small KV pool of the preemption tests: room for one max-length request (8 blocks) and a bit, so a
+# batch of requests forces preemption. One size for all of them, so their engines share compilations.
+SMALL_POOL = 12
+
+
+def small_pool_llm(**overrides) -> LLM:
+    """An engine with the SMALL_POOL cache. Not precompiled: its steps compile the shapes they use, far
+    fewer than every bucket (precompilation is the module engine's, `llm`, and its tests')."""
+    return make_llm(num_blocks=SMALL_POOL, precompile=False, **overrides)
+
+
 @pytest.fixture(scope="module")
 def llm() -> LLM:
     return make_llm()
@@ -43,8 +54,8 @@ def assert_no_leaks(llm: LLM) -> None:
 
 
 def test_accuracy_with_preemption_and_prefix_caching():
-    """A pool just large enough for one max-length request, 32 requests at once: heavy preemption."""
-    tiny_pool = make_llm(num_blocks=24)  # room for ~6 of the 64 requests a step could hold
+    """A pool just large enough for one max-length request, 300 requests at once: heavy preemption."""
+    tiny_pool = small_pool_llm()
     cases = problems(300, seed=7)
     prompts = [f"{a}+{b}=" for a, b in cases]
     outputs = tiny_pool.generate(prompts, GREEDY, use_tqdm=False)
@@ -57,7 +68,7 @@ def test_accuracy_with_preemption_and_prefix_caching():
 def test_preemption_gives_identical_greedy_tokens(llm):
     prompts = [f"{a}+{b}=" for a, b in problems(32, seed=3)]
     reference = llm.generate(prompts, GREEDY, use_tqdm=False)
-    tiny_pool = make_llm(num_blocks=9)
+    tiny_pool = small_pool_llm()
     constrained = tiny_pool.generate(prompts, GREEDY, use_tqdm=False)
     assert tiny_pool.engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in constrained] == [o.outputs[0].token_ids for o in reference]
@@ -261,7 +272,7 @@ def test_overlap_and_sync_scheduling_give_identical_outputs(llm):
     prompts, params = _workload()
     results = {}
     for async_scheduling in (True, False):
-        engine = make_llm(num_blocks=12, async_scheduling=async_scheduling)  # small pool: preemption
+        engine = small_pool_llm(async_scheduling=async_scheduling)  # preemption
         results[async_scheduling] = engine.generate(prompts, params, use_tqdm=False)
         assert engine.engine.scheduler.num_preemptions > 0
         assert_no_leaks(engine)

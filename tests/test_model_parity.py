@@ -37,7 +37,7 @@ def test_whole_prompts_contiguous_blocks(hf_fixture):
 
 
 CHUNKINGS = [(1, 16, 0), (5, 4, 1), (16, 32, 2)]  # (chunk_size, block_size, shuffle seed)
-MOE_CHUNKING = (1, 16, 0)  # its step shape is the whole-prompt test's decode step: no new compile
+MOE_CHUNKING = (1, 16, 0)  # one decode-width program: the cheapest chunked run of a MoE fixture
 
 
 @pytest.mark.parametrize("hf_fixture,chunk_size,block_size,seed",
