@@ -46,8 +46,8 @@ class BlockMover:
         self.dtype = np.dtype(runner.kv_caches[0].dtype)
         shardings = [cache.sharding for cache in runner.kv_caches]
         self._gather = jax.jit(functools.partial(kv_transfer._gather, axis=self.axis))
-        self._scatter = jax.jit(functools.partial(kv_transfer._scatter, axis=self.axis), donate_argnums=0,
-                                out_shardings=shardings)
+        self._scatter = jax.jit(lambda caches, ids, data: kv_transfer._scatter(caches, ids, data, axis=self.axis)[0],
+                                donate_argnums=0, out_shardings=shardings)
 
     @property
     def layout(self) -> dict:
