@@ -21,7 +21,7 @@ from hypothesis.stateful import initialize
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import SpeculativeConfig
 from jaxserve.models import llama, registry
-from jaxserve.spec_decode import eagle
+from jaxserve.models import eagle_head as eagle
 from tests.conftest import HF_FIXTURES, TINY_MODEL
 from tests.scheduler_harness import Driver, FakeRunner, make_request, make_scheduler
 from tests.test_engine import _summary, _workload, assert_no_leaks, make_llm, problems

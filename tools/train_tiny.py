@@ -12,7 +12,7 @@ generation_config.json) and loads through the same loader as any HF checkpoint.
 embedded draft model of speculative decoding (`jaxserve/assets/tiny-adder-draft`); its TRAINING.md also
 records how often its greedy token equals the embedded model's on held-out problems (teacher-forced: the
 chance that one guess is accepted). `--eagle` trains an EAGLE head (EAGLE_CONFIG: one layer over the embedded
-model's hidden states, spec_decode/eagle.py) for it (`jaxserve/assets/tiny-adder-eagle`): cross-entropy of
+model's hidden states, models/eagle_head.py) for it (`jaxserve/assets/tiny-adder-eagle`): cross-entropy of
 the target's next-next token plus regression onto the target's next feature, over two passes, the second
 reading the head's own features (as proposing does after its first guess).
 
@@ -41,7 +41,7 @@ except ImportError:  # only training needs it (the `train` extra); main() says s
     optax = None
 
 from jaxserve.models import loader, registry
-from jaxserve.spec_decode import eagle
+from jaxserve.models import eagle_head as eagle
 
 VOCAB = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{c: i + 4 for i, c in enumerate("0123456789+=")}}
 PAD, BOS, EOS = 0, 1, 2

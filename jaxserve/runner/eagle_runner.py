@@ -1,5 +1,5 @@
 """The EAGLE head beside a ModelRunner (speculative.method eagle): DraftRunner's flow (draft_runner.py) with
-the head's programs (spec_decode/eagle.py), which also read the target's hidden states of the step and the
+the head's programs (models/eagle_head.py), which also read the target's hidden states of the step and the
 target's embedding and lm head.
 
 The head is small: it runs whole on every device of the target's mesh (its parameters and one-layer KV
@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.models import llama, loader
+from jaxserve.models import eagle_head as eagle
+from jaxserve.models import loader
 from jaxserve.runner.draft_runner import REPLICATED, DraftRunner
-from jaxserve.spec_decode import eagle
 
 
 class EagleRunner(DraftRunner):
@@ -28,7 +28,7 @@ class EagleRunner(DraftRunner):
         return None if tp is None or tp.size == 1 else dataclasses.replace(tp, rules=REPLICATED, all_reduce=None)
 
     def _load(self, path: str, target, max_model_len: int):
-        if not isinstance(target, llama.LlamaConfig):
+        if not eagle.fits_target(target):
             raise ValueError(f"speculative.method=eagle needs a Llama-family target (its embedding and lm head); "
                              f"this one is {target.architecture}")
         try:
@@ -52,7 +52,7 @@ class EagleRunner(DraftRunner):
         return dict(self._static(), target_cfg=self.target, k=self.k, block_size=self.block_size)
 
     def next_tokens(self, runner, step) -> np.ndarray:
-        """[T] int32 per token of the step, its next token for the fill (spec_decode/eagle.py): -1 the next in
+        """[T] int32 per token of the step, its next token for the fill (models/eagle_head.py): -1 the next in
         the batch, -2 none (a sampling request's last token, and padding), or a prefill chunk's next prompt
         token."""
         layout = step.layout

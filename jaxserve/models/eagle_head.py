@@ -54,6 +54,11 @@ LAYER_TENSORS = {  # HF name in layer 0 -> (our leaf, transposed)
 }
 
 
+def fits_target(target) -> bool:
+    """Whether a target model's config can carry an EAGLE-1 head (its embedding and lm head are read)."""
+    return isinstance(target, llama.LlamaConfig)
+
+
 def head_config(head_dir: str | Path, dtype: str) -> llama.LlamaConfig:
     """The head's layer as a one-layer LlamaConfig (config.json read as a Llama's, whatever its
     architectures say)."""
