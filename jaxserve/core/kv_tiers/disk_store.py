@@ -87,6 +87,10 @@ class DiskKVStore:
         data = memoryview(payload).cast("B")
         header = HEADER.pack(MAGIC, HEADER.size, 0, len(data), key, self.model_id, self._dtype_field,
                              checksum(data))
+        with self._lock:
+            full = self._bytes + self.file_bytes > self.capacity_bytes
+        if full:  # room is made before the file appears, so the directory never holds more than the cap
+            self._evict(room=self.file_bytes)
         path.parent.mkdir(mode=0o700, exist_ok=True)
         tmp = path.parent / f"{_TMP_PREFIX}{os.getpid()}-{threading.get_ident()}-{path.name}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
@@ -102,9 +106,6 @@ class DiskKVStore:
             raise
         with self._lock:
             self._bytes += self.file_bytes
-            over = self._bytes > self.capacity_bytes
-        if over:
-            self._evict()
         return True
 
     def read(self, key: bytes) -> np.ndarray | None:
@@ -160,12 +161,12 @@ class DiskKVStore:
                 total += info.st_size
         return files, total
 
-    def _evict(self) -> None:
-        """Deletes the least recently used files until the store is under its cap (other processes'
-        files included: the directory is one store)."""
+    def _evict(self, room: int = 0) -> None:
+        """Deletes the least recently used files until the store, plus `room` bytes about to be written, is
+        under its cap (other processes' files included: the directory is one store)."""
         files, total = self._scan(remove_stale=True)
         files.sort()
-        target = self.capacity_bytes * _EVICT_TO
+        target = min(self.capacity_bytes * _EVICT_TO, self.capacity_bytes - room)
         for _, size, path in files:
             if total <= target:
                 break
