@@ -21,6 +21,7 @@ import dataclasses
 import queue
 import threading
 import time
+import weakref
 from typing import Any, Protocol
 
 
@@ -67,7 +68,9 @@ class StepStatsRecorder:
         self.records: collections.deque[StepStats] = collections.deque(maxlen=maxlen)
         self._by_step: dict[int, StepStats] = {}
         self._watch_queue: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._watch_device, name="jaxserve-step-watcher", daemon=True).start()
+        threading.Thread(target=_watch_device, args=(self._watch_queue,), name="jaxserve-step-watcher",
+                         daemon=True).start()
+        weakref.finalize(self, self._watch_queue.put, None)  # (the thread holds the queue, not self)
 
     def clear(self) -> None:
         self.records.clear()
@@ -89,8 +92,10 @@ class StepStatsRecorder:
         stats.t_end = time.perf_counter()
         stats.update_s = stats.t_end - t_collected
 
-    def _watch_device(self) -> None:
-        while True:
-            stats, ready = self._watch_queue.get()
-            ready.block_until_ready()
-            stats.done_t = time.perf_counter()
+
+def _watch_device(watch_queue: queue.SimpleQueue) -> None:
+    """Stamps each dispatched step's device completion (StepStats.done_t), until None."""
+    while (item := watch_queue.get()) is not None:
+        stats, ready = item
+        ready.block_until_ready()
+        stats.done_t = time.perf_counter()

@@ -95,3 +95,22 @@ def test_block_moves_round_trip_in_each_backend_layout(layout):
         before, after = np.moveaxis(np.asarray(before), axis, 0), np.moveaxis(np.asarray(after), axis, 0)
         assert np.array_equal(after[2], before[4]) and np.array_equal(after[5], before[1])
         assert np.array_equal(after[[0, 1, 3, 4]], before[[0, 1, 3, 4]])
+
+
+def test_a_dropped_engine_is_collected_with_its_caches():
+    """The tiers' and the step recorder's watcher threads hold their queues, not the engine: an engine
+    dropped without close() frees its runner (caches, weights), and its threads end."""
+    import gc
+    import threading
+    import weakref
+
+    llm = make_llm(num_blocks=9, host_kv_gib=64 * BLOCK_GIB, prefix_hash_seed=1)
+    llm.generate(["1+2="], use_tqdm=False)
+    runner = weakref.ref(llm.engine.runner)
+    watchers = {t for t in threading.enumerate() if t.name == "jaxserve-kv-loads"}
+    del llm
+    gc.collect()
+    assert runner() is None
+    for thread in watchers:
+        thread.join(timeout=5)
+    assert not any(t.name == "jaxserve-kv-loads" and t in watchers for t in threading.enumerate())

@@ -20,6 +20,7 @@ import math
 import queue
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import jax
@@ -48,6 +49,15 @@ def _scatter(kv_caches, ids, data, *, axis: int):
     index = (slice(None),) * axis
     return [kv.at[(*index, ids)].set(jnp.moveaxis(data[:, i], 0, axis).astype(kv.dtype))
             for i, kv in enumerate(kv_caches)], ids[0]
+
+
+def _time_loads(loads_done: queue.SimpleQueue, counters) -> None:
+    """The load-latency watcher: (dispatch time, the scatter's readiness scalar) per step's loads, until None."""
+    while (item := loads_done.get()) is not None:
+        started, done = item
+        done.block_until_ready()
+        counters.host_load_seconds += time.perf_counter() - started
+        counters.host_loads += 1
 
 
 def model_identity(config: EngineConfig, model_config, block_shape: tuple[int, ...], dtype) -> bytes:
@@ -101,16 +111,11 @@ class KVTransfer:
         self._dtype = kv.dtype
         # Load latency (TierCounters.host_load_seconds): a watcher thread waits for each step's loads.
         self._loads_done: queue.SimpleQueue = queue.SimpleQueue()
-        self._watcher = threading.Thread(target=self._time_loads, name="jaxserve-kv-loads", daemon=True)
-        self._watcher.start()
-
-    def _time_loads(self) -> None:
-        counters = self.tiers.counters
-        while (item := self._loads_done.get()) is not None:
-            started, done = item
-            done.block_until_ready()
-            counters.host_load_seconds += time.perf_counter() - started
-            counters.host_loads += 1
+        # (the thread holds the queue and the counters, not self: an engine dropped without close() is
+        # collected, and the finalizer ends its thread)
+        threading.Thread(target=_time_loads, args=(self._loads_done, tiers.counters), name="jaxserve-kv-loads",
+                         daemon=True).start()
+        weakref.finalize(self, self._loads_done.put, None)
 
     @staticmethod
     def block_shape(runner) -> tuple[int, ...]:
