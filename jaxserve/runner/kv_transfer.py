@@ -113,8 +113,9 @@ class KVTransfer:
         self._loads_done: queue.SimpleQueue = queue.SimpleQueue()
         # (the thread holds the queue and the counters, not self: an engine dropped without close() is
         # collected, and the finalizer ends its thread)
-        threading.Thread(target=_time_loads, args=(self._loads_done, tiers.counters), name="jaxserve-kv-loads",
-                         daemon=True).start()
+        self._watcher = threading.Thread(target=_time_loads, args=(self._loads_done, tiers.counters),
+                                         name="jaxserve-kv-loads", daemon=True)
+        self._watcher.start()
         weakref.finalize(self, self._loads_done.put, None)
 
     @staticmethod
