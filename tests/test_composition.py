@@ -5,8 +5,9 @@ Mechanisms: overlap scheduling (async) or the sync loop; prefix caching (a secon
 prompts must hit); preemption (a KV pool too small for the batch forces it); chunked prefill (a 16-token
 budget splits every prompt) or whole prompts; tensor parallelism over 1 or 2 (fake CPU) devices; expert
 parallelism over 1 or 2 shards (MoE only: each shard its own scheduler and KV pool, so those rows send
-every prompt twice to put both pools under pressure); n-gram speculative decoding with up to 3 guesses
-(greedy: the tokens must not change; lookups of 1-3 tokens, so guesses are made). The rows cover every pair of settings across the
+every prompt twice to put both pools under pressure); speculative decoding: n-gram with up to 3 guesses
+(lookups of 1-3 tokens, so guesses are made), a draft model (the fixture drafting for itself) or an EAGLE
+head (random), greedy: the tokens must not change. The rows cover every pair of settings across the
 two fixtures rather than the full product, which would cost minutes of compiling. A mechanism added later
 (KV tiers, FP8) gets a column here; a combination that cannot work is refused at start, and
 its row asserts the message.
@@ -18,6 +19,7 @@ import jax
 import pytest
 
 from jaxserve import LLM, SamplingParams
+from tests.test_spec_draft import random_eagle_head
 
 DENSE = "llama3_gqa4_tied"
 MOE = "qwen2_moe_8x4_shared"
@@ -39,6 +41,12 @@ MATRIX = [
     (MOE, False, False, True, False, 2, 2, 0),
     (MOE, True, True, False, True, 2, 2, 0),
     (MOE, True, True, False, True, 1, 2, 3),  # refused: speculation with expert parallelism not yet
+    # The model proposers: "draft2" (the fixture drafting for itself, k = 2: every guess accepted) and
+    # "eagle2" (a random EAGLE head of the fixture's shape, k = 2: guesses made, few accepted).
+    (DENSE, True, True, True, True, 2, 1, "draft2"),
+    (DENSE, False, False, True, False, 1, 1, "eagle2"),
+    (MOE, False, True, False, True, 1, 1, "draft2"),
+    (MOE, True, True, False, True, 1, 2, "draft2"),  # refused: speculation with expert parallelism not yet
 ]
 
 def _id(row) -> str:
@@ -66,7 +74,13 @@ def test_mechanisms_compose(row, request):
                    num_blocks=num_blocks, max_num_batched_tokens=budget, max_num_seqs=4, token_buckets=[budget],
                    request_buckets=[4], precompile=False, progress=False, async_scheduling=overlap,
                    enable_prefix_caching=caching, tensor_parallel_size=tp, **{"parallel.expert": ep})
-    if guesses:
+    if isinstance(guesses, str):  # a model proposer
+        method, k = guesses[:-1], int(guesses[-1])
+        model = (fixture.path if method == "draft" else
+                 random_eagle_head(fixture.path, request.getfixturevalue("tmp_path") / "eagle"))
+        options["speculative_config"] = {"method": {"draft": "draft_model", "eagle": "eagle"}[method],
+                                         "model": str(model), "num_speculative_tokens": k}
+    elif guesses:
         options["speculative_config"] = {"method": "ngram", "num_speculative_tokens": guesses,
                                          "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     if name == DENSE and ep > 1:
@@ -96,8 +110,10 @@ def test_mechanisms_compose(row, request):
     else:
         assert stats.prefix_cache_hits == 0 and all(out.num_cached_tokens == 0 for out in second)
     assert stats.kv_cache_usage == 0.0  # every block returned
+    if guesses == "draft2":  # the target drafting for itself guesses right
+        assert stats.spec_accepted_tokens > 0
     if guesses:
-        assert stats.spec_draft_tokens > 0, "the n-gram lookup was meant to make guesses"
+        assert stats.spec_draft_tokens > 0, "the proposer was meant to make guesses"
     else:
         assert stats.spec_draft_tokens == 0
 
