@@ -26,18 +26,15 @@ The jitted programs themselves are in step_program.py; ep_runner.py builds exper
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import logging
 import math
-import os
 import time
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm import tqdm
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.buckets import BucketLadders
@@ -50,7 +47,7 @@ from jaxserve.runner import draft_runner, prompt_logprobs, sampler, spec_verify
 from jaxserve.runner.device_setup import (enable_compilation_cache, kv_cache_num_blocks, load_model,
                                          resolve_attention_backend, resolve_max_model_len,
                                          setup_all_reduce)
-from jaxserve.runner.step_program import TWIN_COMPILER_OPTIONS, forward_fn, pack_step, stage_fn
+from jaxserve.runner.step_program import forward_fn, pack_step, stage_fn
 from sharding import TensorParallel
 from sharding.tensor_parallel import zeros
 
@@ -528,79 +525,6 @@ class ModelRunner:
 
     # ---- start-up ----
     def precompile(self, progress: bool = True) -> int:
-        """Compile every (T, R) forward bucket, the prompt-logprob variant of each T, and every sampler
-        variant; returns the number compiled.
-
-        Each one is lowered and compiled ahead of time in a thread pool (XLA compiles without holding
-        the GIL, so the shapes compile side by side; warm starts read the persistent cache side by
-        side too), and the step then calls these executables directly.
-        """
-        plan = self.buckets.precompile_plan()
-        variants = [(g, p, lp) for g in (True, False) for p in (False, True) for lp in (0, self.max_logprobs)]
-        prev_tokens = self._zeros((self.max_rows,), jnp.int32)
-
-        on_device = self.on_device  # where the step's small arrays and the logits live
-
-        def device_batch(t_pad: int, r_pad: int) -> ModelBatch:
-            return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.batch_sharding),
-                                self._host_batch(t_pad, r_pad))
-
-        def forward(t_pad: int, r_pad: int, decode_only: bool, prompt: bool = False):
-            logits = jax.ShapeDtypeStruct((r_pad * self.num_shards, self.cfg.vocab_size), jnp.float32,
-                                          sharding=self.logits_sharding)
-            extra = self._expert_args()
-            if prompt:
-                num_rows = prompt_logprobs.num_rows(t_pad, self.max_prompt_logprob_rows)
-                rows = jax.ShapeDtypeStruct((num_rows,), jnp.int32, sharding=on_device)
-                extra |= {"prompt": (rows, rows), "num_prompt_logprobs": self.max_logprobs}
-            lowered = self.forward_fn.lower(self.model.params, self.cfg, device_batch(t_pad, r_pad), self.kv_caches,
-                                            logits, self.comm, attention_backend=self.attention_backend, tp=self.tp,
-                                            decode_only=decode_only, out_rows=self.max_rows, **extra)
-            if prompt:
-                return {("forward_prompt", t_pad, r_pad): lowered.compile()}
-            if not (decode_only and self.use_twins):
-                return {("forward", t_pad, r_pad, decode_only, False): lowered.compile()}
-            # The twin: the same program compiled once more (an option that changes nothing makes it a
-            # separate executable, without lowering the step twice).
-            return {("forward", t_pad, r_pad, True, False): lowered.compile(),
-                    ("forward", t_pad, r_pad, True, True): lowered.compile(TWIN_COMPILER_OPTIONS)}
-
-        def stage(t_pad: int, r_pad: int):
-            batch = self._host_batch(t_pad, r_pad)
-            packed = pack_step(batch, np.full(batch.token_ids.shape, -1, np.int32))
-            return self.stage_fn.lower(device_batch(t_pad, r_pad), packed, prev_tokens).compile()
-
-        def sample(rows: int, all_greedy: bool, use_penalties: bool, num_logprobs: int):
-            md = sampler.empty_metadata(rows, MAX_BANNED, self.max_model_len if use_penalties else 1)
-            logits = jax.ShapeDtypeStruct((rows, self.cfg.vocab_size), jnp.float32, sharding=self.logits_sharding)
-            return sampler.sample.lower(logits, md, all_greedy=all_greedy, use_penalties=use_penalties,
-                                        num_logprobs=num_logprobs, out_rows=self.max_rows,
-                                        tokens_sharding=self.tokens_sharding).compile()
-
-        jobs = {("forward", t_pad, r_pad, False): (forward, (t_pad, r_pad, False)) for t_pad, r_pad in plan}
-        jobs.update({("forward", t_pad, r_pad, True): (forward, (t_pad, r_pad, True))
-                     for t_pad, r_pad in self.buckets.decode_plan()})
-        jobs.update({("forward_prompt", t_pad, r_pad): (forward, (t_pad, r_pad, False, True))
-                     for t_pad, r_pad in self._prompt_requests.items()})
-        jobs.update({("stage", t_pad, r_pad): (stage, (t_pad, r_pad)) for t_pad, r_pad in self._step_shapes})
-        # The buffers the steps reuse, made now so that no step traces their fill.
-        for t_pad, r_pad in self._step_shapes:
-            self._staged.setdefault((t_pad, r_pad), self._zeros_like_batch(t_pad, r_pad))
-        for r_pad in self.buckets.request_buckets:
-            self._logits.setdefault(r_pad, zeros((r_pad * self.num_shards, self.cfg.vocab_size), jnp.float32,
-                                                 self.logits_sharding))
-        jobs.update({("sample", r_pad * self.num_shards, *variant): (sample, (r_pad * self.num_shards, *variant))
-                     for r_pad in self.buckets.request_buckets for variant in variants})
-        if self.speculative:
-            jobs.update(spec_verify.compile_jobs(self.max_rows, on_device, self.synthetic_acceptance is not None))
-        if self.drafter is not None:
-            jobs.update(self.drafter.precompile_jobs(self))
-        bar = tqdm(total=len(jobs), desc="compiling buckets", disable=not progress, leave=False)
-        with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-            futures = {pool.submit(fn, *args): key for key, (fn, args) in jobs.items()}
-            for future in concurrent.futures.as_completed(futures):
-                result = future.result()
-                self._compiled.update(result if isinstance(result, dict) else {futures[future]: result})
-                bar.update()
-        bar.close()
-        return len(self._compiled)
+        """Compiles every step shape ahead of time (runner/precompile.py); returns the number compiled."""
+        from jaxserve.runner.precompile import precompile
+        return precompile(self, progress)

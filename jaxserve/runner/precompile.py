@@ -1,0 +1,101 @@
+"""ModelRunner's start-up compilation: every step shape, sampler variant and verification program,
+ahead of time, so that no step traces or compiles."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from jaxserve.models.layers import ModelBatch
+from jaxserve.runner import model_runner, prompt_logprobs, sampler, spec_verify
+from jaxserve.runner.step_program import TWIN_COMPILER_OPTIONS, pack_step
+from sharding.tensor_parallel import zeros
+
+
+def precompile(runner, progress: bool = True) -> int:
+    """Compile every (T, R) forward bucket, the prompt-logprob variant of each T, and every sampler
+    variant; returns the number compiled.
+
+    Each one is lowered and compiled ahead of time in a thread pool (XLA compiles without holding
+    the GIL, so the shapes compile side by side; warm starts read the persistent cache side by
+    side too), and the step then calls these executables directly.
+    """
+    plan = runner.buckets.precompile_plan()
+    variants = [(g, p, lp) for g in (True, False) for p in (False, True) for lp in (0, runner.max_logprobs)]
+    prev_tokens = runner._zeros((runner.max_rows,), jnp.int32)
+
+    on_device = runner.on_device  # where the step's small arrays and the logits live
+
+    def device_batch(t_pad: int, r_pad: int) -> ModelBatch:
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=runner.batch_sharding),
+                            runner._host_batch(t_pad, r_pad))
+
+    def forward(t_pad: int, r_pad: int, decode_only: bool, prompt: bool = False):
+        logits = jax.ShapeDtypeStruct((r_pad * runner.num_shards, runner.cfg.vocab_size), jnp.float32,
+                                      sharding=runner.logits_sharding)
+        extra = runner._expert_args()
+        if prompt:
+            num_rows = prompt_logprobs.num_rows(t_pad, runner.max_prompt_logprob_rows)
+            rows = jax.ShapeDtypeStruct((num_rows,), jnp.int32, sharding=on_device)
+            extra |= {"prompt": (rows, rows), "num_prompt_logprobs": runner.max_logprobs}
+        lowered = runner.forward_fn.lower(runner.model.params, runner.cfg, device_batch(t_pad, r_pad), runner.kv_caches,
+                                        logits, runner.comm, attention_backend=runner.attention_backend, tp=runner.tp,
+                                        decode_only=decode_only, out_rows=runner.max_rows, **extra)
+        if prompt:
+            return {("forward_prompt", t_pad, r_pad): lowered.compile()}
+        if not (decode_only and runner.use_twins):
+            return {("forward", t_pad, r_pad, decode_only, False): lowered.compile()}
+        # The twin: the same program compiled once more (an option that changes nothing makes it a
+        # separate executable, without lowering the step twice).
+        return {("forward", t_pad, r_pad, True, False): lowered.compile(),
+                ("forward", t_pad, r_pad, True, True): lowered.compile(TWIN_COMPILER_OPTIONS)}
+
+    def stage(t_pad: int, r_pad: int):
+        batch = runner._host_batch(t_pad, r_pad)
+        packed = pack_step(batch, np.full(batch.token_ids.shape, -1, np.int32))
+        return runner.stage_fn.lower(device_batch(t_pad, r_pad), packed, prev_tokens).compile()
+
+    def sample(rows: int, all_greedy: bool, use_penalties: bool, num_logprobs: int):
+        md = sampler.empty_metadata(rows, model_runner.MAX_BANNED, runner.max_model_len if use_penalties else 1)
+        logits = jax.ShapeDtypeStruct((rows, runner.cfg.vocab_size), jnp.float32, sharding=runner.logits_sharding)
+        return sampler.sample.lower(logits, md, all_greedy=all_greedy, use_penalties=use_penalties,
+                                    num_logprobs=num_logprobs, out_rows=runner.max_rows,
+                                    tokens_sharding=runner.tokens_sharding).compile()
+
+    jobs = {("forward", t_pad, r_pad, False): (forward, (t_pad, r_pad, False)) for t_pad, r_pad in plan}
+    jobs.update({("forward", t_pad, r_pad, True): (forward, (t_pad, r_pad, True))
+                 for t_pad, r_pad in runner.buckets.decode_plan()})
+    jobs.update({("forward_prompt", t_pad, r_pad): (forward, (t_pad, r_pad, False, True))
+                 for t_pad, r_pad in runner._prompt_requests.items()})
+    jobs.update({("stage", t_pad, r_pad): (stage, (t_pad, r_pad)) for t_pad, r_pad in runner._step_shapes})
+    # The buffers the steps reuse, made now so that no step traces their fill.
+    for t_pad, r_pad in runner._step_shapes:
+        runner._staged.setdefault((t_pad, r_pad), runner._zeros_like_batch(t_pad, r_pad))
+    for r_pad in runner.buckets.request_buckets:
+        runner._logits.setdefault(r_pad, zeros((r_pad * runner.num_shards, runner.cfg.vocab_size), jnp.float32,
+                                             runner.logits_sharding))
+    jobs.update({("sample", r_pad * runner.num_shards, *variant): (sample, (r_pad * runner.num_shards, *variant))
+                 for r_pad in runner.buckets.request_buckets for variant in variants})
+    if runner.speculative:
+        jobs.update(spec_verify.compile_jobs(runner.max_rows, on_device, runner.synthetic_acceptance is not None))
+    # The draft's programs compile after the others, one at a time: compiled side by side with the
+    # target's (which they share layer functions with), XLA:CPU crashed reading or writing the persistent
+    # cache now and then.
+    draft_jobs = runner.drafter.precompile_jobs(runner) if runner.drafter is not None else {}
+    bar = tqdm(total=len(jobs) + len(draft_jobs), desc="compiling buckets", disable=not progress, leave=False)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        futures = {pool.submit(fn, *args): key for key, (fn, args) in jobs.items()}
+        for future in concurrent.futures.as_completed(futures):
+            result = future.result()
+            runner._compiled.update(result if isinstance(result, dict) else {futures[future]: result})
+            bar.update()
+    for key, (fn, args) in draft_jobs.items():
+        runner._compiled[key] = fn(*args)
+        bar.update()
+    bar.close()
+    return len(runner._compiled)
