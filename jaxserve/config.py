@@ -13,73 +13,17 @@ accepted, a bool is never an int. No environment variable changes behaviour.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
-import types
-import typing
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from jaxserve.config_types import check_fields, check_type, field_types
+
 DEFAULT_MODEL = str(Path(__file__).resolve().parent / "assets" / "tiny-adder")
 # The default config of the command line (package data, so an installed wheel has it too).
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny.yaml"
-
-_TYPE_NAMES = {int: "an integer", float: "a number", bool: "a boolean (true or false)", str: "a string",
-               dict: "a mapping", type(None): "null"}
-
-
-def matches_type(value: Any, hint: Any) -> bool:
-    """Whether `value` has the annotated type: unions, `tuple[X, ...]` (a list or tuple of X), and scalars,
-    with an int accepted for a float and a bool accepted only for a bool."""
-    origin = typing.get_origin(hint)
-    if origin in (types.UnionType, typing.Union):
-        return any(matches_type(value, arg) for arg in typing.get_args(hint))
-    if origin is tuple:
-        return isinstance(value, (list, tuple)) and all(matches_type(v, typing.get_args(hint)[0]) for v in value)
-    if hint is type(None):
-        return value is None
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, typing.get_origin(hint) or hint)
-
-
-def describe_type(hint: Any) -> str:
-    """`int | None` -> 'an integer or null'; `tuple[int, ...]` -> 'a list of integers'."""
-    origin = typing.get_origin(hint)
-    if origin in (types.UnionType, typing.Union):
-        return " or ".join(describe_type(arg) for arg in typing.get_args(hint))
-    if origin is tuple:
-        return "a list of " + {int: "integers", str: "strings"}.get(typing.get_args(hint)[0], "values")
-    return _TYPE_NAMES.get(origin or hint, getattr(hint, "__name__", str(hint)))
-
-
-def check_type(name: str, value: Any, hint: Any) -> None:
-    if not matches_type(value, hint):
-        raise ValueError(f"{name} must be {describe_type(hint)}, got {value!r} ({type(value).__name__})")
-
-
-@functools.cache
-def field_types(cls: type) -> dict[str, Any]:
-    """A config dataclass's field annotations, resolved (this module uses postponed annotations)."""
-    hints = typing.get_type_hints(cls)
-    return {field.name: hints[field.name] for field in dataclasses.fields(cls)}
-
-
-def _check_fields(config: Any, section: str) -> None:
-    """Type-check every field of a section (its __post_init__ starts here); ints given for floats become
-    floats and lists given for tuples become tuples, so equal configs compare and hash equal."""
-    for name, hint in field_types(type(config)).items():
-        value = getattr(config, name)
-        check_type(f"{section}.{name}", value, hint)
-        if isinstance(value, int) and not isinstance(value, bool) and matches_type(0.5, hint):
-            object.__setattr__(config, name, float(value))
-        elif isinstance(value, list):
-            object.__setattr__(config, name, tuple(value))
-
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -92,7 +36,7 @@ class ModelConfig:
     load_format: str = "auto"  # auto: safetensors | dummy: random weights from config.json alone (benchmarks)
 
     def __post_init__(self):
-        _check_fields(self, "model")
+        check_fields(self, "model")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(f"model.dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
         if self.load_format not in ("auto", "dummy"):
@@ -123,7 +67,7 @@ class CacheConfig:
     disk_kv_gib: float = 0.0  # the disk tier's size cap (required with disk_kv_path)
 
     def __post_init__(self):
-        _check_fields(self, "cache")
+        check_fields(self, "cache")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"cache.block_size must be a power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 2:
@@ -180,7 +124,7 @@ class SchedulerConfig:
     preemption_mode: str = "auto"
 
     def __post_init__(self):
-        _check_fields(self, "scheduler")
+        check_fields(self, "scheduler")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("scheduler.max_num_batched_tokens and scheduler.max_num_seqs must be >= 1")
         if self.max_logprobs < -1:
@@ -201,7 +145,7 @@ class RunnerConfig:
     compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"  # null disables the persistent cache
 
     def __post_init__(self):
-        _check_fields(self, "runner")
+        check_fields(self, "runner")
         if self.attention_backend not in ("auto", "reference", "pallas"):
             raise ValueError(f"runner.attention_backend must be auto, reference or pallas, got {self.attention_backend!r}")
         for name in ("token_buckets", "request_buckets"):
@@ -239,7 +183,7 @@ class ParallelConfig:
     all_reduce: str = "auto"
 
     def __post_init__(self):
-        _check_fields(self, "parallel")
+        check_fields(self, "parallel")
         if self.all_reduce not in ALL_REDUCE_MODES:
             raise ValueError(f"parallel.all_reduce must be one of {ALL_REDUCE_MODES}, got {self.all_reduce!r}")
         if self.expert_dispatch not in EXPERT_DISPATCH_MODES:
@@ -308,7 +252,7 @@ class ServerConfig:
     kv_transfer_timeout_s: float = 10.0
 
     def __post_init__(self):
-        _check_fields(self, "server")
+        check_fields(self, "server")
         keys = self.api_key if isinstance(self.api_key, tuple) else (self.api_key,) if self.api_key is not None else ()
         if not all(isinstance(key, str) and key for key in keys):
             raise ValueError("server.api_key must be a non-empty string, a list of them, or null")
@@ -364,7 +308,7 @@ class SpeculativeConfig:
     synthetic_acceptance: float | None = None
 
     def __post_init__(self):
-        _check_fields(self, "speculative")
+        check_fields(self, "speculative")
         if self.synthetic_acceptance is not None:
             if self.method is None:
                 raise ValueError("speculative.synthetic_acceptance needs a speculative method (e.g. ngram)")

@@ -21,8 +21,8 @@ from typing import Any
 
 import yaml
 
-from jaxserve.config import (BENCH_ONLY, NOT_SUPPORTED, SECTIONS, VLLM_NAMES, VLLM_SECTIONS, VLLM_SWITCHES, field_types,
-                             matches_type)
+from jaxserve.config import BENCH_ONLY, NOT_SUPPORTED, SECTIONS, VLLM_NAMES, VLLM_SECTIONS, VLLM_SWITCHES
+from jaxserve.config_types import field_types, matches_type
 
 NULLS = ("null", "none", "None")
 

@@ -318,7 +318,8 @@ def test_ints_are_accepted_as_floats_and_lists_as_tuples():
 
 
 def _field_cases():
-    from jaxserve.config import SECTIONS, field_types
+    from jaxserve.config import SECTIONS
+    from jaxserve.config_types import field_types
 
     return [(section, name) for section, cls in SECTIONS.items() for name in field_types(cls)]
 
