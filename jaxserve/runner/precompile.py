@@ -83,9 +83,8 @@ def precompile(runner, progress: bool = True) -> int:
                  for r_pad in runner.buckets.request_buckets for variant in variants})
     if runner.speculative:
         jobs.update(spec_verify.compile_jobs(runner.max_rows, on_device, runner.synthetic_acceptance is not None))
-    # The draft's programs compile after the others, one at a time: compiled side by side with the
-    # target's (which they share layer functions with), XLA:CPU crashed reading or writing the persistent
-    # cache now and then.
+    # The draft's programs compile after the others, one at a time and without the persistent cache:
+    # XLA:CPU crashed now and then serializing them into it (or reading them back).
     draft_jobs = runner.drafter.precompile_jobs(runner) if runner.drafter is not None else {}
     bar = tqdm(total=len(jobs) + len(draft_jobs), desc="compiling buckets", disable=not progress, leave=False)
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
@@ -94,8 +93,14 @@ def precompile(runner, progress: bool = True) -> int:
             result = future.result()
             runner._compiled.update(result if isinstance(result, dict) else {futures[future]: result})
             bar.update()
-    for key, (fn, args) in draft_jobs.items():
-        runner._compiled[key] = fn(*args)
-        bar.update()
+    if draft_jobs:  # (a compile-time floor no compile reaches: nothing is written, so nothing is read back)
+        floor = jax.config.jax_persistent_cache_min_compile_time_secs
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
+        try:
+            for key, (fn, args) in draft_jobs.items():
+                runner._compiled[key] = fn(*args)
+                bar.update()
+        finally:
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", floor)
     bar.close()
     return len(runner._compiled)
