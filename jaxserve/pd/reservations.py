@@ -65,6 +65,17 @@ class _Holder:
         self.kv_cache = kv_cache
         self.pool = kv_cache.pool
         self.clock = clock
+        self._open: dict = {}  # transfer id -> its Reservation or Lease
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def __contains__(self, transfer_id: str) -> bool:
+        return transfer_id in self._open
+
+    @property
+    def num_blocks_held(self) -> int:
+        return sum(len(held.blocks) for held in self._open.values())
 
     def _pin_cached(self, keys: Sequence[Hashable]) -> list[KVCacheBlock]:
         """The leading run of `keys` found in the prefix cache, each referenced once more."""
@@ -90,16 +101,6 @@ class DecodeReservations(_Holder):
         self.hold_s = hold_s
         self.headroom_blocks = headroom_blocks
         self._open: dict[str, Reservation] = {}
-
-    def __len__(self) -> int:
-        return len(self._open)
-
-    def __contains__(self, transfer_id: str) -> bool:
-        return transfer_id in self._open
-
-    @property
-    def num_blocks_held(self) -> int:
-        return sum(len(r.blocks) for r in self._open.values())
 
     def next_deadline(self) -> float | None:
         deadlines = [r.deadline for r in self._open.values() if r.state is not State.CLAIMED]
@@ -200,16 +201,6 @@ class PrefillLeases(_Holder):
     def __init__(self, kv_cache: KVCacheManager, clock: Callable[[], float] = time.monotonic):
         super().__init__(kv_cache, clock)
         self._open: dict[str, Lease] = {}
-
-    def __len__(self) -> int:
-        return len(self._open)
-
-    def __contains__(self, transfer_id: str) -> bool:
-        return transfer_id in self._open
-
-    @property
-    def num_blocks_held(self) -> int:
-        return sum(len(lease.blocks) for lease in self._open.values())
 
     def next_deadline(self) -> float | None:
         return min((lease.deadline for lease in self._open.values()), default=None)
