@@ -58,7 +58,10 @@ def watch(url: str, stop: threading.Event) -> dict:
     def stream():
         with httpx.Client(base_url=url, timeout=30) as session:
             while not stop.is_set():
-                body = {"prompt": "1+1=", "max_tokens": 25, "ignore_eos": True, "temperature": 0, "stream": True}
+                # Special tokens kept: every step's token is a chunk (past the answer the model says </s>,
+                # which skipped would leave nothing to send until the end, and a "gap" would be the whole run).
+                body = {"prompt": "1+1=", "max_tokens": 25, "ignore_eos": True, "temperature": 0, "stream": True,
+                        "skip_special_tokens": False}
                 with session.stream("POST", "/v1/completions", json=body) as response:
                     last = None
                     for line in response.iter_lines():
