@@ -245,11 +245,14 @@ class ServerConfig:
     # Prefill/decode disaggregation (README): null = one colocated engine; prefill | decode = this instance's
     # role behind `jaxserve router`. kv_transfer_address: the decode instance's KV transfer endpoint (port 0:
     # any free one, reported at GET /pd/info); kv_transfer_token: the secret every instance and the router
-    # share (required unless the endpoint is on loopback); kv_transfer_timeout_s: a transfer's deadline.
+    # share (required unless the endpoint is on loopback); kv_transfer_timeout_s: a transfer's deadline;
+    # kv_transfer_method (a prefill instance's choice; a decode instance takes either): device (through
+    # jax.experimental.transfer, from device to device) or host (bytes over the control connection).
     pd_role: str | None = None
     kv_transfer_address: str = "127.0.0.1:0"
     kv_transfer_token: str | None = None
     kv_transfer_timeout_s: float = 10.0
+    kv_transfer_method: str = "device"
 
     def __post_init__(self):
         check_fields(self, "server")
@@ -273,6 +276,8 @@ class ServerConfig:
             raise ValueError(f"server.pd_role must be prefill, decode or null, got {self.pd_role!r}")
         if self.kv_transfer_timeout_s <= 0:
             raise ValueError(f"server.kv_transfer_timeout_s must be > 0, got {self.kv_transfer_timeout_s}")
+        if self.kv_transfer_method not in ("device", "host"):
+            raise ValueError(f"server.kv_transfer_method must be device or host, got {self.kv_transfer_method!r}")
         if self.kv_transfer_token is not None and not self.kv_transfer_token:
             raise ValueError("server.kv_transfer_token must be a non-empty string or null")
 

@@ -7,6 +7,8 @@ protocol by message type (test-only; the instances know nothing of it):
     drop_reply  forward it, read the reply, close without passing the reply on
     duplicate   forward it twice (two connections); the first reply is passed on, the second recorded
     hold        keep it (forward nothing) until the proxy closes: a sender killed meanwhile dies mid-transfer
+    hold_forward  keep it until release(), then forward it (a sender killed meanwhile is gone when the
+                endpoint acts on it: a device-path "ready" then names blocks nobody can serve)
 
 Messages of other types pass through. `seen` lists the message types in arrival order; `replies` the
 reply types the endpoint sent.
@@ -57,6 +59,7 @@ class FaultProxy:
         self.seen: list[str] = []
         self.replies: list[str] = []
         self._closed = threading.Event()
+        self._released = threading.Event()
         self._cond = threading.Condition()
         self._listener = socket.create_server(("127.0.0.1", 0))
         self._listener.settimeout(0.1)
@@ -71,6 +74,9 @@ class FaultProxy:
         self._closed.set()
         self._thread.join()
         self._listener.close()
+
+    def release(self) -> None:
+        self._released.set()
 
     def wait_for(self, kind: str, timeout_s: float) -> None:
         with self._cond:
@@ -114,6 +120,8 @@ class FaultProxy:
                     return
                 if action == "delay":
                     time.sleep(self.delay_s)
+                if action == "hold_forward":
+                    self._released.wait()
                 reply = self._exchange(frame)
                 if action == "duplicate":
                     self._exchange(frame)

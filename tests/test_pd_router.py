@@ -1,6 +1,7 @@
 """Prefill/decode disaggregation end to end, as separate processes on loopback with the embedded model:
 `jaxserve router` over two prefill and two decode instances (`jaxserve serve --pd-role ...`), started once
-for the module; the tests that kill instances run last.
+for the module; the tests that kill instances run last. prefill0 moves KV through the host (bytes on the
+control connection), prefill1 device to device (jax.experimental.transfer).
 
 Greedy outputs through the router equal a decode instance's own colocated answers (it runs the same
 engine), streaming and not, completions and chat, one by one and as 200 concurrent streams. Faults: dropped,
@@ -65,6 +66,8 @@ def _processes():
             port = free_port()
             command = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(port), "--access-log", "false",
                        "--log-level", "error", "--pd-role", name[:-1], "--kv-transfer-timeout-s", str(TIMEOUT_S)]
+            if name == "prefill0":  # prefill1 sends device to device (the default), prefill0 through the host
+                command += ["--kv-transfer-method", "host"]
             started[name] = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
             urls[name] = f"http://127.0.0.1:{port}"
@@ -214,8 +217,28 @@ def test_decode_pool_full_goes_elsewhere_then_waits_never_drops(pd):
     assert _completion(urls["router"], LONG) == expected[LONG]  # decode0 refuses; decode1 takes it
     assert state()["transfer_refused"] == refused + 1
     assert _fill_with_reservations(urls["decode1"]) > 0
-    assert _completion(urls["router"], LONG) == expected[LONG]  # both full: waits until reservations expire
+    # Both full, kept full (reservations expire after TIMEOUT_S) until the router was refused again: it
+    # waits, then gets through once the reservations expire.
+    stop, result = threading.Event(), {}
+
+    def keep_full():
+        while not stop.is_set():
+            _fill_with_reservations(urls["decode0"])
+            _fill_with_reservations(urls["decode1"])
+    filler = threading.Thread(target=keep_full)
+    filler.start()
+    try:
+        client = threading.Thread(target=lambda: result.update(answer=_completion(urls["router"], LONG)))
+        client.start()
+        deadline = time.monotonic() + 60
+        while state()["transfer_refused"] < refused + 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        filler.join()
+    client.join(60)
     assert state()["transfer_refused"] >= refused + 3
+    assert result["answer"] == expected[LONG]
     _assert_pools_return(urls, start)
 
 
@@ -245,16 +268,22 @@ FAULTS = {
 }
 
 
-@pytest.mark.parametrize("scenario", list(FAULTS))
-def test_control_message_faults_end_in_a_local_re_prefill_or_a_transfer(pd, scenario):
+# Every fault through the host path; through the device path those where the "ready" is not one to
+# truncate (its blocks are pulled, not carried).
+FAULT_CASES = [("prefill0", name) for name in FAULTS] + [
+    ("prefill1", name) for name in ("dropped_reserve", "delayed_ready", "dropped_ack", "duplicated_ready")]
+
+
+@pytest.mark.parametrize("instance,scenario", FAULT_CASES, ids=[f"{i}-{s}" for i, s in FAULT_CASES])
+def test_control_message_faults_end_in_a_local_re_prefill_or_a_transfer(pd, instance, scenario):
     _, urls, start, expected = pd
     faults, prefill_outcomes, decode_outcomes = FAULTS[scenario]
-    prompt = _fresh(list(FAULTS).index(scenario))
+    prompt = _fresh(FAULT_CASES.index((instance, scenario)))
     answer = _completion(urls["decode1"], prompt)  # colocated, on the other decode instance
     decode = _info(urls["decode0"])
     with FaultProxy(decode["kv_transfer_address"], faults, delay_s=TIMEOUT_S + 0.5) as proxy:
         params = _params(proxy.address)
-        outcome = _prefill(urls["prefill0"], prompt, params)
+        outcome = _prefill(urls[instance], prompt, params)
         assert outcome.removeprefix("kv_transfer:") in prefill_outcomes, (outcome, proxy.seen)
         before = _info(urls["decode0"])["outcomes"]
         assert _completion(urls["decode0"], prompt, kv_transfer_params=params) == answer
@@ -296,7 +325,7 @@ def test_prefill_killed_mid_transfer_frees_the_reservation_and_another_prefill_s
     prompt = _fresh(100)
     answer = _completion(urls["decode1"], prompt)
     decode = _info(urls["decode0"])
-    with FaultProxy(decode["kv_transfer_address"], {"ready": "hold"}) as proxy:
+    with FaultProxy(decode["kv_transfer_address"], {"ready": "hold_forward"}) as proxy:
         params = _params(proxy.address)
         body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "kv_transfer_params": params}
 
@@ -310,6 +339,12 @@ def test_prefill_killed_mid_transfer_frees_the_reservation_and_another_prefill_s
         processes["prefill1"].send_signal(signal.SIGKILL)
         processes["prefill1"].wait()
         thread.join(30)
+        failed = _outcome(urls["decode0"], "failed")
+        proxy.release()  # the "ready" arrives now: the blocks it names are gone with their instance
+        deadline = time.monotonic() + 3 * TIMEOUT_S + 5
+        while _outcome(urls["decode0"], "failed") == failed:
+            assert time.monotonic() < deadline, "the pull from a killed prefill instance did not fail"
+            time.sleep(0.1)
     recomputed = _outcome(urls["decode0"], "recomputed")
     assert _completion(urls["decode0"], prompt, kv_transfer_params=params) == answer
     assert _outcome(urls["decode0"], "recomputed") == recomputed + 1

@@ -5,13 +5,16 @@
                  instance on a sender thread while the prompt runs
       finished:  its output is held back; with the reply ("reserved": skip the first `skip` blocks, which the
                  decode instance has, and send `num_blocks`) the blocks are pinned (a lease), gathered, and
-                 sent as a "ready"; the decode side's "ack" frees the lease (no answer within
+                 sent as a "ready" (server.kv_transfer_method: device -> the ready names chunks the decode
+                 instance pulls from this one's transfer server, device_transfer.py; host -> the ready
+                 carries their bytes); the decode side's "ack" frees the lease (no answer within
                  server.kv_transfer_timeout_s of the request's arrival: "timeout", the lease freed)
       resolved:  the output is released with stop_reason "kv_transfer:<outcome>" (sent | refused |
                  unreachable | failed | timeout | aborted), which the router reads
     router -> decode instance: the same request with the same kv_transfer_params
-      control thread: reserve -> blocks reserved (or "refused"); ready -> bytes checked, scattered into the
-                 reserved blocks, registered in the prefix cache -> "ack"; abort -> freed
+      control thread: reserve -> blocks reserved (or "refused"); ready -> blocks pulled or bytes read,
+                 checked, scattered into the reserved blocks, registered in the prefix cache -> "ack";
+                 abort -> freed
       enqueue:   the request claims its READY transfer (same prompt): the blocks are its prefix-cache hit,
                  so it computes only the tail of its prompt; without one (transfer failed or timed out) it
                  prefills locally
@@ -39,6 +42,7 @@ from jaxserve.engine import Engine
 from jaxserve.engine_client import EngineStats, PreparedRequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.pd import protocol as proto
+from jaxserve.pd.device_transfer import DeviceEndpoint, check_chunks, chunk_sizes
 from jaxserve.pd.reservations import DecodeReservations, PrefillLeases, Refused
 from jaxserve.pd.transfer import BlockMover, TransferError, pack, unpack
 from jaxserve.request import RequestStatus
@@ -65,6 +69,7 @@ class _Outgoing:
     send: concurrent.futures.Future | None = None
     output: RequestOutput | None = None  # the finished output, held back until the transfer resolves
     outcome: str | None = None
+    offered: list | None = None  # the device path's registered chunks, referenced until the transfer resolves
 
 
 def refuse_unsupported(config: EngineConfig, engine: Engine) -> None:
@@ -96,6 +101,10 @@ class PDEngine:
         self.timeout_s = server.kv_transfer_timeout_s
         self.block_size = config.cache.block_size
         self.mover = BlockMover(engine.runner)
+        self.method = server.kv_transfer_method
+        self._transfer_host = proto.split_address(server.kv_transfer_address)[0]
+        self._endpoint: DeviceEndpoint | None = None
+        self._endpoint_lock = threading.Lock()
         self.counts: collections.Counter[str] = collections.Counter()  # transfer outcomes (and decode events)
         self._cond = threading.Condition()
         self._commands: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future]] = collections.deque()
@@ -114,6 +123,8 @@ class PDEngine:
             self._transfers: dict[str, _Outgoing] = {}  # by request id
             self._released: list[RequestOutput] = []
             self._senders = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="jaxserve-pd-send")
+            if self.method == "device":  # started now: a backend without transfer support fails at start
+                self._device_endpoint()
 
     # ---- the engine client surface ----
     def prepare_request(self, *args, **kwargs) -> PreparedRequest:
@@ -266,7 +277,7 @@ class PDEngine:
             return self._call(lambda: self._reserve(transfer_id, tokens, salt, timeout))
         if kind == "ready":
             try:
-                data = unpack(payload, int(header.get("num_blocks", -1)), header.get("layout"), self.mover.layout)
+                data = self._receive(header, payload)
             except (TransferError, ValueError, TypeError) as err:
                 self._call(lambda: self.reservations.abort(transfer_id))
                 self.counts["failed"] += 1
@@ -275,6 +286,28 @@ class PDEngine:
         if kind == "abort":
             return "ack", {"aborted": self._call(lambda: self.reservations.abort(transfer_id))}
         return "nack", {"reason": f"a decode instance does not take {kind!r} messages"}
+
+    def _receive(self, header: dict, payload: bytes):
+        """A "ready" message's blocks: pulled device to device when it names a pull, else its payload's bytes."""
+        count, pull = int(header.get("num_blocks", -1)), header.get("pull")
+        if pull is None:
+            return unpack(payload, count, header.get("layout"), self.mover.layout)
+        unpack(b"", 0, header.get("layout"), self.mover.layout)  # the layout check
+        if not isinstance(pull, dict) or not isinstance(pull.get("address"), str) or not isinstance(pull.get("uuid"), int):
+            raise TransferError(f"a malformed pull: {pull!r}")
+        proto.split_address(pull["address"])
+        chunks = check_chunks(pull.get("chunks"), count)
+        timeout = min(float(header.get("timeout_s", self.timeout_s)), self.timeout_s)
+        return self._device_endpoint().pull(pull["address"], pull["uuid"], chunks, self.mover.block_shape,
+                                            self.mover.dtype, time.monotonic() + timeout)
+
+    def _device_endpoint(self) -> DeviceEndpoint:
+        """This instance's transfer server, started on first use (a decode instance serving host-path
+        transfers only never starts one)."""
+        with self._endpoint_lock:
+            if self._endpoint is None:
+                self._endpoint = DeviceEndpoint(self.mover.first_device, self._transfer_host)
+            return self._endpoint
 
     def _reserve(self, transfer_id: str, tokens: list[int], salt: str | None, timeout: float) -> tuple[str, dict]:
         try:
@@ -289,10 +322,11 @@ class PDEngine:
         if targets is None:
             self.counts["late"] += 1
             return "nack", {"reason": "unknown, expired or already installed transfer"}
-        if len(targets) != len(data):
+        count = sum(len(chunk) for chunk in data) if isinstance(data, list) else len(data)
+        if len(targets) != count:
             self.reservations.abort(transfer_id)
             self.counts["failed"] += 1
-            return "nack", {"reason": f"{len(data)} blocks sent for {len(targets)} reserved"}
+            return "nack", {"reason": f"{count} blocks sent for {len(targets)} reserved"}
         if targets:
             self.mover.scatter(targets, data)
         self.reservations.mark_ready(transfer_id)
@@ -307,9 +341,16 @@ class PDEngine:
         return proto.request(out.decode_address, self.key, message, min(remaining, CONTROL_TIMEOUT_S))
 
     def _send_ready(self, out: _Outgoing, gathered, count: int) -> dict:
-        payload = pack(gathered, count) if count else b""
-        message = proto.encode(self.key, "ready", out.transfer_id, payload, num_blocks=count,
-                               layout=self.mover.layout)
+        remaining = out.deadline - time.monotonic()
+        if self.method == "device" and count:
+            pull = {"address": self._device_endpoint().address, "uuid": self._device_endpoint().offer(gathered),
+                    "chunks": [len(chunk) for chunk in gathered]}
+            message = proto.encode(self.key, "ready", out.transfer_id, num_blocks=count, layout=self.mover.layout,
+                                   pull=pull, timeout_s=remaining)
+        else:
+            payload = pack(gathered, count) if count else b""
+            message = proto.encode(self.key, "ready", out.transfer_id, payload, num_blocks=count,
+                                   layout=self.mover.layout)
         return proto.request(out.decode_address, self.key, message, max(1e-3, out.deadline - time.monotonic()))
 
     def _send_abort(self, out: _Outgoing) -> None:
@@ -372,7 +413,12 @@ class PDEngine:
         if ids is None or len(ids) != count:
             self._resolve(out, "failed", tell_decode=True)
             return
-        gathered = self.mover.gather(ids) if ids else None
+        if not ids:
+            gathered = None
+        elif self.method == "device":
+            gathered = out.offered = self.mover.gather_chunks(ids, chunk_sizes(len(ids)))
+        else:
+            gathered = self.mover.gather(ids)
         out.send = self._senders.submit(self._send_ready, out, gathered, count)
         out.send.add_done_callback(lambda _: self._notify())
 
@@ -394,6 +440,7 @@ class PDEngine:
         """The transfer's end: the lease freed, the decode side told to free its reservation (best effort;
         it expires on its own), and the held output released."""
         out.outcome = outcome
+        out.offered = None
         self.counts[outcome] += 1
         self.leases.release(out.transfer_id)
         if tell_decode:

@@ -1,5 +1,5 @@
-"""Moving a request's KV blocks between instances: the portable path (through host memory and the control
-connection).
+"""Moving a request's KV blocks between instances: the blocks' layout, their gather and scatter, and the
+host path (through host memory and the control connection; device_transfer.py has the device path).
 
     prefill, engine thread:  gather(block ids) -> [n, L, *block] on device (dispatched after the steps that
                              wrote the blocks, reading the live caches; the copy is its own array)
@@ -45,9 +45,18 @@ class BlockMover:
         self.block_shape = kv_transfer.KVTransfer.block_shape(runner)
         self.dtype = np.dtype(runner.kv_caches[0].dtype)
         shardings = [cache.sharding for cache in runner.kv_caches]
+        sharding = shardings[0]
+        self._first_device = jax.sharding.SingleDeviceSharding(min(sharding.device_set, key=lambda d: d.id))
+        self._sharded = len(sharding.device_set) > 1
+        self._replicated = (jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+                            if self._sharded else sharding)
         self._gather = jax.jit(functools.partial(kv_transfer._gather, axis=self.axis))
         self._scatter = jax.jit(lambda caches, ids, data: kv_transfer._scatter(caches, ids, data, axis=self.axis)[0],
                                 donate_argnums=0, out_shardings=shardings)
+
+    @property
+    def first_device(self) -> jax.Device:
+        return self._first_device.device_set.copy().pop()
 
     @property
     def layout(self) -> dict:
@@ -64,8 +73,28 @@ class BlockMover:
         ids[:len(block_ids)] = block_ids
         return self._gather(self.runner.kv_caches, jnp.asarray(ids))
 
-    def scatter(self, block_ids: list[int], data: np.ndarray) -> None:
-        """Writes data[i] into block block_ids[i] of every layer; returns at once."""
+    def gather_chunks(self, block_ids: list[int], sizes: list[int]) -> list[jax.Array]:
+        """The blocks as consecutive chunks of `sizes` (powers of two: no padding), each [size, L, *block] on
+        this runner's first device; returns at once."""
+        chunks, start = [], 0
+        for size in sizes:
+            chunk = self._gather(self.runner.kv_caches, jnp.asarray(block_ids[start: start + size], np.int32))
+            chunks.append(jax.device_put(chunk, self._first_device) if self._sharded else chunk)
+            start += size
+        return chunks
+
+    def scatter(self, block_ids: list[int], data: np.ndarray | list[jax.Array]) -> None:
+        """Writes the blocks into block_ids, in order, in every layer; returns at once. `data`: host bytes
+        unpacked ([n, L, *block]) or device chunks of power-of-two sizes (DeviceEndpoint.pull)."""
+        if isinstance(data, list):
+            start = 0
+            for chunk in data:
+                ids = jnp.asarray(block_ids[start: start + len(chunk)], np.int32)
+                if self._sharded:  # pulled onto one device: laid out over the caches' devices first
+                    chunk = jax.device_put(chunk, self._replicated)
+                self.runner.kv_caches = self._scatter(self.runner.kv_caches, ids, chunk)
+                start += len(chunk)
+            return
         size = _bucket(len(block_ids))
         ids = np.zeros(size, np.int32)
         ids[:len(block_ids)] = block_ids
