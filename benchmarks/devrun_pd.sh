@@ -7,8 +7,9 @@
 #   0. the synthetic tokenizer of the 8B vocabulary (configs/llama3-8b-dummy-serve.yaml reads it)
 #   (a) transfer: a receiver and a sender process, each cache.gpu_memory_utilization 0.45 and
 #       XLA_PYTHON_CLIENT_MEM_FRACTION 0.47; KV of an 8K-token prompt (512 blocks of 16 x 32 layers) moved
-#       through the portable path (gather, device -> host, TCP, host -> device, scatter) REPS times; GB/s
-#       end to end and per phase, beside a plain device copy of the same bytes in the sender -> transfer.json
+#       REPS times through the device path (gather, jax.experimental.transfer pull, scatter) and the host
+#       path (gather, device -> host, TCP, host -> device, scatter); GB/s end to end and per phase, beside
+#       a plain device copy of the same bytes in the sender -> transfer_device.json, transfer_host.json
 #   (b) mixed: STREAMS steady decode streams (64-token prompts, 256 tokens each) plus one LONG-token prompt
 #       every 1/RATE s for DURATION s, against
 #         colocated      one `jaxserve serve` with gpu_memory_utilization 0.9
@@ -69,9 +70,12 @@ PIDS+=($!); RECV=$!
 t=0; until grep -q "receiver ready" "$W/recv.log"; do
   kill -0 $RECV 2>/dev/null || break; sleep 1; t=$((t + 1)); [ $t -lt 240 ] || break
 done
-XLA_PYTHON_CLIENT_MEM_FRACTION=0.47 timeout "$(limit 330)" $PY benchmarks/pd_bench.py transfer --role send \
-  --config "$W/half.yaml" --peer "127.0.0.1:$P" --tokens $TOKENS --reps $REPS --json "$OUT/transfer.json" \
-  > "$W/send.log" 2>&1 || { echo "   transfer failed"; tail -5 "$W/send.log" "$W/recv.log"; }
+for M in device host; do
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.47 timeout "$(limit 330)" $PY benchmarks/pd_bench.py transfer --role send \
+    --config "$W/half.yaml" --peer "127.0.0.1:$P" --tokens $TOKENS --reps $REPS --method $M \
+    --json "$OUT/transfer_$M.json" > "$W/send_$M.log" 2>&1 \
+    || { echo "   transfer ($M) failed"; tail -5 "$W/send_$M.log" "$W/recv.log"; }
+done
 kill $RECV 2>/dev/null; wait $RECV 2>/dev/null
 
 SERVE="$PY -m jaxserve.cli serve --log-level warning --access-log false --precompile false"
@@ -118,7 +122,7 @@ $PY - "$OUT" <<'EOF' | tee "$OUT/summary.json"
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
 summary = {}
-for name in ("transfer", "mixed_colocated", "mixed_pd"):
+for name in ("transfer_device", "transfer_host", "mixed_colocated", "mixed_pd"):
     path = out / f"{name}.json"
     summary[name] = json.loads(path.read_text()) if path.exists() else None
 print(json.dumps(summary, indent=1))

@@ -1,14 +1,17 @@
 """The Python side of benchmarks/devrun_pd.sh: prefill/decode disaggregation's two figures.
 
     transfer --role recv --config C --port P        a decode-side receiver: the engine's KV caches and a PD
-                                                    control server that unpacks each "ready" payload and
-                                                    scatters it into blocks 1..n (waits for the scatter), then
-                                                    answers "ack"; runs until killed
+                                                    control server that takes each "ready" (pulls the chunks
+                                                    it names, or unpacks its payload) and scatters it into
+                                                    blocks 1..n (waits for the scatter), then answers "ack";
+                                                    runs until killed
     transfer --role send --config C --peer H:P      the prefill side: per repetition, gather n blocks (the
-             --tokens T --json OUT                  request's, n = T / block_size) from the live caches, pack
-                                                    them to bytes, send, wait for the ack; reports GB/s of the
-                                                    KV bytes end to end and per phase, beside a plain device
-                                                    copy of the same bytes in the same process (its ceiling)
+             --tokens T --method M --json OUT       request's, n = T / block_size) from the live caches; with
+                                                    --method device offer them as chunks to be pulled, with
+                                                    host pack them to bytes and send them; wait for the ack;
+                                                    reports GB/s of the KV bytes end to end and per phase,
+                                                    beside a plain device copy of the same bytes in the same
+                                                    process (its ceiling)
     mixed --url U --json OUT ...                    a load against one OpenAI endpoint (a colocated server or
                                                     the PD router): STREAMS steady decode streams (short
                                                     prompts, OUT_TOKENS each, restarted as they end) plus a
@@ -39,14 +42,20 @@ def _engine(config_path: str | None):
 
 def transfer_recv(args) -> int:
     from jaxserve.pd import protocol as proto
+    from jaxserve.pd.device_transfer import DeviceEndpoint
     from jaxserve.pd.transfer import BlockMover, unpack
     engine = _engine(args.config)
     mover = BlockMover(engine.runner)
     key = proto.derive_key(args.token)
+    endpoint = DeviceEndpoint(mover.first_device, "127.0.0.1")
 
     def handle(header: dict, payload: bytes) -> tuple[str, dict]:
-        count = int(header["num_blocks"])
-        data = unpack(payload, count, header.get("layout"), mover.layout)
+        count, pull = int(header["num_blocks"]), header.get("pull")
+        if pull is None:
+            data = unpack(payload, count, header.get("layout"), mover.layout)
+        else:
+            data = endpoint.pull(pull["address"], pull["uuid"], pull["chunks"], mover.block_shape, mover.dtype,
+                                 time.monotonic() + 120)
         mover.scatter(list(range(1, count + 1)), data)
         engine.runner.kv_caches[0].block_until_ready()
         return "ack", {}
@@ -72,6 +81,7 @@ def transfer_send(args) -> int:
     import jax.numpy as jnp
 
     from jaxserve.pd import protocol as proto
+    from jaxserve.pd.device_transfer import DeviceEndpoint, chunk_sizes
     from jaxserve.pd.transfer import BlockMover, pack
     engine = _engine(args.config)
     mover = BlockMover(engine.runner)
@@ -83,15 +93,26 @@ def transfer_send(args) -> int:
     ids = list(range(1, count + 1))
     nbytes = count * mover.block_bytes
     phases: dict[str, list[float]] = {"gather": [], "pack_d2h": [], "send_install": [], "end_to_end": []}
+    endpoint = DeviceEndpoint(mover.first_device, "127.0.0.1") if args.method == "device" else None
 
     def once():
         t0 = time.perf_counter()
-        gathered = mover.gather(ids)
-        gathered.block_until_ready()
-        t1 = time.perf_counter()
-        payload = pack(gathered, count)
-        t2 = time.perf_counter()
-        message = proto.encode(key, "ready", proto.new_transfer_id(), payload, num_blocks=count, layout=mover.layout)
+        if endpoint is not None:  # "pack_d2h" is then registering the chunks (no copy)
+            chunks = mover.gather_chunks(ids, chunk_sizes(count))
+            jax.block_until_ready(chunks)
+            t1 = time.perf_counter()
+            pull = {"address": endpoint.address, "uuid": endpoint.offer(chunks), "chunks": chunk_sizes(count)}
+            t2 = time.perf_counter()
+            message = proto.encode(key, "ready", proto.new_transfer_id(), num_blocks=count, layout=mover.layout,
+                                   pull=pull)
+        else:
+            gathered = mover.gather(ids)
+            gathered.block_until_ready()
+            t1 = time.perf_counter()
+            payload = pack(gathered, count)
+            t2 = time.perf_counter()
+            message = proto.encode(key, "ready", proto.new_transfer_id(), payload, num_blocks=count,
+                                   layout=mover.layout)
         reply = proto.request(args.peer, key, message, 120.0)
         t3 = time.perf_counter()
         assert reply["type"] == "ack", reply
@@ -108,7 +129,7 @@ def transfer_send(args) -> int:
     copy = jax.jit(lambda x: x + jnp.zeros((), x.dtype))
     copy(block).block_until_ready()
     copies = _timed(lambda: copy(block).block_until_ready(), args.reps)
-    report = {"tokens": args.tokens, "blocks": count, "bytes": nbytes, "block_bytes": mover.block_bytes,
+    report = {"method": args.method, "tokens": args.tokens, "blocks": count, "bytes": nbytes, "block_bytes": mover.block_bytes,
               "layout": mover.layout, "device": str(jax.devices()[0].device_kind),
               "seconds": {name: statistics.median(values) for name, values in phases.items()},
               "device_copy_seconds": statistics.median(copies)}
@@ -218,6 +239,7 @@ def main(argv: list[str]) -> int:
     t.add_argument("--warmup", type=int, default=2)
     t.add_argument("--reps", type=int, default=5)
     t.add_argument("--json")
+    t.add_argument("--method", choices=["device", "host"], default="device")
     m = sub.add_parser("mixed")
     m.add_argument("--url", required=True)
     m.add_argument("--label", default="")
