@@ -34,6 +34,9 @@ class ModelConfig:
     seed: int = 0  # seeds requests that give no seed, so runs repeat (as vLLM does)
     skip_tokenizer_init: bool = False  # no tokenizer: prompts as token ids, outputs as token ids only
     load_format: str = "auto"  # auto: safetensors | dummy: random weights from config.json alone (benchmarks)
+    # fp8: quantize a float checkpoint's dense weights at load (per output channel; README "FP8 weights").
+    # FP8 checkpoints (config.json's quantization_config) load as FP8 whatever this says.
+    quantization: str | None = None
 
     def __post_init__(self):
         check_fields(self, "model")
@@ -44,6 +47,9 @@ class ModelConfig:
                              f"got {self.load_format!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"model.max_model_len must be >= 1, got {self.max_model_len}")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"model.quantization={self.quantization!r} is not supported; use fp8 (FP8 weights) "
+                             f"or leave it unset")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -415,7 +421,6 @@ VLLM_NAMES = {
 # anything else is refused. name -> (accepted values, annotation, the reason given)
 NOT_SUPPORTED = {
     "kv_cache_dtype": (("auto", None), str | None, "is not supported yet: the KV cache has the model's dtype"),
-    "quantization": ((None,), str | None, "is not supported yet: weights load in model.dtype"),
     "pipeline_parallel_size": ((1,), int, "is not supported yet: use tensor_parallel_size to spread a model"),
     "trust_remote_code": ((False,), bool, "is refused: jaxserve never runs code from a checkpoint (auto_map); "
                                           "it runs the architectures it implements (README: Checkpoints)"),

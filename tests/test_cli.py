@@ -97,7 +97,7 @@ def test_generate_takes_engine_flags_and_vllm_names(config, monkeypatch, capsys)
     assert (engine_config.parallel.model, engine_config.scheduler.max_num_seqs) == (2, 3)
     assert (engine_config.cache.gpu_memory_utilization, engine_config.model.seed) == (0.5, 5)  # --seed: sampling
     for flag, message in ((["--trust-remote-code"], "trust_remote_code=True is refused"),
-                          (["--quantization", "awq"], "quantization='awq' is not supported yet"),
+                          (["--quantization", "awq"], "model.quantization='awq' is not supported"),
                           (["--max-num-seqs", "8.5"], "max_num_seqs must be an integer, got 8.5")):
         assert main(["generate", "--config", config, "--prompt", "1+1=", *flag]) == 2  # before the engine is built
         assert message in capsys.readouterr().err

@@ -189,3 +189,48 @@ def test_kv_tiers_compose(row, request):
 def test_kv_tiers_need_prefix_caching():
     with pytest.raises(ValueError, match="need cache.enable_prefix_caching: true"):
         LLM(host_kv_gib=1 / 1024, enable_prefix_caching=False, progress=False)
+
+
+# ---------------------------------------------------------------- the FP8 weights column
+# Online FP8 weights (model.quantization: fp8) with the other mechanisms. FP8 changes the tokens from
+# transformers' float32 ones, so each row is compared with the same FP8 model run plainly (sync loop, no
+# prefix caching, roomy pool, whole prompts, one device), computed once. MoE models refuse FP8 weights.
+
+#             overlap, prefix caching, forced preemption, chunked prefill, tensor parallel
+FP8_MATRIX = [
+    (True, True, True, True, 2),
+    (False, True, False, True, 1),
+    (True, False, True, False, 2),
+]
+_fp8_baseline: dict[str, list] = {}
+
+
+def _fp8_tokens(fixture, overlap, caching, preempt, chunked, tp):
+    prompts = fixture.prompts
+    prompt_blocks = sum(-(-len(p) // 4) for p in prompts)
+    final_blocks = sum(-(-(len(p) + NEW_TOKENS) // 4) for p in prompts)
+    budget = 16 if chunked else 64
+    llm = LLM(model=fixture.path, dtype="float32", quantization="fp8", skip_tokenizer_init=True, max_model_len=64,
+              block_size=4, num_blocks=prompt_blocks + 3 if preempt else 2 * final_blocks + 1,
+              max_num_batched_tokens=budget, max_num_seqs=4, token_buckets=[budget], request_buckets=[4],
+              precompile=False, progress=False, async_scheduling=overlap, enable_prefix_caching=caching,
+              tensor_parallel_size=tp)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    rounds = [[out.outputs[0].token_ids for out in llm.generate(requests, params, use_tqdm=False)] for _ in range(2)]
+    return rounds, llm.engine.stats()
+
+
+@pytest.mark.parametrize("row", FP8_MATRIX, ids=["-".join(map(str, row)) for row in FP8_MATRIX])
+def test_fp8_weights_compose(row, hf_fixture_by_name):
+    overlap, caching, preempt, chunked, tp = row
+    if tp > len(jax.devices()):
+        pytest.skip(f"needs {tp} devices")
+    fixture = hf_fixture_by_name(DENSE)
+    if DENSE not in _fp8_baseline:
+        _fp8_baseline[DENSE] = _fp8_tokens(fixture, False, False, False, False, 1)[0][0]
+    rounds, stats = _fp8_tokens(fixture, *row)
+    assert rounds[0] == rounds[1] == _fp8_baseline[DENSE]
+    if preempt:
+        assert stats.num_preemptions > 0
+    assert (stats.prefix_cache_hits > 0) == caching

@@ -213,12 +213,19 @@ def test_unsupported_vllm_names_accept_their_defaults_only():
                                              trust_remote_code=False)
     assert defaults == EngineConfig().with_overrides(kv_cache_dtype=None)
     assert defaults == EngineConfig()
-    for overrides in ({"kv_cache_dtype": "fp8"}, {"quantization": "awq"}, {"pipeline_parallel_size": 2}):
+    for overrides in ({"kv_cache_dtype": "fp8"}, {"pipeline_parallel_size": 2}):
         (name, value), = overrides.items()
         with pytest.raises(ValueError, match=rf"^{name}=.* is not supported yet.*leave {name} at "):
             EngineConfig().with_overrides(**overrides)
     with pytest.raises(ValueError, match="trust_remote_code=True is refused: jaxserve never runs code from a checkpoint"):
         EngineConfig().with_overrides(trust_remote_code=True)
+
+
+def test_quantization_is_model_quantization():
+    assert EngineConfig().with_overrides(quantization="fp8").model.quantization == "fp8"
+    assert EngineConfig().with_overrides(**{"model.quantization": None}) == EngineConfig()
+    with pytest.raises(ValueError, match=r"model.quantization='awq' is not supported; use fp8"):
+        EngineConfig().with_overrides(quantization="awq")
 
 
 def test_speculative_section_and_vllm_speculative_config():

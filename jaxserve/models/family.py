@@ -25,6 +25,8 @@ the fields of `ModelConfig`; everything else about the model stays inside the fa
     init_kv_caches(config, num_blocks, block_size, attention_backend, dtype=None, tp=None) -> list of arrays
     forward_dense(params, config, token_ids [B, T]) -> logits [B, T, V]   optional: cache-free, for training
     init_params(config, key, std) -> params                     optional: random params, as param_init says
+    quantized: {leaf name: input axes}                          optional: the weights that may be FP8
+                                                                (models/quant.py Fp8Weight leaves)
 
 This module imports no JAX: it only states the contract.
 """
@@ -90,6 +92,9 @@ class ModelFamily:
     init_kv_caches: Callable[..., list]
     forward_dense: Callable[..., Any] | None = None
     init_params: Callable[..., Any] | None = None
+    # The leaves FP8 weights apply to (by name) and the number of leading input axes of each; empty: the
+    # family has no FP8 weights. Its config then carries `quantization` (a models/quant.QuantSpec or None).
+    quantized: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.models import quant
 from pallas_kernels.paged_attention import reference as reference_attention
 
 
@@ -85,12 +86,13 @@ def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Arra
     """SwiGLU: down(silu(x @ gate) * (x @ up)). x [T, D]; w_gate, w_up [D, F]; w_down [F, D].
 
     Inside shard_map the weights hold F/tp columns (gate/up column-parallel, down row-parallel), so
-    the result is this device's partial sum: the caller all-reduces it, then adds the down bias."""
-    gate = jnp.einsum("td,df->tf", x, w_gate)
-    up = jnp.einsum("td,df->tf", x, w_up)
+    the result is this device's partial sum: the caller all-reduces it, then adds the down bias. Weights
+    may be FP8 (quant.linear)."""
+    gate = quant.linear(x, w_gate, "td,df->tf")
+    up = quant.linear(x, w_up, "td,df->tf")
     if gate_up_biases is not None:
         gate, up = gate + gate_up_biases[0], up + gate_up_biases[1]
-    return jnp.einsum("tf,fd->td", jax.nn.silu(gate) * up, w_down)
+    return quant.linear(jax.nn.silu(gate) * up, w_down, "tf,fd->td")
 
 
 ATTENTION_BACKENDS = ("reference", "pallas")

@@ -42,7 +42,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from jaxserve.models import layers, moe
+from jaxserve.models import layers, moe, quant
 from jaxserve.models.layers import ModelBatch
 from sharding import TensorParallel, all_gather, all_reduce_kernel, psum, sharded_lookup
 from sharding.expert_parallel import ep_moe
@@ -74,6 +74,7 @@ class LlamaConfig:
     dtype: str = "bfloat16"
     architecture: str = "LlamaForCausalLM"
     moe: moe.MoeSpec | None = None  # mixture-of-experts MLP in the layers it names
+    quantization: quant.QuantSpec | None = None  # FP8 dense weights (QUANTIZED); None: all in `dtype`
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -90,6 +91,9 @@ class LlamaConfig:
                              f"{self.num_layers} layers")
         if self.moe is not None and self.mlp_bias:
             raise ValueError("mlp_bias is not supported with a mixture-of-experts MLP")
+        if self.moe is not None and self.quantization is not None:
+            raise ValueError("FP8 weights (quantization) are not supported for mixture-of-experts models yet; "
+                             "load a bfloat16 or float16 checkpoint without quantization")
 
     @property
     def jnp_dtype(self):
@@ -109,6 +113,9 @@ AXES: dict[str, tuple[str, ...]] = {
     "b_gate": ("mlp",), "b_up": ("mlp",), "b_down": ("embed",),
     **moe.AXES,
 }
+# The weights FP8 quantization applies to (every dense matmul of the decoder; embeddings, lm_head, norms,
+# biases and the MoE router stay in the model dtype), each with its number of leading input axes.
+QUANTIZED: dict[str, int] = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
 COMM_AXES = ("tp_shard", None)  # the all-reduce kernel's state: one row per tensor-parallel device
 
 
@@ -117,8 +124,14 @@ def abstract(cfg: LlamaConfig) -> Params:
     sizes = {"embed": cfg.hidden_size, "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads,
              "head_dim": cfg.head_dim, "mlp": cfg.intermediate_size, "vocab": cfg.vocab_size}
 
+    def leaf(name):
+        shape = tuple(sizes[a] for a in AXES[name])
+        if cfg.quantization is not None and name in QUANTIZED:
+            return quant.abstract(cfg.quantization, shape, AXES[name], QUANTIZED[name])
+        return jax.ShapeDtypeStruct(shape, cfg.jnp_dtype)
+
     def s(*names):
-        return {name: jax.ShapeDtypeStruct(tuple(sizes[a] for a in AXES[name]), cfg.jnp_dtype) for name in names}
+        return {name: leaf(name) for name in names}
 
     layer = s("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
     if cfg.qkv_bias:
@@ -140,15 +153,29 @@ def abstract(cfg: LlamaConfig) -> Params:
     return params
 
 
+def _is_weight(node) -> bool:
+    return isinstance(node, quant.Fp8Weight)
+
+
 def param_axes(params: Params) -> Params:
-    """The logical axes of each leaf of a params pytree (a pytree of tuples)."""
-    return jax.tree_util.tree_map_with_path(lambda path, _: AXES[path[-1].key], params)
+    """The logical axes of each leaf of a params pytree (a pytree of tuples; an Fp8Weight's scale is
+    sharded along q's full axes: quant.scale_axes)."""
+    def axes(path, leaf):
+        names = AXES[path[-1].key]
+        return quant.Fp8Weight(names, quant.scale_axes(names, leaf.block), leaf.block) if _is_weight(leaf) else names
+    return jax.tree_util.tree_map_with_path(axes, params, is_leaf=_is_weight)
 
 
-def param_placer(tp: TensorParallel) -> Callable[[tuple, Any], jax.Array]:
+def param_placer(tp: TensorParallel) -> Callable[[tuple, Any], Any]:
     """`place(path, array)` for the loader: each tensor straight into its sharding (padded or replicated
-    first where the rules say so), one device slice at a time."""
-    return lambda path, array: tp.place(array, AXES[path[-1]], "/".join(map(str, path)))
+    first where the rules say so), one device slice at a time; an Fp8Weight's q and scale alike."""
+    def place(path, array):
+        name, axes = "/".join(map(str, path)), AXES[path[-1]]
+        if _is_weight(array):
+            return quant.Fp8Weight(tp.place(array.q, axes, name),
+                                   tp.place(array.scale, quant.scale_axes(axes, array.block), name), array.block)
+        return tp.place(array, axes, name)
+    return place
 
 
 def param_init(name: str) -> str:
@@ -160,7 +187,10 @@ def param_init(name: str) -> str:
 
 
 def init_params(cfg: LlamaConfig, key: jax.Array, std: float = 0.02) -> Params:
-    """Random parameters (training from scratch and tests), as `param_init` says."""
+    """Random parameters (training from scratch and tests), as `param_init` says; with
+    `cfg.quantization`, the same weights quantized per output channel (quantize_params)."""
+    if cfg.quantization is not None:
+        return quantize_params(init_params(dataclasses.replace(cfg, quantization=None), key, std))
     leaves, treedef = jax.tree.flatten_with_path(abstract(cfg))
     keys = jax.random.split(key, len(leaves))
     out = []
@@ -175,11 +205,18 @@ def init_params(cfg: LlamaConfig, key: jax.Array, std: float = 0.02) -> Params:
     return jax.tree.unflatten(treedef, out)
 
 
+def quantize_params(params: Params) -> Params:
+    """Float params -> the same with every QUANTIZED weight an Fp8Weight (per-output-channel scales)."""
+    layers_out = [{name: quant.quantize(w, QUANTIZED[name]) if name in QUANTIZED else w for name, w in lp.items()}
+                  for lp in params["layers"]]
+    return {**params, "layers": layers_out}
+
+
 def _qkv(lp: Params, cfg: LlamaConfig, x: jax.Array, positions: jax.Array, inv_freq):
     """x [T, D] -> q [T, N, H], k, v [T, K, H] with bias, q/k norm and rope applied."""
-    q = jnp.einsum("td,dnh->tnh", x, lp["wq"])
-    k = jnp.einsum("td,dkh->tkh", x, lp["wk"])
-    v = jnp.einsum("td,dkh->tkh", x, lp["wv"])
+    q = quant.linear(x, lp["wq"], "td,dnh->tnh")
+    k = quant.linear(x, lp["wk"], "td,dkh->tkh")
+    v = quant.linear(x, lp["wv"], "td,dkh->tkh")
     if cfg.qkv_bias:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     if cfg.qk_norm:
@@ -215,8 +252,8 @@ def _out_and_mlp(lp: Params, cfg: LlamaConfig, x: jax.Array, attn: jax.Array, ne
     dispatch (moe.moe_mlp)."""
     # NOTE: a 2-D matmul over the flattened (N, H) axis; einsum "tnh,nhd->td" made XLA relayout
     # (copy) the whole wo weight every step.
-    num_heads, head_dim, width = lp["wo"].shape
-    o = attn.reshape(-1, num_heads * head_dim) @ lp["wo"].reshape(num_heads * head_dim, width)
+    wo = quant.merge_leading(lp["wo"], 2)
+    o = quant.linear(attn.reshape(-1, wo.shape[0]), wo)
     h, x = _add_norm(x, o, lp["bo"] if cfg.o_bias else None, lp["mlp_norm"], cfg, tp, "heads", comm)
     if "router" in lp:
         down = moe.moe_mlp(lp, h, cfg.moe, routed)

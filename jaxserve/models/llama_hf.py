@@ -1,6 +1,7 @@
 """The Llama family's Hugging Face side: config.json <-> LlamaConfig, checkpoint tensor names, and the
 `FAMILY` object the registry maps Llama, Mistral, Qwen2 and Qwen3 onto (models/family.py).
 
+A `quantization_config` (pre-quantized FP8 checkpoints) becomes the config's QuantSpec (models/quant_hf.py).
 Unsupported field values are refused here with a message naming the field, the value and what is
 supported, so no checkpoint is ever half understood.
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxserve.models import llama
+from jaxserve.models import llama, quant_hf
 from jaxserve.models.family import HFTensor, ModelFamily, UnsupportedModelError, rope_scaling
 from jaxserve.models.llama import DTYPES, LlamaConfig
 
@@ -50,8 +51,7 @@ def llama_config(hf: dict[str, Any], dtype: str, source: str, arch: str, **switc
         raise UnsupportedModelError(f"{source}: missing required fields {missing}")
     if hf.get("hidden_act", "silu") not in ("silu", "swish"):
         raise UnsupportedModelError(f"{source}: unsupported hidden_act {hf['hidden_act']!r}; only 'silu' is implemented")
-    if hf.get("quantization_config"):
-        raise UnsupportedModelError(f"{source}: quantized checkpoints (quantization_config) are not supported yet")
+    quantization = quant_hf.spec_from_hf(hf["quantization_config"], source) if hf.get("quantization_config") else None
 
     if dtype == "auto":
         dtype = str(hf.get("torch_dtype") or hf.get("dtype") or "bfloat16")
@@ -77,6 +77,7 @@ def llama_config(hf: dict[str, Any], dtype: str, source: str, arch: str, **switc
             mlp_bias=bool(hf.get("mlp_bias", False)),
             dtype=dtype,
             architecture=arch,
+            quantization=quantization,
             **switches,
         )
     except ValueError as err:
@@ -172,4 +173,5 @@ FAMILY = ModelFamily(
     init_kv_caches=llama.init_kv_caches,
     forward_dense=llama.forward_dense,
     init_params=llama.init_params,
+    quantized=llama.QUANTIZED,
 )

@@ -6,6 +6,11 @@
     --transpose to x @ W layout, cast--> `place` (one leaf at a time, with its sharding; a leaf stacked
         from several tensors, e.g. experts, once all of its parts are read)
 
+FP8 weights (the config's `quantization`, models/quant.py): a pre-quantized checkpoint's float8_e4m3fn
+`weight` and its scale tensor become one Fp8Weight leaf (its `input_scale` is not used); with online
+quantization (`quantization="fp8"` on a float checkpoint) each weight is quantized on the host as soon as
+it is read, so only one full-precision tensor is held at a time.
+
     load_format="dummy" (vLLM's name; benchmarks without a download): config.json only
     --family.abstract--> every tensor made on the device by a jitted jax.random per shape
     (as family.param_init says: weights normal * 0.02, norms 1, biases 0; fixed seed), then `place`d
@@ -29,7 +34,7 @@ import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
-from jaxserve.models import registry
+from jaxserve.models import quant, registry
 
 Params = Any  # a family's params pytree
 
@@ -78,7 +83,16 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def load_config(model_dir: str | os.PathLike, dtype: str = "auto") -> tuple[Any, dict[str, Any]]:
+QUANTIZATIONS = (None, "fp8")
+
+
+def load_config(model_dir: str | os.PathLike, dtype: str = "auto",
+                quantization: str | None = None) -> tuple[Any, dict[str, Any]]:
+    """The model config of a checkpoint directory and its parsed config.json. `quantization="fp8"` quantizes
+    a float checkpoint's weights at load (a checkpoint whose config.json has a quantization_config already
+    holds FP8 weights and loads them either way)."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, got {quantization!r}")
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointError(f"model path {model_dir} is not a directory; pass a local Hugging Face checkpoint directory")
@@ -94,6 +108,14 @@ def load_config(model_dir: str | os.PathLike, dtype: str = "auto") -> tuple[Any,
                 f"{err}. The config names custom code (auto_map); jaxserve never imports checkpoint code"
             ) from None
         raise
+    if quantization == "fp8" and getattr(cfg, "quantization", None) is None:
+        if not registry.family_of(cfg).quantized:
+            raise registry.UnsupportedModelError(f"quantization='fp8' is not supported for {cfg.architecture}; "
+                                                 "leave quantization unset")
+        try:
+            cfg = dataclasses.replace(cfg, quantization=quant.QuantSpec("online"))
+        except ValueError as err:
+            raise registry.UnsupportedModelError(f"quantization='fp8': {err}") from None
     return cfg, hf
 
 
@@ -148,6 +170,41 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
     return files
 
 
+def _read_raw(fpath: Path, name: str) -> np.ndarray:
+    """One tensor of a safetensors file read from its bytes (safetensors' numpy reader has no float8)."""
+    with open(fpath, "rb") as f:
+        header_size = int.from_bytes(f.read(8), "little")
+        info = json.loads(f.read(header_size))[name]
+        start, end = info["data_offsets"]
+        f.seek(8 + header_size + start)
+        data = f.read(end - start)
+    return np.frombuffer(data, RAW_DTYPES[info["dtype"]]).reshape(info["shape"])
+
+
+RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
+
+
+def _read_fp8(cfg: Any, f, files: dict[str, Path], name: str, like: quant.Fp8Weight, n_in: int) -> quant.Fp8Weight:
+    """The Fp8Weight leaf of checkpoint weight `name` (safetensors file `f`): quantized from the float
+    tensor (online), or read with its scale tensor (pre-quantized)."""
+    spec = cfg.quantization
+    dtype = f.get_slice(name).get_dtype()
+    if spec.checkpoint == "online":
+        array = np.swapaxes(f.get_tensor(name), -1, -2).reshape(like.q.shape)
+        return quant.quantize(array.astype(NP_DTYPES[cfg.dtype]), n_in)
+    if dtype != "F8_E4M3":
+        raise CheckpointError(f"tensor {name} in {files[name].name} has dtype {dtype}; quantization_config "
+                              f"({spec.checkpoint}) needs float8_e4m3fn (F8_E4M3) weights")
+    scale_name = name.removesuffix("weight") + spec.scale_name
+    try:
+        return quant.from_checkpoint(spec, _read_raw(files[name], name), _read_raw(files[scale_name], scale_name),
+                                     like, n_in, scale_name)
+    except KeyError as err:
+        raise CheckpointError(f"tensor {scale_name} has dtype {err}, which is not a float type") from None
+    except ValueError as err:
+        raise CheckpointError(str(err)) from None
+
+
 def _get(tree, path):
     for key in path:
         tree = tree[key]
@@ -174,11 +231,18 @@ def load_params(model_dir: str | os.PathLike, cfg: Any,
     ignorable = {n for n in files if n.endswith(IGNORED_SUFFIXES)}
     if getattr(cfg, "tie_word_embeddings", False):
         ignorable.add("lm_head.weight")  # some exporters write the tied head anyway
-    missing = sorted(set(table) - set(files))
+    shapes = family.abstract(cfg)
+    expected = set(table)
+    spec = getattr(cfg, "quantization", None)
+    if spec is not None and spec.checkpoint != "online":
+        fp8 = [name for name, entry in table.items() if isinstance(_get(shapes, entry.path), quant.Fp8Weight)]
+        expected |= {name.removesuffix("weight") + spec.scale_name for name in fp8}
+        ignorable |= {name.removesuffix("weight") + "input_scale" for name in fp8}  # activations stay unquantized
+    missing = sorted(expected - set(files))
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise CheckpointError(f"{model_dir}: missing tensors {shown} (expected by {cfg.architecture} config)")
-    extra = sorted(set(files) - set(table) - ignorable)
+    extra = sorted(set(files) - expected - ignorable)
     if extra:
         shown = ", ".join(f"{n} (in {files[n].name})" for n in extra[:5])
         raise CheckpointError(
@@ -188,7 +252,6 @@ def load_params(model_dir: str | os.PathLike, cfg: Any,
 
     place = place or (lambda _path, array: jax.device_put(array))
     np_dtype = NP_DTYPES[cfg.dtype]
-    shapes = family.abstract(cfg)
     params: Params = jax.tree.map(lambda _: None, shapes)
     # Stacked leaves (HFTensor.stack_index) are assembled on the host: leaf path -> (buffer, parts left).
     stacks: dict[tuple, list] = {}
@@ -208,9 +271,17 @@ def load_params(model_dir: str | os.PathLike, cfg: Any,
                         f"tensor {name} in {fpath.name} has shape {list(shape)}, expected {list(entry.shape)} "
                         f"from config.json"
                     )
+                like = _get(shapes, entry.path)
+                if isinstance(like, quant.Fp8Weight) and entry.stack_index is None:
+                    weight = _read_fp8(cfg, f, files, name, like, family.quantized[entry.path[-1]])
+                    _set(params, entry.path, place(entry.path, weight))
+                    continue
+                if f.get_slice(name).get_dtype().startswith("F8"):
+                    raise CheckpointError(f"tensor {name} in {fpath.name} is float8 ({f.get_slice(name).get_dtype()}) "
+                                          f"but config.json has no quantization_config that describes it")
                 array = f.get_tensor(name)
                 array = np.swapaxes(array, -1, -2) if entry.transposed else array
-                leaf_shape = _get(shapes, entry.path).shape
+                leaf_shape = like.shape
                 if entry.stack_index is None:
                     _set(params, entry.path, place(entry.path, np.ascontiguousarray(
                         array.reshape(leaf_shape).astype(np_dtype))))
@@ -240,11 +311,14 @@ def dummy_params(cfg: Any, place: Callable[[tuple, jax.Array], jax.Array] | None
     family = registry.family_of(cfg)
     place = place or (lambda _path, array: array)
     root = jax.random.key(DUMMY_SEED)
-    leaves, treedef = jax.tree.flatten_with_path(family.abstract(cfg))
+    is_fp8 = lambda node: isinstance(node, quant.Fp8Weight)  # noqa: E731
+    leaves, treedef = jax.tree.flatten_with_path(family.abstract(cfg), is_leaf=is_fp8)
     out = []
     for index, (keys, leaf) in enumerate(leaves):
         init = family.param_init(str(keys[-1].key))
-        if init == "ones":
+        if is_fp8(leaf):
+            array = quant.dummy(jax.random.fold_in(root, index), leaf, DUMMY_STD)
+        elif init == "ones":
             array = jnp.ones(leaf.shape, leaf.dtype)
         elif init == "zeros":
             array = jnp.zeros(leaf.shape, leaf.dtype)
@@ -256,14 +330,14 @@ def dummy_params(cfg: Any, place: Callable[[tuple, jax.Array], jax.Array] | None
 
 def load_model(model_dir: str | os.PathLike, dtype: str = "auto",
                place: Callable[[tuple, np.ndarray | jax.Array], jax.Array] | None = None,
-               load_format: str = "auto", tp=None) -> LoadedModel:
+               load_format: str = "auto", tp=None, quantization: str | None = None) -> LoadedModel:
     """`load_format`: auto reads the safetensors; dummy needs only config.json (random weights).
     `tp` (a sharding.TensorParallel): place each tensor into its sharding on that mesh, as the model's
-    family says (its param_placer); else `place`, or the default device."""
+    family says (its param_placer); else `place`, or the default device. `quantization`: load_config's."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {list(LOAD_FORMATS)}, got {load_format!r}")
     model_dir = Path(model_dir)
-    cfg, hf = load_config(model_dir, dtype)
+    cfg, hf = load_config(model_dir, dtype, quantization)
     if tp is not None:
         place = registry.family_of(cfg).param_placer(tp)
     params = dummy_params(cfg, place) if load_format == "dummy" else load_params(model_dir, cfg, place)
@@ -274,6 +348,8 @@ def save_safetensors(params: Params, cfg: Any, path: str | os.PathLike) -> None:
     """Write params back in HF names and layout (the inverse of load_params), e.g. after training."""
     from safetensors.numpy import save_file
 
+    if getattr(cfg, "quantization", None) is not None:
+        raise ValueError("save_safetensors writes float weights; these params hold FP8 weights (quantization)")
     tensors = {}
     for name, entry in registry.family_of(cfg).hf_tensor_table(cfg).items():
         array = np.asarray(_get(params, entry.path))

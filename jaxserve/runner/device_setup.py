@@ -28,7 +28,8 @@ def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> Loaded
     """The model of config.model, each tensor placed straight into its sharding on `tp`'s mesh (by its
     family's param_placer), or on the default device without `tp`."""
     model = config.model
-    return loader.load_model(model.path, dtype=model.dtype, load_format=model.load_format, tp=tp)
+    return loader.load_model(model.path, dtype=model.dtype, load_format=model.load_format, tp=tp,
+                             quantization=model.quantization)
 
 
 def resolve_max_model_len(config: EngineConfig, model_config) -> int:
