@@ -100,8 +100,9 @@ def test_checkpoint_name_variants_load_alike(tmp_path):
     head = eagle3.head_config(TINY_EAGLE3, "float32", 4)
     want = eagle3.load_head(TINY_EAGLE3, head, lambda array: array)
     tensors = safetensors.numpy.load_file(TINY_EAGLE3 / "model.safetensors")
-    renamed = {(name if name in ("lm_head.weight", "d2t", "t2d") else "model." + name.replace("midlayer.", "layers.0.")):
-               array for name, array in tensors.items()}
+    outside = ("lm_head.weight", "d2t", "t2d")  # (names under model. elsewhere)
+    renamed = {(name if name in outside else "model." + name.replace("midlayer.", "layers.0.")): array
+               for name, array in tensors.items()}
     (tmp_path / "config.json").write_text((TINY_EAGLE3 / "config.json").read_text())
     safetensors.numpy.save_file(renamed, tmp_path / "model.safetensors")
     got = eagle3.load_head(tmp_path, head, lambda array: array)

@@ -14,7 +14,10 @@ records how often its greedy token equals the embedded model's on held-out probl
 chance that one guess is accepted). `--eagle` trains an EAGLE head (EAGLE_CONFIG: one layer over the embedded
 model's hidden states, models/eagle_head.py) for it (`jaxserve/assets/tiny-adder-eagle`): cross-entropy of
 the target's next-next token plus regression onto the target's next feature, over two passes, the second
-reading the head's own features (as proposing does after its first guess).
+reading the head's own features (as proposing does after its first guess). `--eagle3` trains an EAGLE-3 head
+(EAGLE3_CONFIG, models/eagle3_head.py: fc over the residual stream entering the target's layers 1-3, its own
+lm head over a draft vocabulary of 13 ids mapped through d2t) into `jaxserve/assets/tiny-adder-eagle3`:
+cross-entropy of the token two ahead over two passes, the second reading the first's pre-norm output.
 
 Usage: `python tools/train_tiny.py --out jaxserve/assets/tiny-adder [--steps 30000]` (or `--draft`), after
 `pip install -e '.[train]'` (optax). The data helpers (`held_out_problems`, `sample_batch`) need no optax:
