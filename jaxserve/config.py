@@ -289,9 +289,9 @@ class ServerConfig:
 
 
 # Speculative-decoding methods vLLM has that jaxserve does not implement (yet).
-SPECULATIVE_NOT_SUPPORTED = ("eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
+SPECULATIVE_NOT_SUPPORTED = ("medusa", "mlp_speculator", "mtp", "suffix")
 # Methods whose guesses come from a second network run on the device beside the target (`model`).
-SPECULATIVE_MODEL_METHODS = ("draft_model", "eagle")
+SPECULATIVE_MODEL_METHODS = ("draft_model", "eagle", "eagle3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,16 +301,17 @@ class SpeculativeConfig:
     ngram: guesses copied on the host from the request's own earlier tokens (prompt lookup,
     spec_decode/ngram.py). draft_model: a smaller model of the same vocabulary (`model`) guesses greedily
     on the device, with its own KV cache in the target's block tables (runner/draft_runner.py). eagle: a
-    one-layer head (`model`) over the target's hidden states guesses the same way."""
+    one-layer head (`model`) over the target's hidden states guesses the same way; eagle3: an EAGLE-3 head
+    over the residual stream entering a few of the target's layers (models/eagle3_head.py)."""
 
-    method: str | None = None  # null: off | ngram | draft_model | eagle
-    model: str | None = None  # draft_model: the draft checkpoint's directory; eagle: the head's
+    method: str | None = None  # null: off | ngram | draft_model | eagle | eagle3
+    model: str | None = None  # draft_model: the draft checkpoint's directory; eagle, eagle3: the head's
     num_speculative_tokens: int | None = None  # k: tokens guessed per request per step (required with a method)
     # n-gram lengths matched against the request's tokens, longest first; one given: the other equals it;
     # neither: both 5 (vLLM's defaults).
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
-    # draft_model / eagle: the draft's tensor-parallel size, 1 (every device runs the whole draft) or
+    # draft_model / eagle / eagle3: the draft's tensor-parallel size, 1 (every device runs the whole draft) or
     # parallel.model (split as the target is); null: parallel.model.
     draft_tensor_parallel_size: int | None = None
     # Bench only (`jaxserve bench --spec-synthetic-acceptance`; Engine refuses it elsewhere): every decode
@@ -332,14 +333,14 @@ class SpeculativeConfig:
                           if getattr(self, name) is not None]
             if set_fields:
                 raise ValueError(f"speculative.{set_fields[0]} is set but speculative.method is not; set "
-                                 f"method (ngram, draft_model or eagle) to speculate, or leave "
+                                 f"method (ngram, draft_model, eagle or eagle3) to speculate, or leave "
                                  f"{', '.join(set_fields)} unset")
             return
         if self.method in SPECULATIVE_NOT_SUPPORTED:
             raise ValueError(f"speculative.method={self.method!r} is not supported yet; use 'ngram' (prompt "
-                             f"lookup), 'draft_model' or 'eagle', or leave method unset")
+                             f"lookup), 'draft_model', 'eagle' or 'eagle3', or leave method unset")
         if self.method not in ("ngram", *SPECULATIVE_MODEL_METHODS):
-            raise ValueError(f"speculative.method must be ngram, draft_model or eagle (or null: off), got "
+            raise ValueError(f"speculative.method must be ngram, draft_model, eagle or eagle3 (or null: off), got "
                              f"{self.method!r}")
         if self.num_speculative_tokens is None or self.num_speculative_tokens < 1:
             raise ValueError(f"speculative.num_speculative_tokens must be an integer >= 1 with method "
@@ -347,8 +348,8 @@ class SpeculativeConfig:
         if self.method == "ngram":
             misplaced = [name for name in ("model", "draft_tensor_parallel_size") if getattr(self, name) is not None]
             if misplaced:
-                raise ValueError(f"speculative.{misplaced[0]} is for method draft_model or eagle; method ngram "
-                                 f"guesses without a model: leave it unset")
+                raise ValueError(f"speculative.{misplaced[0]} is for method draft_model, eagle or eagle3; method "
+                                 f"ngram guesses without a model: leave it unset")
             low, high = self.lookup_range
             if not 1 <= low <= high:
                 raise ValueError(f"speculative.prompt_lookup_min ({low}) and prompt_lookup_max ({high}) must "
@@ -370,7 +371,7 @@ class SpeculativeConfig:
 
     @property
     def uses_model(self) -> bool:
-        """Guesses come from a network on the device (draft_model, eagle), made during each step."""
+        """Guesses come from a network on the device (draft_model, eagle, eagle3), made during each step."""
         return self.method in SPECULATIVE_MODEL_METHODS
 
     @property

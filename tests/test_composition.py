@@ -45,6 +45,7 @@ MATRIX = [
     # "eagle2" (a random EAGLE head of the fixture's shape, k = 2: guesses made, few accepted).
     (DENSE, True, True, True, True, 2, 1, "draft2"),
     (DENSE, False, False, True, False, 1, 1, "eagle2"),
+    (DENSE, True, True, True, True, 2, 1, "eagle3_k2"),  # a random EAGLE-3 head over both layers, k = 2
     (MOE, False, True, False, True, 1, 1, "draft2"),
     (MOE, True, True, False, True, 1, 2, "draft2"),  # refused: speculation with expert parallelism not yet
 ]
@@ -74,7 +75,11 @@ def test_mechanisms_compose(row, request):
                    num_blocks=num_blocks, max_num_batched_tokens=budget, max_num_seqs=4, token_buckets=[budget],
                    request_buckets=[4], precompile=False, progress=False, async_scheduling=overlap,
                    enable_prefix_caching=caching, tensor_parallel_size=tp, **{"parallel.expert": ep})
-    if isinstance(guesses, str):  # a model proposer
+    if guesses == "eagle3_k2":  # (tests/test_spec_eagle3.py)
+        from tests.test_spec_eagle3 import random_eagle3_head
+        head = random_eagle3_head(fixture.path, request.getfixturevalue("tmp_path") / "eagle3")
+        options["speculative_config"] = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 2}
+    elif isinstance(guesses, str):  # a model proposer
         method, k = guesses[:-1], int(guesses[-1])
         model = (fixture.path if method == "draft" else
                  random_eagle_head(fixture.path, request.getfixturevalue("tmp_path") / "eagle"))

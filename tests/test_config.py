@@ -248,7 +248,8 @@ def test_speculative_section_and_vllm_speculative_config():
     assert EngineConfig.from_dict({"speculative": {"method": "ngram", "num_speculative_tokens": 2}}) == \
         EngineConfig().with_overrides(**{"speculative.method": "ngram", "num_speculative_tokens": 2})
     for value, message in [
-        ({"method": "eagle3", "num_speculative_tokens": 2}, r"speculative.method='eagle3' is not supported yet"),
+        ({"method": "medusa", "num_speculative_tokens": 2}, r"speculative.method='medusa' is not supported yet"),
+        ({"method": "eagle3", "num_speculative_tokens": 2}, "'eagle3' needs speculative.model"),
         ({"method": "draft_model", "num_speculative_tokens": 2}, "'draft_model' needs speculative.model"),
         ({"method": "eagle", "num_speculative_tokens": 2}, "'eagle' needs speculative.model: the directory of the "
                                                            "EAGLE head"),
@@ -258,15 +259,15 @@ def test_speculative_section_and_vllm_speculative_config():
          "draft_tensor_parallel_size must be >= 1"),
         ({"model": "/draft", "num_speculative_tokens": 2, "prompt_lookup_max": 2}, "are for method ngram"),
         ({"method": "ngram", "num_speculative_tokens": 2, "model": "/draft"},
-         "speculative.model is for method draft_model or eagle"),
+         "speculative.model is for method draft_model, eagle or eagle3"),
         ({"method": "ngram"}, r"num_speculative_tokens must be an integer >= 1 with method ngram, got None"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
          r"prompt_lookup_min \(4\) and prompt_lookup_max \(2\) must satisfy"),
-        ({"method": "ngrams", "num_speculative_tokens": 2}, "speculative.method must be ngram, draft_model or eagle"),
+        ({"method": "ngrams", "num_speculative_tokens": 2}, "speculative.method must be ngram, draft_model, eagle or"),
         ({"num_speculative_tokens": 2}, "num_speculative_tokens is set but speculative.method is not"),
         ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1},
-         "draft_tensor_parallel_size is for method draft_model or eagle"),
+         "draft_tensor_parallel_size is for method draft_model, eagle or eagle3"),
         ({"method": "ngram", "num_speculative_tokens": 2, "acceptance": 0.5},
          r"unknown or unsupported key\(s\) \['acceptance'\]"),
         ("ngram", r"speculative_config must be a mapping or null"),

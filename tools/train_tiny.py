@@ -14,7 +14,10 @@ records how often its greedy token equals the embedded model's on held-out probl
 chance that one guess is accepted). `--eagle` trains an EAGLE head (EAGLE_CONFIG: one layer over the embedded
 model's hidden states, models/eagle_head.py) for it (`jaxserve/assets/tiny-adder-eagle`): cross-entropy of
 the target's next-next token plus regression onto the target's next feature, over two passes, the second
-reading the head's own features (as proposing does after its first guess).
+reading the head's own features (as proposing does after its first guess). `--eagle3` trains an EAGLE-3 head
+(EAGLE3_CONFIG, models/eagle3_head.py: fc over the residual stream entering the target's layers 1-3, its own
+lm head over a draft vocabulary of 13 ids mapped through d2t) into `jaxserve/assets/tiny-adder-eagle3`:
+cross-entropy of the token two ahead over two passes, the second reading the first's pre-norm output.
 
 Usage: `python tools/train_tiny.py --out jaxserve/assets/tiny-adder [--steps 30000]` (or `--draft`), after
 `pip install -e '.[train]'` (optax). The data helpers (`held_out_problems`, `sample_batch`) need no optax:
@@ -40,8 +43,9 @@ try:
 except ImportError:  # only training needs it (the `train` extra); main() says so
     optax = None
 
-from jaxserve.models import loader, registry
+from jaxserve.models import eagle3_head as eagle3
 from jaxserve.models import eagle_head as eagle
+from jaxserve.models import layers, llama, loader, registry
 
 VOCAB = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{c: i + 4 for i, c in enumerate("0123456789+=")}}
 PAD, BOS, EOS = 0, 1, 2
@@ -72,6 +76,12 @@ EAGLE_CONFIG = registry.config_from_hf({
     "max_position_embeddings": 32, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True,
     "torch_dtype": "float32"})
 FAMILY = registry.family_of(MODEL_CONFIG)
+# The EAGLE-3 head of the embedded model: one layer of the target's width over the residual stream entering
+# its layers 1, 2 and 3 (the default (2, L // 2, L - 3) names layer 2 twice in a 4-layer model), with its own
+# lm head over a draft vocabulary without the ids no completion holds (<pad>, <s>, <unk>).
+DRAFT_IDS = np.array([i for i in range(len(VOCAB)) if i not in (PAD, BOS, VOCAB["<unk>"])])
+EAGLE3_CONFIG = eagle3.Eagle3Config(layer=EAGLE_CONFIG, draft_vocab_size=len(DRAFT_IDS),
+                                    target_hidden_size=MODEL_CONFIG.hidden_size, aux_layers=(1, 2, 3))
 
 
 def is_held_out(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -162,6 +172,60 @@ def eagle_agreement(params, target, problems: list[tuple[int, int]], cfg=EAGLE_C
     return float(((guess == greedy) * np.asarray(mask)).sum() / np.asarray(mask).sum())
 
 
+def target_aux(target, rows, aux_layers=EAGLE3_CONFIG.aux_layers):
+    """The target's residual stream entering each of `aux_layers`, concatenated [B, L, n * D] (as
+    llama.forward's aux_layers, over a dense causal batch)."""
+    cfg = MODEL_CONFIG
+    inv_freq = layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    batch, length = rows.shape
+    x = target["embed"][rows.reshape(-1)]
+    h = layers.rms_norm(x, target["layers"][0]["attn_norm"], cfg.rms_norm_eps)
+    aux = []
+    for i, (lp, next_norm) in enumerate(zip(target["layers"], llama._next_norms(target))):
+        if i in aux_layers:
+            aux.append(x)
+        q, k, v = (a.reshape(batch, length, *a.shape[1:]) for a in
+                   llama._qkv(lp, cfg, h, jnp.tile(jnp.arange(length, dtype=jnp.int32), batch), inv_freq))
+        attn = layers.causal_attention(q, k, v, sm_scale=cfg.head_dim ** -0.5)
+        h, x = llama._out_and_mlp(lp, cfg, x, attn.reshape(batch * length, *attn.shape[2:]), next_norm)
+    return jax.lax.stop_gradient(jnp.concatenate(aux, axis=-1).reshape(batch, length, -1))
+
+
+def _eagle3_targets(rows):
+    """Each position's token two ahead as a draft id (ids outside the draft vocabulary: 0, masked anyway)."""
+    to_draft = np.zeros(len(VOCAB), np.int32)
+    to_draft[DRAFT_IDS] = np.arange(len(DRAFT_IDS))
+    return jnp.asarray(to_draft)[jnp.roll(rows, -2, axis=1)]
+
+
+def eagle3_loss(params, rows, mask, target, head=EAGLE3_CONFIG):
+    """Cross-entropy of the token two ahead over two passes: the first reads fc(the target's aux states),
+    the second the first's pre-norm output one position back (as proposing does after its first guess)."""
+    embeds = target["embed"][jnp.roll(rows, -1, axis=1)]
+    targets, mask = _eagle3_targets(rows), jnp.roll(mask, -1, axis=1)
+    weight = mask / jnp.maximum(jnp.sum(mask), 1.0)
+    hidden = eagle3.features(params, target_aux(target, rows))
+    loss = 0.0
+    for _ in range(2):
+        normed, out = eagle3.forward_dense(params, head, embeds, hidden)
+        nll = optax.softmax_cross_entropy_with_integer_labels(eagle3.logits(params, normed), targets)
+        loss += jnp.sum(nll * weight)
+        hidden = jnp.concatenate([hidden[:, :1], out[:, :-1]], axis=1)
+    return loss
+
+
+def eagle3_agreement(params, target, problems: list[tuple[int, int]], head=EAGLE3_CONFIG) -> float:
+    """eagle_agreement for the EAGLE-3 head: its first guess mapped to a target id against the target's
+    greedy token."""
+    rows, mask = encode_problems(np.array([p[0] for p in problems]), np.array([p[1] for p in problems]))
+    embeds = target["embed"][jnp.roll(rows, -1, axis=1)]
+    normed, _ = eagle3.forward_dense(params, head, embeds, eagle3.features(params, target_aux(target, rows)))
+    guess = DRAFT_IDS[np.argmax(np.asarray(eagle3.logits(params, normed)), axis=-1)]
+    greedy = np.roll(np.argmax(np.asarray(FAMILY.forward_dense(target, MODEL_CONFIG, rows)), axis=-1), -1, axis=1)
+    mask = np.roll(mask, -1, axis=1)
+    return float(((guess == greedy) * mask).sum() / mask.sum())
+
+
 @partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2, 3))
 def train_chunk(optimizer, loss, params, opt_state, rows, masks, target=None):
     """Several optimizer steps in one device call: rows, masks [steps, batch, SEQ_LEN]; `loss`(params, rows,
@@ -249,8 +313,10 @@ def main(argv=None) -> None:
                         help="train the draft model (DRAFT_CONFIG) instead of the embedded model")
     parser.add_argument("--eagle", action="store_true",
                         help="train the embedded model's EAGLE head (EAGLE_CONFIG) instead")
+    parser.add_argument("--eagle3", action="store_true",
+                        help="train the embedded model's EAGLE-3 head (EAGLE3_CONFIG) instead")
     parser.add_argument("--target", type=Path, default=Path("jaxserve/assets/tiny-adder"),
-                        help="--draft, --eagle: the model whose guesses it makes")
+                        help="--draft, --eagle, --eagle3: the model whose guesses it makes")
     parser.add_argument("--steps", type=int, default=30000)
     parser.add_argument("--batch-size", type=int, default=512)
     parser.add_argument("--lr", type=float, default=2e-3)
@@ -261,11 +327,16 @@ def main(argv=None) -> None:
         raise SystemExit("training needs optax: pip install -e '.[train]'")
 
     cfg = EAGLE_CONFIG if args.eagle else DRAFT_CONFIG if args.draft else MODEL_CONFIG
-    name = "tiny-adder-eagle" if args.eagle else "tiny-adder-draft" if args.draft else "tiny-adder"
+    name = ("tiny-adder-eagle3" if args.eagle3 else "tiny-adder-eagle" if args.eagle else
+            "tiny-adder-draft" if args.draft else "tiny-adder")
     out = args.out or Path("jaxserve/assets") / name
     rng = np.random.default_rng(args.seed)
-    target = loader.load_model(args.target, dtype="float32").params if args.draft or args.eagle else None
-    if args.eagle:
+    heads = args.eagle or args.eagle3  # (either head: agreement instead of accuracy)
+    target = loader.load_model(args.target, dtype="float32").params if args.draft or heads else None
+    if args.eagle3:  # (its final norm and lm head start as the target's, over the draft ids)
+        params, loss = eagle3.init_head(EAGLE3_CONFIG, jax.random.key(args.seed)), eagle3_loss
+        params |= {"final_norm": jnp.array(target["final_norm"], copy=True), "lm_head": target["embed"][DRAFT_IDS].T}
+    elif args.eagle:
         params, loss = eagle.init_head(cfg, jax.random.key(args.seed)), eagle_loss
     else:
         params, loss = FAMILY.init_params(cfg, jax.random.key(args.seed), std=0.02), partial(loss_fn, cfg=cfg)
@@ -284,29 +355,34 @@ def main(argv=None) -> None:
         masks = np.stack([b[1] for b in batches])
         params, opt_state, losses = train_chunk(optimizer, loss, params, opt_state, rows, masks, target)
         if (done + n) % (args.chunk * 4) == 0 or done + n == args.steps:
-            acc = eagle_agreement(params, target, eval_set) if args.eagle else accuracy(params, eval_set, cfg)
-            what = "agreement" if args.eagle else "acc"
+            acc = (eagle3_agreement(params, target, eval_set) if args.eagle3 else
+                   eagle_agreement(params, target, eval_set) if args.eagle else accuracy(params, eval_set, cfg))
+            what = "agreement" if heads else "acc"
             line = (f"step {done + n:6d}  loss {float(losses[-1]):.4f}  held-out {what} {acc:.4f}  "
                     f"{time.time() - start:.0f}s")
             print(line, flush=True)
             log.append(line)
-    flags = " --eagle" if args.eagle else " --draft" if args.draft else ""
+    flags = " --eagle3" if args.eagle3 else " --eagle" if args.eagle else " --draft" if args.draft else ""
     notes = (
         f"# {name} training record\n\nCommand: `python tools/train_tiny.py{flags} --steps {args.steps} --batch-size "
         f"{args.batch_size} --lr {args.lr} --seed {args.seed}`\n\nDevice: {jax.devices()[0].device_kind}; wall time "
         f"{time.time() - start:.0f} s (data drawn on the host).\n"
     )
-    if not args.eagle:
+    if not heads:
         notes += (f"\nHeld-out accuracy (all {len(held_out)} held-out problems, greedy): "
                   f"{accuracy(params, held_out, cfg):.4f}\n")
     if target is not None:
-        rate = eagle_agreement(params, target, held_out) if args.eagle else agreement(params, cfg, target, held_out)
+        rate = (eagle3_agreement(params, target, held_out) if args.eagle3 else eagle_agreement(params, target, held_out)
+                if args.eagle else agreement(params, cfg, target, held_out))
         notes += (f"\nAgreement with {args.target.name} (its first guess equals the greedy token at the completion "
                   f"positions of every held-out problem, teacher-forced: the rate at which one guess is accepted): "
                   f"{rate:.4f}\n")
     notes += "\n```\n" + "\n".join(log) + "\n```\n"
     print(notes)
-    if args.eagle:
+    if args.eagle3:
+        eagle3.save_head(params, EAGLE3_CONFIG, out, d2t=DRAFT_IDS - np.arange(len(DRAFT_IDS)))
+        (out / "TRAINING.md").write_text(notes)
+    elif args.eagle:
         out.mkdir(parents=True, exist_ok=True)
         eagle.save_head(params, cfg, out)
         (out / "TRAINING.md").write_text(notes)

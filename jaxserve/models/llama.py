@@ -326,16 +326,18 @@ def head_logits(params: Params, cfg: LlamaConfig, h: jax.Array) -> jax.Array:
 
 def _step(params: Params, batch: ModelBatch, kv_caches: list[jax.Array], comm: jax.Array | None = None,
           placement=None, *, cfg: LlamaConfig, attention_backend: str, tp: TensorParallel | None,
-          decode_only: bool = False, return_hidden: bool = False) -> tuple:
+          decode_only: bool = False, return_hidden: bool = False, aux_layers: tuple[int, ...] = ()) -> tuple:
     """The step on one device's params and caches: all of them, or (with `tp`) its shards. With `placement`
     the last output is the step's expert load [L, E] int32: tokens per logical expert of each MoE layer,
-    summed over the expert shards (replicated)."""
+    summed over the expert shards (replicated). `aux_layers`: forward's."""
     x = sharded_lookup(params["embed"], batch.token_ids, tp, "vocab", comm)  # [T, D]
     h = layers.rms_norm(x, params["layers"][0]["attn_norm"], cfg.rms_norm_eps)
-    new_caches, loads = [], []
+    new_caches, loads, aux = [], [], []
     moe_rows = {layer: row for row, layer in enumerate(cfg.moe.sparse_layers)} if cfg.moe is not None else {}
     for i, (lp, next_norm, kv_cache) in enumerate(zip(params["layers"], _next_norms(params), kv_caches)):
         moe_layer = jnp.int32(moe_rows[i]) if placement is not None and i in moe_rows else None
+        if i in aux_layers:
+            aux.append(x)
         h, x, kv_cache, load = _layer(lp, h, x, next_norm, kv_cache, batch, comm, placement, moe_layer, cfg=cfg,
                                       attention_backend=attention_backend, tp=tp, decode_only=decode_only)
         new_caches.append(kv_cache)
@@ -343,6 +345,8 @@ def _step(params: Params, batch: ModelBatch, kv_caches: list[jax.Array], comm: j
             loads.append(load)
     logits = _head(params, cfg, h[batch.logits_indices], tp, comm)
     out = (logits, new_caches, h) if return_hidden else (logits, new_caches)
+    if aux_layers:
+        out = (*out, jnp.concatenate(aux, axis=-1))
     if placement is None:
         return out
     load = jnp.stack(loads) if loads else jnp.zeros((0, cfg.moe.num_experts), jnp.int32)
@@ -367,6 +371,7 @@ def forward(
     comm: jax.Array | None = None,
     return_hidden: bool = False,
     placement=None,
+    aux_layers: tuple[int, ...] = (),
 ) -> tuple:
     """One engine step over the ragged batch. Returns float32 logits for `batch.logits_indices` and the
     caches; with `return_hidden`, also every token's final-normed hidden state [T, D] (for `head_logits`).
@@ -381,19 +386,25 @@ def forward(
     "expert" mesh axis, each shard attending over its own requests and cache; the logits come back
     shard-major, [n * num_logits, V]; MoE layers exchange routed tokens over the expert axis, and the last
     output is the step's expert load [L, E] int32 (tokens per logical expert of each MoE layer, padding
-    excluded; rows in cfg.moe.sparse_layers order, the placement tables' rows)."""
+    excluded; rows in cfg.moe.sparse_layers order, the placement tables' rows).
+
+    `aux_layers` (sorted layer indices; an EAGLE-3 head reads them): one more output after the hidden
+    states, the residual stream entering each of those layers, concatenated [T, len(aux_layers) * D]."""
     if tp is None or tp.mesh.size == 1:
         return _step(params, batch, kv_caches, cfg=cfg, attention_backend=attention_backend, tp=None,
-                     decode_only=decode_only, return_hidden=return_hidden)
+                     decode_only=decode_only, return_hidden=return_hidden, aux_layers=aux_layers)
     shard = ("expert_shard",) if tp.expert is not None else ()
     cache_axes = [(*shard, *layers.kv_cache_axes(attention_backend))] * len(kv_caches)
     comm_axes = COMM_AXES if comm is not None else ()
     step = _expert_shard_step if shard else _step
     out_axes = (shard, cache_axes, shard) if return_hidden else (shard, cache_axes)
+    if aux_layers:
+        out_axes = (*out_axes, shard)
     if placement is not None:
         out_axes = (*out_axes, ())  # the expert load, summed over the shards
     sharded_step = tp.shard_map(functools.partial(step, cfg=cfg, attention_backend=attention_backend, tp=tp,
-                                                  decode_only=decode_only, return_hidden=return_hidden),
+                                                  decode_only=decode_only, return_hidden=return_hidden,
+                                                  aux_layers=aux_layers),
                                 in_axes=(param_axes(params), shard, cache_axes, comm_axes, ()), out_axes=out_axes)
     logits, kv_caches, *rest = sharded_step(params, batch, kv_caches, comm, placement)
     if logits.shape[-1] != cfg.vocab_size:  # the vocabulary was padded to a multiple of tp

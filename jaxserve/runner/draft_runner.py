@@ -53,6 +53,9 @@ def make(config: EngineConfig, tp: TensorParallel | None, target, max_model_len:
     if config.speculative.method == "eagle":
         from jaxserve.runner.eagle_runner import EagleRunner
         return EagleRunner(config, tp, target, max_model_len)
+    if config.speculative.method == "eagle3":
+        from jaxserve.runner.eagle_runner import Eagle3Runner
+        return Eagle3Runner(config, tp, target, max_model_len)
     return None
 
 
@@ -61,6 +64,7 @@ class DraftRunner:
     overriding what differs (loading, the programs and their arguments)."""
 
     needs_hidden = False  # the step's target hidden states are an input (ModelRunner's forward returns them)
+    aux_layers: tuple[int, ...] = ()  # ... and then, when set, the residual stream entering these target layers
     fill_program, propose_program = staticmethod(draft_model.fill), staticmethod(draft_model.propose)
 
     def __init__(self, config: EngineConfig, tp: TensorParallel | None, target, max_model_len: int):
@@ -98,9 +102,14 @@ class DraftRunner:
         block on one device): what the KV budget sets aside besides the target's. The step's: float32 logits
         of the fill and of a propose step (R rows each), and the target's hidden states [T, D] when read."""
         rows, tokens = buckets.request_buckets[-1], max(buckets.token_buckets)
-        hidden = tokens * self.target.hidden_size * np.dtype(self.target.jnp_dtype).itemsize if self.needs_hidden else 0
+        hidden = tokens * self.feature_width * np.dtype(self.target.jnp_dtype).itemsize if self.needs_hidden else 0
         per_block = kv_block_bytes(self.cfg, self.block_size, np.dtype(self.cfg.jnp_dtype).itemsize, self.tp)
         return 2 * 4 * rows * self.target.vocab_size + hidden, per_block
+
+    @property
+    def feature_width(self) -> int:
+        """The width of the target's hidden states the draft reads per token (needs_hidden)."""
+        return self.target.hidden_size * max(1, len(self.aux_layers))
 
     def init_caches(self, num_blocks: int, max_rows: int, on_device) -> None:
         self.kv_caches = registry.family_of(self.cfg).init_kv_caches(self.cfg, num_blocks, self.block_size,
@@ -183,7 +192,7 @@ class DraftRunner:
 
         def inputs(t_pad: int, r_pad: int):  # (staged batch, target hidden states) of a step shape
             batch = jax.tree.map(lambda a: abstract(a.shape, a.dtype), runner._host_batch(t_pad, r_pad))
-            return batch, abstract((t_pad, self.target.hidden_size), self.target.jnp_dtype, self.on_device)
+            return batch, abstract((t_pad, self.feature_width), self.target.jnp_dtype, self.on_device)
 
         tokens = abstract((runner.max_rows,), sharding=self.on_device)
         rows = abstract((4, runner.max_rows), sharding=self.on_device)

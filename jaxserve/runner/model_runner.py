@@ -205,7 +205,8 @@ class ModelRunner:
         self._logits: dict[int, jax.Array] = {}
         self._twin: dict[tuple[int, int], bool] = {}  # the twin executable the last decode step of a shape ran
         platform = (tp.mesh.devices.flat[0] if tp is not None else jax.devices()[0]).platform
-        self.forward_fn = forward_fn(platform, self.drafter is not None and self.drafter.needs_hidden)
+        self.forward_fn = forward_fn(platform, self.drafter is not None and self.drafter.needs_hidden,
+                                     self.drafter.aux_layers if self.drafter is not None else ())
         self.use_twins = platform == "gpu"  # (only XLA:GPU replays graphs; see _run_forward)
         self.speculative = config.speculative.enabled  # steps may carry guesses (spec_verify.py)
         # The bench's synthetic acceptance (spec_verify.py): a step input, changed between runs without a compile

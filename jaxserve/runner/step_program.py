@@ -48,7 +48,7 @@ def sharded_stage_fn(sharding: jax.sharding.Sharding):
 
 def _forward_step(params, cfg, batch: ModelBatch, kv_caches, logits_buffer, comm, attention_backend, tp=None,
                   decode_only=False, twin=False, out_rows=None, prompt=None, num_prompt_logprobs=0, placement=None,
-                  expert_load=None, return_hidden=False):
+                  expert_load=None, return_hidden=False, aux_layers=()):
     """The model step -> (logits, kv_caches, greedy tokens or None), plus, when `prompt` (the flat token
     indices and scored tokens of prompt_logprobs.PromptRows) is given, prompt_logprobs.compute's arrays
     with `num_prompt_logprobs` top entries. `logits_buffer` (donated, never
@@ -63,13 +63,16 @@ def _forward_step(params, cfg, batch: ModelBatch, kv_caches, logits_buffer, comm
     this step's load, as its last two outputs: the accumulator (to donate into the next step) and a copy of
     it that is never donated, which the host reads once the step is done (nothing here waits for the host).
     `return_hidden`: every token's final-normed hidden state [T, D] follows the prompt arrays (an EAGLE head
-    reads them)."""
+    reads them); with `aux_layers` (an EAGLE-3 head's layers), the residual stream entering each of them,
+    concatenated [T, len(aux_layers) * D], instead."""
     del logits_buffer
     family = registry.family_of(cfg)
     expert = {"placement": placement} if placement is not None else {}
+    aux = {"aux_layers": aux_layers} if aux_layers else {}  # (other families' forwards never see the option)
     logits, kv_caches, *hidden = family.forward(params, cfg, batch, kv_caches, attention_backend=attention_backend,
                                                 tp=tp, decode_only=decode_only, comm=comm,
-                                                return_hidden=prompt is not None or return_hidden, **expert)
+                                                return_hidden=prompt is not None or (return_hidden and not aux_layers),
+                                                **expert, **aux)
     extra = ()
     if placement is not None:
         *hidden, load = hidden
@@ -82,7 +85,11 @@ def _forward_step(params, cfg, batch: ModelBatch, kv_caches, logits_buffer, comm
         tokens = jnp.pad(jnp.argmax(logits, axis=-1).astype(jnp.int32), (0, out_rows - logits.shape[0]))
         if tp is not None:  # replicated, as every step's tokens (the next step's stage reads them)
             tokens = jax.lax.with_sharding_constraint(tokens, tp.sharding(()))
-    extra = (hidden[0], *extra) if return_hidden else extra
+    if aux_layers:
+        *hidden, features = hidden
+    elif return_hidden:
+        features = hidden[0]
+    extra = (features, *extra) if return_hidden else extra
     if prompt is not None:
         return logits, kv_caches, tokens, prompt_logprobs.compute(params, cfg, hidden[0], *prompt,
                                                                   num_prompt_logprobs), *extra
@@ -100,10 +107,12 @@ TWIN_COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 1025}
 
 
 @functools.cache
-def forward_fn(platform: str, return_hidden: bool = False):
+def forward_fn(platform: str, return_hidden: bool = False, aux_layers: tuple[int, ...] = ()):
     """The jitted step for a platform (GPU options only where XLA:GPU compiles), one per process so
-    engines with the same model config and shapes share compilations; `return_hidden`: _forward_step's."""
-    step = functools.partial(_forward_step, return_hidden=True) if return_hidden else _forward_step
+    engines with the same model config and shapes share compilations; `return_hidden`, `aux_layers`:
+    _forward_step's."""
+    step = (functools.partial(_forward_step, return_hidden=True, aux_layers=aux_layers) if return_hidden
+            else _forward_step)
     return jax.jit(step, static_argnames=("cfg", "attention_backend", "tp", "decode_only", "twin", "out_rows",
                                                    "num_prompt_logprobs"),
                    donate_argnames=("kv_caches", "logits_buffer", "expert_load"), keep_unused=True,
