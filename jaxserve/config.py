@@ -52,6 +52,9 @@ class ModelConfig:
                              f"or leave it unset")
 
 
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
@@ -71,9 +74,17 @@ class CacheConfig:
     host_kv_gib: float = 0.0  # host-memory tier under the device cache (README "KV cache tiers"); 0: off
     disk_kv_path: str | None = None  # disk tier below the host tier: a private directory engines may share
     disk_kv_gib: float = 0.0  # the disk tier's size cap (required with disk_kv_path)
+    # vLLM's name and values: auto (null): the model's dtype; fp8 or fp8_e4m3: float8_e4m3fn with static K/V
+    # scales per layer and kv head (a checkpoint's k_scale / v_scale, else 1), 1 byte per element
+    kv_cache_dtype: str | None = "auto"
 
     def __post_init__(self):
         check_fields(self, "cache")
+        if self.kv_cache_dtype is None:
+            object.__setattr__(self, "kv_cache_dtype", "auto")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"cache.kv_cache_dtype={self.kv_cache_dtype!r} is not supported; choose one of "
+                             f"{list(KV_CACHE_DTYPES)} (fp8 is float8_e4m3fn; fp8_e5m2 is not implemented)")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"cache.block_size must be a power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 2:
@@ -421,7 +432,6 @@ VLLM_NAMES = {
 # vLLM's names for what jaxserve does not do (yet): the default is accepted, so vLLM code runs unchanged;
 # anything else is refused. name -> (accepted values, annotation, the reason given)
 NOT_SUPPORTED = {
-    "kv_cache_dtype": (("auto", None), str | None, "is not supported yet: the KV cache has the model's dtype"),
     "pipeline_parallel_size": ((1,), int, "is not supported yet: use tensor_parallel_size to spread a model"),
     "trust_remote_code": ((False,), bool, "is refused: jaxserve never runs code from a checkpoint (auto_map); "
                                           "it runs the architectures it implements (README: Checkpoints)"),

@@ -49,7 +49,9 @@ def greedy_generate(
     eos_token_ids: tuple[int, ...] = (),
     attention_backend: str = "reference",
     keep_logits: bool = True,
+    kv_cache_dtype=None,
 ) -> GreedyResult:
+    """`kv_cache_dtype`: the caches' dtype (None: the model's; float8_e4m3fn: an fp8 cache, scales 1)."""
     num_reqs = len(prompts)
     blocks_per_req = [math.ceil((len(p) + max_new_tokens) / block_size) for p in prompts]
     max_blocks = max(blocks_per_req)
@@ -61,7 +63,7 @@ def greedy_generate(
     for r, n in enumerate(blocks_per_req):
         block_tables[r, :n] = block_ids[offset: offset + n]
         offset += n
-    kv_caches = llama.init_kv_caches(cfg, len(block_ids) + 1, block_size, attention_backend)
+    kv_caches = llama.init_kv_caches(cfg, len(block_ids) + 1, block_size, attention_backend, dtype=kv_cache_dtype)
 
     tokens = [list(p) for p in prompts]
     num_computed = [0] * num_reqs

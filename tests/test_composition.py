@@ -239,3 +239,72 @@ def test_fp8_weights_compose(row, hf_fixture_by_name):
     if preempt:
         assert stats.num_preemptions > 0
     assert (stats.prefix_cache_hits > 0) == caching
+
+
+# ---------------------------------------------------------------- the FP8 KV cache column
+# cache.kv_cache_dtype: fp8 with the other mechanisms. The fp8 cache changes the numerics (not transformers'
+# tokens any more), so each row must give the tokens of a plain fp8 engine (sync, roomy pool, whole prompts,
+# one device) on the same fixture; fp8 blocks move through the host tier as raw bytes (static scales).
+
+#              fixture, overlap, prefix caching, forced preemption, chunked prefill, tensor parallel, extra
+FP8KV_MATRIX = [
+    (DENSE, True, True, True, True, 2, None),
+    (DENSE, False, True, True, False, 1, "swap"),  # host tier, swap preemption
+    (MOE, True, True, True, True, 1, "ngram3"),
+    (MOE, False, False, False, True, 2, None),
+]
+_fp8kv_baselines: dict[str, list[list[int]]] = {}
+
+
+def _fp8kv_id(row) -> str:
+    name, overlap, caching, preempt, chunked, tp, extra = row
+    return "-".join([("moe" if name == MOE else "dense"), "overlap" if overlap else "sync",
+                     "cache" if caching else "nocache", "preempt" if preempt else "roomy",
+                     "chunked" if chunked else "whole", f"tp{tp}", extra or "plain"])
+
+
+def _fp8kv_generate(fixture, *, overlap=False, caching=True, preempt=False, chunked=False, tp=1, extra=None):
+    prompts = fixture.prompts
+    num_blocks = sum(-(-len(p) // 4) for p in prompts) + 3 if preempt else 2 * sum(
+        -(-(len(p) + NEW_TOKENS) // 4) for p in prompts) + 1
+    budget = 16 if chunked else 64
+    options = dict(model=fixture.path, dtype="float32", skip_tokenizer_init=True, max_model_len=64, block_size=4,
+                   num_blocks=num_blocks, max_num_batched_tokens=budget, max_num_seqs=4, token_buckets=[budget],
+                   request_buckets=[4], precompile=False, progress=False, async_scheduling=overlap,
+                   enable_prefix_caching=caching, tensor_parallel_size=tp, kv_cache_dtype="fp8")
+    if extra == "swap":
+        options.update(host_kv_gib=1 / 1024, preemption_mode="swap", prefix_hash_seed=1)
+    elif extra == "ngram3":
+        options["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 3,
+                                         "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    llm = LLM(**options)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    rounds = [[o.outputs[0].token_ids for o in llm.generate(requests, params, use_tqdm=False)] for _ in range(2)]
+    return llm, rounds
+
+
+@pytest.mark.parametrize("row", FP8KV_MATRIX, ids=[_fp8kv_id(row) for row in FP8KV_MATRIX])
+def test_fp8kv_composes(row, request):
+    name, overlap, caching, preempt, chunked, tp, extra = row
+    if tp > len(jax.devices()):
+        pytest.skip(f"needs {tp} devices")
+    fixture = request.getfixturevalue("hf_fixture_by_name")(name)
+    if name not in _fp8kv_baselines:
+        _fp8kv_baselines[name] = _fp8kv_generate(fixture)[1][0]
+    want = _fp8kv_baselines[name]
+    llm, rounds = _fp8kv_generate(fixture, overlap=overlap, caching=caching, preempt=preempt, chunked=chunked,
+                                  tp=tp, extra=extra)
+    assert all(c.dtype == jax.numpy.float8_e4m3fn for c in llm.engine.runner.kv_caches)
+    for tokens in rounds:
+        assert tokens == want, _fp8kv_id(row)
+    stats = llm.engine.stats()
+    if preempt:
+        assert stats.num_preemptions > 0, "the small KV pool was meant to force preemption"
+    if caching:
+        assert stats.prefix_cache_hits > 0
+    if extra == "swap":
+        assert stats.kv_cache.swaps_out > 0 and stats.kv_cache.swaps_in == stats.kv_cache.swaps_out
+    if extra == "ngram3":
+        assert stats.spec_draft_tokens > 0
+    assert stats.kv_cache_usage == 0.0

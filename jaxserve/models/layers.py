@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.models import quant
+from pallas_kernels.paged_attention import fp8
 from pallas_kernels.paged_attention import reference as reference_attention
 
 
@@ -139,16 +140,20 @@ def paged_attention(
     sliding_window: int | None,
     backend: str,
     decode_only: bool = False,
+    kv_scale: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """The single attention dispatch point: write this step's K/V, then attend through block tables.
 
     `decode_only` (static): every request of the batch has exactly one query token, token r being
-    request r's; the GPU kernel then skips its general (prefill) path."""
+    request r's; the GPU kernel then skips its general (prefill) path. An fp8 cache (the cache's dtype
+    says it) stores K/V quantized by `kv_scale` [2, K] float32 (its K and V scale per kv head; None: 1;
+    pallas_kernels/paged_attention/fp8.py); a cache in a float dtype ignores it."""
     impl = attention_backend(backend)
-    kv_cache = impl.write_kv(kv_cache, k, v, batch.slot_mapping)
+    scale = {"kv_scale": kv_scale} if fp8.is_fp8(kv_cache.dtype) else {}
+    kv_cache = impl.write_kv(kv_cache, k, v, batch.slot_mapping, **scale)
     out = impl.ragged_paged_attention(
         q, kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
-        sm_scale=sm_scale, sliding_window=sliding_window, decode_only=decode_only,
+        sm_scale=sm_scale, sliding_window=sliding_window, decode_only=decode_only, **scale,
     )
     return out, kv_cache
 

@@ -112,6 +112,8 @@ AXES: dict[str, tuple[str, ...]] = {
     "w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed"),
     "b_gate": ("mlp",), "b_up": ("mlp",), "b_down": ("embed",),
     **moe.AXES,
+    # An fp8 KV cache's static K and V scales per kv head (float32), added by models/kv_scales.py
+    "kv_scale": (None, "kv_heads"),
 }
 # The weights FP8 quantization applies to (every dense matmul of the decoder; embeddings, lm_head, norms,
 # biases and the MoE router stay in the model dtype), each with its number of leading input axes.
@@ -308,7 +310,7 @@ def _layer(lp: Params, h: jax.Array, x: jax.Array, next_norm: jax.Array, kv_cach
     q, k, v = _qkv(lp, cfg, h, batch.positions, inv_freq)
     attn, kv_cache = layers.paged_attention(
         q, k, v, kv_cache, batch, sm_scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window,
-        backend=attention_backend, decode_only=decode_only,
+        backend=attention_backend, decode_only=decode_only, kv_scale=lp.get("kv_scale"),
     )
     routed, loads = None, []
     if placement is not None and "router" in lp:

@@ -39,8 +39,9 @@ from jaxserve.models import quant, registry
 Params = Any  # a family's params pytree
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-# Tensors some exporters include that carry nothing we need.
-IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+# Tensors some exporters include that carry nothing we need; and an fp8 KV cache's scales, which
+# models/kv_scales.py reads when the cache is fp8.
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq", ".self_attn.k_scale", ".self_attn.v_scale", ".self_attn.kv_scale")
 NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 LOAD_FORMATS = ("auto", "dummy")
 DUMMY_SEED = 0  # dummy weights are the same in every run, so benchmark runs compare like with like

@@ -15,10 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import EngineConfig
-from jaxserve.models import loader
+from jaxserve.models import kv_scales, loader, registry
 from jaxserve.models.family import ModelConfig
 from jaxserve.models.loader import LoadedModel
 from jaxserve.private_dir import private_directory
+from pallas_kernels.paged_attention import fp8
 from sharding import MODEL_AXIS, TensorParallel
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,27 @@ def resolve_max_model_len(config: EngineConfig, model_config) -> int:
         raise ValueError(f"model.max_model_len={max_model_len} exceeds the model's max_position_embeddings "
                          f"({limit}); lower max_model_len")
     return max_model_len
+
+
+def kv_cache_dtype(config: EngineConfig, cfg: ModelConfig, attention_backend: str):
+    """The KV cache's dtype: the model's, or float8_e4m3fn for cache.kv_cache_dtype fp8 / fp8_e4m3
+    (refused where no attention path reads it: the TPU kernel)."""
+    if config.cache.kv_cache_dtype not in fp8.NAMES:
+        return cfg.jnp_dtype
+    if attention_backend == "pallas" and jax.default_backend() == "tpu":
+        raise ValueError(f"cache.kv_cache_dtype={config.cache.kv_cache_dtype} is not supported yet by the TPU "
+                         "attention kernel; use kv_cache_dtype auto, or runner.attention_backend reference")
+    return fp8.DTYPE
+
+
+def with_kv_scales(model: LoadedModel, config: EngineConfig, tp: TensorParallel | None) -> LoadedModel:
+    """`model` with each layer's fp8 K/V scales among its params (models/kv_scales.py), placed like its
+    kv heads; unchanged when they are there already."""
+    if all("kv_scale" in lp for lp in model.params["layers"]):
+        return model
+    place = registry.family_of(model.config).param_placer(tp) if tp is not None else None
+    params = kv_scales.load(model.path, model.params, model.config, config.model.load_format, place)
+    return dataclasses.replace(model, params=params)
 
 
 def setup_all_reduce(tp: TensorParallel | None, mode: str, dtype="bfloat16"):

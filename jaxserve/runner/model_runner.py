@@ -44,10 +44,11 @@ from jaxserve.models import registry
 from jaxserve.models.layers import ModelBatch
 from jaxserve.models.loader import LoadedModel
 from jaxserve.runner import draft_runner, prompt_logprobs, sampler, spec_verify
-from jaxserve.runner.device_setup import (enable_compilation_cache, kv_cache_num_blocks, load_model,
-                                         resolve_attention_backend, resolve_max_model_len,
-                                         setup_all_reduce)
+from jaxserve.runner.device_setup import (enable_compilation_cache, kv_cache_dtype, kv_cache_num_blocks,
+                                         load_model, resolve_attention_backend, resolve_max_model_len,
+                                         setup_all_reduce, with_kv_scales)
 from jaxserve.runner.step_program import forward_fn, pack_step, stage_fn
+from pallas_kernels.paged_attention import fp8
 from sharding import TensorParallel
 from sharding.tensor_parallel import zeros
 
@@ -149,7 +150,6 @@ class ModelRunner:
                 logger.warning("parallel.all_reduce: the one-shot kernel fits none of this model's step shapes "
                                "(hidden_size %d x tokens must be whole kernel chunks); XLA's all-reduce runs "
                                "everywhere", self.cfg.hidden_size)
-        dtype = self.cfg.jnp_dtype
         # the step buffers precompile() makes (_run_forward): staged inputs per shape, f32 logits per R
         self._step_shapes = sorted(set(self.buckets.precompile_plan()) | set(self.buckets.decode_plan()))
         self.max_logprobs = self.cfg.vocab_size if sched.max_logprobs == -1 else min(sched.max_logprobs,
@@ -165,10 +165,15 @@ class ModelRunner:
         # the draft model or EAGLE head (speculative.method draft_model, eagle): its K/V shares the blocks
         self.drafter = draft_runner.make(config, tp, self.cfg, max_model_len)
         draft_bytes = self.drafter.memory(self.buckets) if self.drafter else (0, 0)  # (step buffers, per block)
-        self.num_blocks = kv_cache_num_blocks(self.cfg, config, max_model_len, np.dtype(dtype).itemsize, tp,
+        # the KV cache's dtype (fp8: 1 byte per element, so about twice the blocks of a bf16 cache fit)
+        self.kv_dtype = kv_cache_dtype(config, self.cfg, self.attention_backend)
+        if fp8.is_fp8(self.kv_dtype):
+            self.model = model = with_kv_scales(model, config, tp)
+        self.num_blocks = kv_cache_num_blocks(self.cfg, config, max_model_len, np.dtype(self.kv_dtype).itemsize, tp,
                                               reserved + draft_bytes[0], extra_block_bytes=draft_bytes[1])
         self.kv_caches = registry.family_of(self.cfg).init_kv_caches(self.cfg, self.num_blocks, self.block_size,
-                                                                     self.attention_backend, tp=tp)
+                                                                     self.attention_backend, dtype=self.kv_dtype,
+                                                                     tp=tp)
 
         # Per-row state (rows are assigned by the scheduler), so a step gathers rows with fancy indexing
         # instead of per-request Python.

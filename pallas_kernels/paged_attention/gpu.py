@@ -39,6 +39,11 @@ A mixed batch (decode rows and prefill chunks) costs no more than its parts run 
 launches share one jit. Bandwidth against JAX's Pallas `paged_attention` and the mixed-batch ratio
 (`benchmarks/attention.py`): benchmarks/RESULTS.md.
 
+FP8 caches (float8_e4m3fn, `fp8.py`): the programs load fp8 K/V tiles and widen them to q's dtype in
+registers (exact), so the dots run in q's dtype; a program's kv head has two static scales
+(`kv_scale` [2, K]): K's multiplies the softmax scale, V's the program's output. The bf16/f32 path
+takes no scale input and is unchanged.
+
 NOTE: float32 dots run as TF32 on the GPU (Triton's reading of DEFAULT precision, like XLA's own
 float32 matmuls there); interpret mode on the CPU is exact.
 NOTE: the Pallas Triton backend is deprecated in JAX 0.11 (every lowering warns). It is still the
@@ -57,6 +62,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.paged_attention import fp8
 from pallas_kernels.paged_attention.layout import kv_cache_shape, write_kv
 
 __all__ = ["TuningConfig", "kv_cache_shape", "write_kv", "ragged_paged_attention", "decode_splits"]
@@ -134,16 +140,19 @@ def _tile_ranges(t0, t1, unmasked_lo, unmasked_hi):
 
 
 def _attend(q, q_pos, bt_ref, k_ref, v_ref, req, seq_len, ranges, carry, *, sm_scale,
-            sliding_window, pages_per_tile):
+            sliding_window, pages_per_tile, k_scale=None):
     """Online softmax over the tiles in `ranges` ((lo, hi, masked) triples).
 
-    q [M, H] (already in the cache dtype), q_pos [M, 1] int32 absolute positions of its rows.
+    q [M, H] (in the dots' dtype: the cache's, or q's own over an fp8 cache), q_pos [M, 1] int32
+    absolute positions of its rows. `k_scale`: an fp8 cache's K scale (a scalar), None for 1.
     carry: m [M], l [M], acc [M, H] (float32). Returns the updated carry.
     """
     page_size, head_dim = k_ref.shape[-2], k_ref.shape[-1]
     block_kv = pages_per_tile * page_size
     last_page = lax.div(seq_len + page_size - 1, page_size) - 1
     scale = sm_scale * LOG2_E  # scores in the log2 domain: exp(x) == exp2(x * log2(e))
+    if k_scale is not None:
+        scale = scale * k_scale
 
     def body(tile, carry, masked):
         m_prev, l_prev, acc_prev = carry
@@ -155,7 +164,7 @@ def _attend(q, q_pos, bt_ref, k_ref, v_ref, req, seq_len, ranges, carry, *, sm_s
         row = lax.broadcasted_iota(jnp.int32, (block_kv,), 0)
         page_idx = jnp.minimum(tile * pages_per_tile + lax.div(row, page_size), last_page)
         pages, slots = bt_ref[req, page_idx], lax.rem(row, page_size)  # [BK]
-        k, v = k_ref[pages, slots], v_ref[pages, slots]  # [BK, H]
+        k, v = k_ref[pages, slots].astype(q.dtype), v_ref[pages, slots].astype(q.dtype)  # [BK, H]
         s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale  # [M, BK]
         if masked:
             kv_pos = tile * block_kv + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
@@ -177,6 +186,11 @@ def _attend(q, q_pos, bt_ref, k_ref, v_ref, req, seq_len, ranges, carry, *, sm_s
     return carry
 
 
+def _dot_dtype(q, kv_cache):
+    """The dots' operand dtype: the cache's, except over an fp8 cache, whose tiles widen to q's."""
+    return q.dtype if fp8.is_fp8(kv_cache.dtype) else kv_cache.dtype
+
+
 def _init_carry(rows: int, head_dim: int):
     return (jnp.full((rows,), MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32),
             jnp.zeros((rows, head_dim), jnp.float32))
@@ -193,7 +207,11 @@ def _first_rows(x, rows: int):
 
 
 def _decode_kernel(qsl_ref, seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, *out_refs, sm_scale,
-                   sliding_window, pages_per_tile, num_splits, group_pad):
+                   sliding_window, pages_per_tile, num_splits, group_pad, quantized):
+    k_scale = v_scale = None
+    if quantized:  # the kv head's [K, V] scales come before the outputs
+        scale_ref, *out_refs = out_refs
+        k_scale, v_scale = scale_ref[0], scale_ref[1]
     req, split = pl.program_id(0), pl.program_id(2)
     q = q_ref[...]  # [M, H]
     rows, head_dim = q.shape
@@ -217,8 +235,10 @@ def _decode_kernel(qsl_ref, seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, *out_refs
     q_pos_rows = jnp.full((rows, 1), q_pos, jnp.int32)
     m, l, acc = _attend(q, q_pos_rows, bt_ref, k_ref, v_ref, req, seq_len, ranges,
                         _init_carry(rows, head_dim), sm_scale=sm_scale,
-                        sliding_window=sliding_window, pages_per_tile=pages_per_tile)
+                        sliding_window=sliding_window, pages_per_tile=pages_per_tile, k_scale=k_scale)
     out = acc / jnp.where(l == 0.0, 1.0, l)[:, None]
+    if v_scale is not None:  # (split-K: the combine is linear in each split's output)
+        out = out * v_scale
     if num_splits == 1:
         (o_ref,) = out_refs
         o_ref[...] = _first_rows(out, group_pad).astype(o_ref.dtype)
@@ -229,10 +249,11 @@ def _decode_kernel(qsl_ref, seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, *out_refs
         l_ref[...] = _first_rows(l, group_pad)
 
 
-def _decode(q4, kv_cache, qsl, seq_lens, block_tables, *, sm_scale, sliding_window, config,
+def _decode(q4, kv_cache, qsl, seq_lens, block_tables, kv_scale, *, sm_scale, sliding_window, config,
             interpret, out_rows=None):
     """Attention for the q_len == 1 requests. Returns o [R, K, G', H] (rows of others: garbage), or with
-    `out_rows` >= R (split-K only) [out_rows, K, G', H] with zeros past row R."""
+    `out_rows` >= R (split-K only) [out_rows, K, G', H] with zeros past row R. `kv_scale`: [2, K]
+    float32 for an fp8 cache, else None."""
     _, num_kv_heads, num_pages, page_size, head_dim = kv_cache.shape
     group_pad = q4.shape[2]
     num_reqs, max_blocks = block_tables.shape
@@ -243,7 +264,7 @@ def _decode(q4, kv_cache, qsl, seq_lens, block_tables, *, sm_scale, sliding_wind
 
     # The single query row of each request (others: any in-bounds row), padded to M dot rows.
     q_dec = jnp.take(q4, qsl[:num_reqs], axis=0, mode="clip")  # [R, K, G', H]
-    q_dec = jnp.pad(q_dec, ((0, 0), (0, 0), (0, rows - group_pad), (0, 0))).astype(kv_cache.dtype)
+    q_dec = jnp.pad(q_dec, ((0, 0), (0, 0), (0, rows - group_pad), (0, 0))).astype(_dot_dtype(q4, kv_cache))
 
     full = lambda shape: pl.BlockSpec(shape, lambda r, h, s: (0,) * len(shape))
     page_spec = lambda kv: pl.BlockSpec((None, None, num_pages, page_size, head_dim),
@@ -251,6 +272,10 @@ def _decode(q4, kv_cache, qsl, seq_lens, block_tables, *, sm_scale, sliding_wind
     in_specs = [full(qsl.shape), full(seq_lens.shape), full(block_tables.shape),
                 pl.BlockSpec((None, None, rows, head_dim), lambda r, h, s: (r, h, 0, 0)),
                 page_spec(0), page_spec(1)]
+    scales = ()
+    if kv_scale is not None:
+        in_specs.append(pl.BlockSpec((2, None), lambda r, h, s: (0, h)))
+        scales = (kv_scale,)
     grid = (num_reqs, num_kv_heads, num_splits)
     if num_splits == 1:
         out_shape = jax.ShapeDtypeStruct((num_reqs, num_kv_heads, group_pad, head_dim), q4.dtype)
@@ -266,13 +291,13 @@ def _decode(q4, kv_cache, qsl, seq_lens, block_tables, *, sm_scale, sliding_wind
                      pl.BlockSpec((None, None, None, group_pad), lambda r, h, s: (s, r, h, 0)))
     kernel = functools.partial(_decode_kernel, sm_scale=sm_scale, sliding_window=sliding_window,
                                pages_per_tile=pages_per_tile, num_splits=num_splits,
-                               group_pad=group_pad)
+                               group_pad=group_pad, quantized=kv_scale is not None)
     result = pl.pallas_call(
         kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs,
         compiler_params=pltriton.CompilerParams(num_warps=config.decode_num_warps,
                                                 num_stages=config.decode_num_stages),
         interpret=interpret, name="ragged_paged_attention_decode",
-    )(qsl, seq_lens, block_tables, q_dec, kv_cache, kv_cache)
+    )(qsl, seq_lens, block_tables, q_dec, kv_cache, kv_cache, *scales)
     if num_splits == 1:
         return result
     return _combine(*result, out_rows or num_reqs, q4.dtype, interpret)
@@ -324,9 +349,10 @@ def _find_request(qsl_ref, block, num_reqs: int, block_q: int):
     return lo
 
 
-def _general_kernel(qsl_ref, seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, o_in_ref, o_ref, *,
-                    sm_scale, sliding_window, pages_per_tile, block_q, num_reqs, num_tokens):
-    del o_in_ref  # aliased to o_ref: rows this kernel does not own keep their values
+def _general_kernel(qsl_ref, seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, sm_scale,
+                    sliding_window, pages_per_tile, block_q, num_reqs, num_tokens, quantized):
+    # o_in is aliased to o_ref: rows this kernel does not own keep their values
+    scale_ref, _, o_ref = refs if quantized else (None, *refs)
     block, head = pl.program_id(0), pl.program_id(1)
     req = _find_request(qsl_ref, block, num_reqs, block_q)
     q_start, q_end = qsl_ref[req], qsl_ref[req + 1]
@@ -343,7 +369,10 @@ def _general_kernel(qsl_ref, seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, o_in_ref
         row_tok = tok0 + lax.broadcasted_iota(jnp.int32, (block_q, group_pad, head_dim), 0)
         row_ok = (row_tok < q_end) & (row_tok < num_tokens)
         q = pltriton.load(q_ref.at[pl.ds(tok0, block_q), head], mask=row_ok, other=0)
-        q = q.reshape(rows, head_dim).astype(k_ref.dtype)
+        q = q.reshape(rows, head_dim).astype(_dot_dtype(q_ref, k_ref))
+        k_scale = v_scale = None
+        if quantized:
+            k_scale, v_scale = scale_ref[0], scale_ref[1]
 
         context = seq_len - q_len  # tokens cached before this step's first query row
         q_min = context + local * block_q  # position of the block's first row
@@ -360,13 +389,16 @@ def _general_kernel(qsl_ref, seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, o_in_ref
         ranges = _tile_ranges(first_tile, end_tile, unmasked_lo, lax.div(q_min + 1, block_kv))
         m, l, acc = _attend(q, q_pos, bt_ref, k_ref, v_ref, req, seq_len, ranges,
                             _init_carry(rows, head_dim), sm_scale=sm_scale,
-                            sliding_window=sliding_window, pages_per_tile=pages_per_tile)
+                            sliding_window=sliding_window, pages_per_tile=pages_per_tile,
+                            k_scale=k_scale)
         out = acc / jnp.where(l == 0.0, 1.0, l)[:, None]
+        if v_scale is not None:
+            out = out * v_scale
         out = out.reshape(block_q, group_pad, head_dim).astype(o_ref.dtype)
         pltriton.store(o_ref.at[pl.ds(tok0, block_q), head], out, mask=row_ok)
 
 
-def _general(q4, kv_cache, qsl, seq_lens, block_tables, out, *, sm_scale, sliding_window,
+def _general(q4, kv_cache, qsl, seq_lens, block_tables, kv_scale, out, *, sm_scale, sliding_window,
              config, interpret):
     """Attention for the q_len >= 2 requests, written into their rows of `out` [T, K, G', H]."""
     num_tokens, num_kv_heads, group_pad, head_dim = q4.shape
@@ -381,16 +413,18 @@ def _general(q4, kv_cache, qsl, seq_lens, block_tables, out, *, sm_scale, slidin
                                         lambda b, h: (kv, h, 0, 0, 0))
     kernel = functools.partial(_general_kernel, sm_scale=sm_scale, sliding_window=sliding_window,
                                pages_per_tile=pages_per_tile, block_q=block_q,
-                               num_reqs=num_reqs, num_tokens=num_tokens)
+                               num_reqs=num_reqs, num_tokens=num_tokens, quantized=kv_scale is not None)
+    scale_specs = [pl.BlockSpec((2, None), lambda b, h: (0, h))] if kv_scale is not None else []
+    scales = (kv_scale,) if kv_scale is not None else ()
     return pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct(out.shape, out.dtype), grid=grid,
         in_specs=[full(qsl.shape), full(seq_lens.shape), full(block_tables.shape),
-                  full(q4.shape), page_spec(0), page_spec(1), full(out.shape)],
-        out_specs=full(out.shape), input_output_aliases={6: 0},
+                  full(q4.shape), page_spec(0), page_spec(1), *scale_specs, full(out.shape)],
+        out_specs=full(out.shape), input_output_aliases={6 + len(scales): 0},
         compiler_params=pltriton.CompilerParams(num_warps=config.general_num_warps,
                                                 num_stages=config.general_num_stages),
         interpret=interpret, name="ragged_paged_attention_general",
-    )(qsl, seq_lens, block_tables, q4, kv_cache, kv_cache, out)
+    )(qsl, seq_lens, block_tables, q4, kv_cache, kv_cache, *scales, out)
 
 
 
@@ -407,6 +441,7 @@ def ragged_paged_attention(
     interpret: bool = False,
     config: TuningConfig | None = None,
     decode_only: bool = False,
+    kv_scale: jax.Array | None = None,  # [2, K] float32: an fp8 cache's K and V scales (None: 1)
 ) -> jax.Array:
     """Ragged paged attention; the semantics of `reference.ragged_paged_attention`. -> [T, N, H].
 
@@ -443,11 +478,16 @@ def ragged_paged_attention(
     block_tables = block_tables.astype(jnp.int32)
     common = dict(sm_scale=float(sm_scale), sliding_window=sliding_window, config=config,
                   interpret=interpret)
+    if fp8.is_fp8(kv_cache.dtype):
+        kv_scale = (fp8.unit_scales(num_kv_heads) if kv_scale is None
+                    else kv_scale.astype(jnp.float32).reshape(2, num_kv_heads))
+    else:
+        kv_scale = None  # a cache in a float dtype holds the values themselves
 
     # decode_only: token r is request r's query, rows past the requests are padding (zero); a split-K
     # decode writes them in its combine
     out_rows = num_tokens if decode_only and num_tokens > num_reqs else None
-    o_dec = _decode(q4, kv_cache, qsl, seq_lens, block_tables, out_rows=out_rows, **common)
+    o_dec = _decode(q4, kv_cache, qsl, seq_lens, block_tables, kv_scale, out_rows=out_rows, **common)
     if decode_only:
         out = (o_dec[:num_tokens] if o_dec.shape[0] >= num_tokens
                else jnp.pad(o_dec, ((0, num_tokens - num_reqs), (0, 0), (0, 0), (0, 0))))
@@ -456,7 +496,7 @@ def ragged_paged_attention(
         rows = jnp.where(is_decode, qsl[:-1], num_tokens)  # others are dropped
         out = jnp.zeros(q4.shape, q.dtype).at[rows].set(o_dec, mode="drop")
         if num_tokens > 1:
-            out = _general(q4, kv_cache, qsl, seq_lens, block_tables, out, **common)
+            out = _general(q4, kv_cache, qsl, seq_lens, block_tables, kv_scale, out, **common)
     if group_pad != group:
         out = out[:, :, :group]
     return out.reshape(num_tokens, num_q_heads, head_dim)

@@ -12,16 +12,23 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.paged_attention import fp8
+
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
     return (2, num_kv_heads, num_blocks, block_size, head_dim)
 
 
-def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> jax.Array:
-    """Scatter new K/V rows [T, K, H] into slots (block * S + offset) of every kv head's pages."""
+def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array,
+             kv_scale: jax.Array | None = None) -> jax.Array:
+    """Scatter new K/V rows [T, K, H] into slots (block * S + offset) of every kv head's pages. An fp8
+    cache stores them quantized by `kv_scale` [2, K] (None: 1; fp8.py)."""
     _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
     flat = kv_cache.reshape(2, num_kv_heads, num_blocks * block_size, head_dim)
-    kv = jnp.stack([k, v]).astype(kv_cache.dtype).transpose(0, 2, 1, 3)  # [2, K, T, H]
+    kv = jnp.stack([k, v])  # [2, T, K, H]
+    if fp8.is_fp8(kv_cache.dtype):
+        kv = fp8.quantize(kv, None if kv_scale is None else kv_scale[:, None, :, None])
+    kv = kv.astype(kv_cache.dtype).transpose(0, 2, 1, 3)  # [2, K, T, H]
     flat = flat.at[:, :, slot_mapping].set(kv, mode="drop")
     return flat.reshape(kv_cache.shape)
 

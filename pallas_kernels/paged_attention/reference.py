@@ -15,12 +15,18 @@ Padding: rows past `query_start_loc[-1]` and requests with `seq_lens == 0` produ
 Padding tokens write their K/V to slot 0..S-1 of the null block 0, which is never read unmasked.
 Cache pages that no block table reaches may hold anything (tests fill them with NaN): masked
 entries are selected away with `where`, never multiplied by zero.
+
+FP8 caches (float8_e4m3fn, `fp8.py`): `kv_scale` [2, K] float32 holds the K and V scales of each kv
+head (None: 1). The write quantizes; attention reads the fp8 values in q's dtype (exactly: every
+float8_e4m3fn value is a bfloat16 one), scales the scores by K's scale and the output by V's.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.paged_attention import fp8
 
 # NOTE: the cache layout is owned by the attention backend. This reference keeps K and V of a
 # layer in one array so a layer's cache is one donated buffer: [2, P, S, K, H].
@@ -30,11 +36,16 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim
     return (2, num_blocks, block_size, num_kv_heads, head_dim)
 
 
-def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> jax.Array:
-    """Scatter new K/V rows into their slots. k, v: [T, K, H]; slot_mapping: [T] = block * S + offset."""
+def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array,
+             kv_scale: jax.Array | None = None) -> jax.Array:
+    """Scatter new K/V rows into their slots. k, v: [T, K, H]; slot_mapping: [T] = block * S + offset.
+    An fp8 cache stores them quantized by `kv_scale` [2, K] (None: 1)."""
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     flat = kv_cache.reshape(2, num_blocks * block_size, num_kv_heads, head_dim)
-    kv = jnp.stack([k, v]).astype(kv_cache.dtype)  # [2, T, K, H]
+    kv = jnp.stack([k, v])  # [2, T, K, H]
+    if fp8.is_fp8(kv_cache.dtype):
+        kv = fp8.quantize(kv, None if kv_scale is None else kv_scale[:, None, :, None])
+    kv = kv.astype(kv_cache.dtype)
     flat = flat.at[:, slot_mapping].set(kv, mode="drop")
     return flat.reshape(kv_cache.shape)
 
@@ -49,6 +60,7 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     decode_only: bool = False,  # the kernels' fast-path hint (one query token per request); same result
+    kv_scale: jax.Array | None = None,  # [2, K] float32, an fp8 cache's scales (None: 1)
 ) -> jax.Array:
     del decode_only
     num_tokens, num_q_heads, head_dim = q.shape
@@ -73,12 +85,17 @@ def ragged_paged_attention(
     mask &= valid_token[:, None]  # [T, L]
 
     # Gather each request's pages: [R, max_blocks, S, K, H] -> [R, L, K, H], then per token.
+    quantized = fp8.is_fp8(kv_cache.dtype)
     k = kv_cache[0][block_tables].reshape(num_reqs, max_len, num_kv_heads, head_dim)[req]
     v = kv_cache[1][block_tables].reshape(num_reqs, max_len, num_kv_heads, head_dim)[req]
+    if quantized:  # the scales are applied after the dots; fp8 -> q's dtype is exact
+        k, v = k.astype(q.dtype), v.astype(q.dtype)
     v = jnp.where(mask[:, :, None, None], v, 0)
 
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
     scores = jnp.einsum("tkgh,tlkh->tkgl", qg, k, preferred_element_type=jnp.float32) * sm_scale
+    if quantized and kv_scale is not None:
+        scores = scores * kv_scale[0][None, :, None, None]
     scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)
     row_max = jnp.max(scores, axis=-1, keepdims=True)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
@@ -86,4 +103,6 @@ def ragged_paged_attention(
     denom = jnp.sum(probs, axis=-1, keepdims=True)
     probs = probs / jnp.where(denom > 0, denom, 1.0)
     out = jnp.einsum("tkgl,tlkh->tkgh", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    if quantized and kv_scale is not None:
+        out = out * kv_scale[1][None, :, None, None]
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
