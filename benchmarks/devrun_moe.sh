@@ -18,11 +18,9 @@
 # log and report in $OUT/moe_logs.tar.gz (the device tool returns at most 8 files).
 set -o pipefail
 OUT=${OUT:-/tmp/devrun_moe}
-PY=${PYTHON:-python3}
-W=$OUT/work
-mkdir -p "$W"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 DEADLINE=${DEADLINE:-565}
+source benchmarks/devrun_common.sh
+SHOW="^Decode:|^steady decode|^roofline|^experts:|^Throughput|^compiled|^(down|gate_up) +T="
 TPUT_N=${TPUT_N:-200}
 if [ -n "${SMOKE:-}" ]; then
   MOE="--config configs/qwen3-30b-a3b-dummy.yaml --model tests/fixtures/hf/qwen3_moe_8x2_sparse2 --dtype float32
@@ -39,19 +37,6 @@ else
 fi
 BENCH="$PY -m jaxserve.cli bench"
 COMMON="--disable-tqdm --precompile false"
-left() { echo $((DEADLINE - SECONDS - ${1:-0})); }  # seconds to the deadline, less $1 kept in reserve
-limit() { local t; t=$(left "$1"); echo $((t > 1 ? t : 1)); }  # a timeout (`timeout 0` would mean none)
-# run NAME MAX_S RESERVE_S CMD...: at most MAX_S, and never into the last RESERVE_S before the deadline
-run() {
-  local name=$1 max=$2 reserve=$3 t; shift 3
-  t=$(limit "$reserve"); t=$((t < max ? t : max))
-  if [ "$t" -lt 20 ]; then echo "== ${SECONDS}s: $name skipped (no time left)"; return; fi
-  echo "== ${SECONDS}s: $name (timeout ${t}s)"
-  timeout "$t" "$@" > "$W/$name.log" 2>&1
-  local rc=$?
-  [ $rc -eq 0 ] || { echo "   rc $rc"; tail -4 "$W/$name.log"; }
-  grep -E "^Decode:|^steady decode|^roofline|^experts:|^Throughput|^compiled|^(down|gate_up) +T=" "$W/$name.log" | sed 's/^/   /'
-}
 
 gemm() {  # NAME MAX_S ARGS...: benchmarks/grouped_gemm.py (only imported in SMOKE mode)
   local name=$1 max=$2; shift 2

@@ -18,25 +18,8 @@
 # The summary (both JSONs side by side) is printed last and written to $OUT/summary.json.
 set -o pipefail
 OUT=${OUT:-/tmp/devrun_pd}
-PY=${PYTHON:-python3}
-W=$OUT/work
-mkdir -p "$W"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 DEADLINE=${DEADLINE:-530}
-PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null; done; wait 2>/dev/null; }
-trap cleanup EXIT
-left() { echo $((DEADLINE - SECONDS - ${1:-0})); }
-limit() { local t; t=$(left "$1"); echo $((t > 1 ? t : 1)); }
-port() { $PY -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-# wait_up URL PID MAX_S: until URL/health answers 200 (0), the process exits or MAX_S pass (1)
-wait_up() {
-  local t=0
-  until curl -sf "$1/health" > /dev/null; do
-    kill -0 "$2" 2>/dev/null || return 1
-    sleep 1; t=$((t + 1)); [ "$t" -lt "$3" ] || return 1
-  done
-}
+source benchmarks/devrun_common.sh
 
 if [ -n "${SMOKE:-}" ]; then
   cp jaxserve/configs/tiny.yaml "$W/half.yaml"; cp jaxserve/configs/tiny.yaml "$W/full.yaml"

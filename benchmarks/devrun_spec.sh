@@ -19,11 +19,9 @@
 # log and report in $OUT/spec_logs.tar.gz.
 set -o pipefail
 OUT=${OUT:-/tmp/devrun_spec}
-PY=${PYTHON:-python3}
-W=$OUT/work
-mkdir -p "$W"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 DEADLINE=${DEADLINE:-530}
+source benchmarks/devrun_common.sh
+SHOW="^Decode:|^synthetic acceptance|^compiled"
 K=4
 SPEC="--speculative-config {\"method\":\"ngram\",\"num_speculative_tokens\":$K}"
 if [ -n "${SMOKE:-}" ]; then
@@ -40,29 +38,18 @@ else
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.total --format=csv,noheader
 fi
 BENCH="$PY -m jaxserve.cli bench latency $CFG --disable-tqdm --precompile false"
-left() { echo $((DEADLINE - SECONDS - ${1:-0})); }  # seconds to the deadline, less $1 kept in reserve
-limit() { local t; t=$(left "$1"); echo $((t > 1 ? t : 1)); }  # a timeout (`timeout 0` would mean none)
-# run NAME MAX_S RESERVE_S ARGS...: one bench process, at most MAX_S, never into the last RESERVE_S
-run() {
-  local name=$1 max=$2 reserve=$3 t; shift 3
-  t=$(limit "$reserve"); t=$((t < max ? t : max))
-  if [ "$t" -lt 20 ]; then echo "== ${SECONDS}s: $name skipped (no time left)"; return; fi
-  echo "== ${SECONDS}s: $name (timeout ${t}s)"
-  timeout "$t" $BENCH "$@" --output-json "$W/$name.json" > "$W/$name.log" 2>&1
-  local rc=$?
-  [ $rc -eq 0 ] || { echo "   rc $rc"; tail -4 "$W/$name.log"; }
-  grep -E "^Decode:|^synthetic acceptance|^compiled" "$W/$name.log" | sed 's/^/   /'
-}
+# bench NAME MAX_S RESERVE_S ARGS...: one bench process (run), its report in $W/NAME.json
+bench() { local name=$1 max=$2 reserve=$3; shift 3; run "$name" "$max" "$reserve" $BENCH "$@" --output-json "$W/$name.json"; }
 
-run plain_b1 200 300 --batch-size 1 $B1 --num-iters-warmup 1 --num-iters 3
-run spec_b1 180 200 --batch-size 1 $B1 --num-iters-warmup 1 --num-iters 3 $SPEC \
+bench plain_b1 200 300 --batch-size 1 $B1 --num-iters-warmup 1 --num-iters 3
+bench spec_b1 180 200 --batch-size 1 $B1 --num-iters-warmup 1 --num-iters 3 $SPEC \
   --spec-synthetic-acceptance 0,0.8,0.2,0.5,0.9
 for B in $BATCHES; do
-  run plain_b$B 90 60 --batch-size "$B" $BN --num-iters-warmup 1 --num-iters 2
-  run spec_b$B 120 30 --batch-size "$B" $BN --num-iters-warmup 1 --num-iters 2 $SPEC \
+  bench plain_b$B 90 60 --batch-size "$B" $BN --num-iters-warmup 1 --num-iters 2
+  bench spec_b$B 120 30 --batch-size "$B" $BN --num-iters-warmup 1 --num-iters 2 $SPEC \
     --spec-synthetic-acceptance 0.8,0.5,0.2,0.9,0
 done
-run spec_b1_sync 60 5 --batch-size 1 $B1 --num-iters-warmup 1 --num-iters 2 $SPEC --async-scheduling false \
+bench spec_b1_sync 60 5 --batch-size 1 $B1 --num-iters-warmup 1 --num-iters 2 $SPEC --async-scheduling false \
   --spec-synthetic-acceptance 0,0.8
 echo "== ${SECONDS}s: done"
 tar -czf "$OUT/spec_logs.tar.gz" -C "$OUT" work
