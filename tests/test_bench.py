@@ -217,3 +217,21 @@ def test_tight_loop_decode_smoke(tmp_path, monkeypatch):
         assert r["tokens_per_s"] == pytest.approx(r["batch"] / (r["ms_per_step"] / 1e3))
         assert r["roofline_share"] == pytest.approx(r["tokens_per_s"] / r["roofline_tokens_per_s"])
         assert r["ms_per_step"] > 0 and r["bytes_per_step"] > 0
+
+
+def test_bench_multi_turn_brings_histories_back_from_the_host_tier(tmp_path):
+    """3 turns of 4 conversations on a device pool smaller than their histories: the returning turns find
+    their history as prefix hits, part of them from the host tier; every turn's tokens are counted."""
+    report = bench(tmp_path, "multi-turn", "--config", str(TINY_CONFIG), "--num-conversations", "4", "--num-turns", "3",
+                   "--first-len", "6", "--append-len", "2", "--output-len", "3", "--block-size", "4",
+                   "--num-blocks", "12", "--host-kv-gib", "0.001", "--prefix-hash-seed", "1")
+    turns = report["turns"]
+    assert [t["prompt_len"] for t in turns] == [6, 11, 16]
+    assert turns[0]["hit_rate"] == 0 and all(t["hit_rate"] > 0 for t in turns[1:])
+    assert sum(t["host_hits"] for t in turns[1:]) > 0
+    assert report["working_set_tokens"] == 4 * 16 and report["working_set_over_pool"] == pytest.approx(64 / 48)
+    tokens = 4 * sum(length + 3 for length in (6, 11, 16))
+    assert report["total_tokens_per_s"] == pytest.approx(tokens / report["elapsed_s"])
+    check_summary(report["first_turn_ttft_ms"], 4)
+    check_summary(report["returning_ttft_ms"], 8)
+    assert cli_main(["bench", "multi-turn", "--config", str(TINY_CONFIG), "--num-turns", "0"]) == 2

@@ -1,4 +1,4 @@
-"""`jaxserve bench {throughput,latency,serve}` (vLLM's `bench` conventions).
+"""`jaxserve bench {throughput,latency,serve,multi-turn}` (vLLM's `bench` conventions).
 
 Each mode is a module here with `main(argv) -> int`; this dispatcher only picks the module, so a mode's
 imports (JAX for the offline modes, an HTTP client for `serve`) load only when it runs.
@@ -13,6 +13,7 @@ MODES = {
     "throughput": ("jaxserve.bench.throughput", "offline throughput: N prompts through LLM.generate"),
     "latency": ("jaxserve.bench.latency", "latency of one batch of B requests with fixed lengths"),
     "serve": ("jaxserve.bench.serve", "online: an async client against a running `jaxserve serve`"),
+    "multi-turn": ("jaxserve.bench.multi_turn", "multi-turn chat: C conversations, each turn appends to its history"),
 }
 
 

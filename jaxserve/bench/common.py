@@ -317,7 +317,7 @@ def kv_cache_report(engine: Engine) -> dict[str, Any]:
     return report
 
 
-def _kv_line(kv: dict[str, Any]) -> str | None:
+def kv_line(kv: dict[str, Any]) -> str | None:
     tiers = [tier for tier in ("host", "disk") if tier in kv.get("usage", {})]
     if not tiers:
         return None
@@ -357,8 +357,8 @@ def print_report(report: dict[str, Any]) -> None:
     print(f"step  ms (mean of {steps['num_steps']} steps): {parts}")
     print(f"device idle between steps: {'n/a' if idle is None else f'{idle:.1%}'}")
     engine = report["engine"]
-    if (kv_line := _kv_line(engine.get("kv_cache", {}))) is not None:
-        print(kv_line)
+    if (line := kv_line(engine.get("kv_cache", {}))) is not None:
+        print(line)
     print(f"compiled shapes: {engine['num_compiled']}  start-up compile: {engine['startup_compile_s']:.1f} s  "
           f"(engine init {engine['engine_init_s']:.1f} s, {engine['device']}, {engine['attention_backend']})")
     roof = report["roofline"]
