@@ -84,3 +84,24 @@ def test_hf_fixture_greedy_tokens_with_guesses(hf_fixture_by_name):
     assert [out.outputs[0].token_ids for out in outputs] == [list(g) for g in fixture.generated]
     assert llm.engine.scheduler.num_draft_tokens > 0
     assert llm.engine.kv_cache.usage == 0.0
+
+
+def test_verify_steps_alternate_twin_executables_when_enabled(reference):
+    """On GPU (`use_twins`) the verify steps of a shape alternate between two executables, as decode steps
+    do, so back-to-back verify steps keep their temporaries apart under overlap; the tokens do not change."""
+    llm = make_llm(precompile=False, speculative_config=SPEC)
+    runner = llm.engine.runner
+    runner.use_twins = True  # what a GPU platform sets
+    calls: dict[tuple, int] = {}
+    forward_fn = runner.forward_fn
+
+    def counting(*args, decode_only=False, twin=False, **kwargs):
+        calls[(decode_only, twin)] = calls.get((decode_only, twin), 0) + 1
+        return forward_fn(*args, decode_only=decode_only, twin=twin, **kwargs)
+
+    runner.forward_fn = counting
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert token_ids(outputs) == token_ids(reference["greedy"])
+    assert llm.engine.scheduler.num_accepted_tokens > 0
+    assert calls.get((False, True), 0) > 0 and calls.get((False, False), 0) > 0, calls  # verify steps, both twins
+    assert_no_leaks(llm)

@@ -17,8 +17,8 @@ rows), so a step gathers rows with one fancy index instead of rebuilding them. W
 N+1 is dispatched before step N is collected: tokens not yet on the host are read on device from
 step N's sampled-token array (prev_index), and a row reset in between drops its stale token.
 Every jitted shape comes from core/buckets.py and all of them are compiled in `precompile()`.
-The forward reads and writes the same device buffers whenever a shape recurs (decode steps alternate
-between two twin executables, each keeping its own temporaries), so XLA replays its CUDA graph
+The forward reads and writes the same device buffers whenever a shape recurs (decode steps, and the verify
+steps of speculative decoding, alternate between two twin executables, each keeping its own temporaries), so XLA replays its CUDA graph
 without updating it: updating a graph's nodes would cost most of a decode step's host time (benchmarks/RESULTS.md).
 The jitted programs themselves are in step_program.py; ep_runner.py builds expert parallelism's steps
 (one sub-batch per expert shard) on this class.
@@ -208,7 +208,7 @@ class ModelRunner:
         # Device buffers reused by donation (_run_forward): staged inputs by (T, R), logits by R.
         self._staged: dict[tuple[int, int], ModelBatch] = {}
         self._logits: dict[int, jax.Array] = {}
-        self._twin: dict[tuple[int, int], bool] = {}  # the twin executable the last decode step of a shape ran
+        self._twin: dict[tuple[int, int, bool], bool] = {}  # the twin the last step of a (T, R, decode_only) ran
         platform = (tp.mesh.devices.flat[0] if tp is not None else jax.devices()[0]).platform
         self.forward_fn = forward_fn(platform, self.drafter is not None and self.drafter.needs_hidden,
                                      self.drafter.aux_layers if self.drafter is not None else ())
@@ -402,7 +402,7 @@ class ModelRunner:
         # A step that samples nothing marks its readiness with its logits: they must not be donated later.
         logits, greedy_tokens, *prompt_arrays = self._run_forward(
             step.batch, prev_tokens, step.prev_index, step.decode_only, keep_logits=step.sampling is not None,
-            prompt=step.prompt)
+            prompt=step.prompt, twins=step.decode_only or step.guesses is not None)
         prompt = None
         if step.prompt is not None:
             for array in prompt_arrays[0]:
@@ -436,14 +436,16 @@ class ModelRunner:
         return handle
 
     def _run_forward(self, batch: ModelBatch, prev_tokens, prev_index, decode_only: bool = False,
-                     keep_logits: bool = True, prompt: prompt_logprobs.PromptRows | None = None):
+                     keep_logits: bool = True, prompt: prompt_logprobs.PromptRows | None = None,
+                     twins: bool = False):
         """Stage the step's inputs, run the forward -> (logits, greedy tokens of a decode-only step or
         None), plus prompt_logprobs.compute's arrays when `prompt` is given. Every device buffer the
         forward reads or writes is the same each time a shape recurs (staged inputs, caches, logits: all
         donated back in), so XLA launches its CUDA graph as recorded: updating a graph's nodes and
         re-uploading it would be most of a decode step's host time (benchmarks/RESULTS.md).
         `keep_logits=False`: the logits get a buffer of their own (nothing will donate it), for a step
-        whose logits are its readiness marker."""
+        whose logits are its readiness marker. `twins`: a step that recurs back to back (decode-only
+        steps, verify steps of speculative decoding) alternates between twin executables of its shape."""
         t_pad, r_pad = batch.token_ids.shape[-1], batch.seq_lens.shape[-1]  # (per shard: [n, T] under EP)
         staged = self._staged.get((t_pad, r_pad))
         if staged is None:  # (precompile made those of every bucket)
@@ -454,12 +456,12 @@ class ModelRunner:
         logits_buffer = self._logits.pop(r_pad, None) if keep_logits else None
         if logits_buffer is None:
             logits_buffer = zeros((r_pad * self.num_shards, self.cfg.vocab_size), jnp.float32, self.logits_sharding)
-        # Decode steps alternate between two executables of the step: with overlap the step in flight
-        # still holds its temporary buffer when the next one starts, so one executable would see its
-        # temporaries move every step (and XLA update all of its graph); each twin keeps its own.
+        # Decode and verify steps alternate between two executables of the step: with overlap the step in
+        # flight still holds its temporary buffer when the next one starts, so one executable would see
+        # its temporaries move every step (and XLA update all of its graph); each twin keeps its own.
         twin = False
-        if decode_only and self.use_twins:
-            twin = self._twin[(t_pad, r_pad)] = not self._twin.get((t_pad, r_pad), True)
+        if twins and self.use_twins and prompt is None:
+            twin = self._twin[(t_pad, r_pad, decode_only)] = not self._twin.get((t_pad, r_pad, decode_only), True)
         extra = self._expert_args()
         if prompt is not None:  # (the variant's own key: no twin, never decode_only)
             key = ("forward_prompt", t_pad, r_pad)

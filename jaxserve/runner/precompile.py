@@ -48,12 +48,13 @@ def precompile(runner, progress: bool = True) -> int:
                                         decode_only=decode_only, out_rows=runner.max_rows, **extra)
         if prompt:
             return {("forward_prompt", t_pad, r_pad): lowered.compile()}
-        if not (decode_only and runner.use_twins):
+        if not (runner.use_twins and (decode_only or runner.speculative)):
             return {("forward", t_pad, r_pad, decode_only, False): lowered.compile()}
-        # The twin: the same program compiled once more (an option that changes nothing makes it a
-        # separate executable, without lowering the step twice).
-        return {("forward", t_pad, r_pad, True, False): lowered.compile(),
-                ("forward", t_pad, r_pad, True, True): lowered.compile(TWIN_COMPILER_OPTIONS)}
+        # The twin (decode steps; with speculation also the shapes a verify step takes): the same program
+        # compiled once more (an option that changes nothing makes it a separate executable, without
+        # lowering the step twice).
+        return {("forward", t_pad, r_pad, decode_only, False): lowered.compile(),
+                ("forward", t_pad, r_pad, decode_only, True): lowered.compile(TWIN_COMPILER_OPTIONS)}
 
     def stage(t_pad: int, r_pad: int):
         batch = runner._host_batch(t_pad, r_pad)
