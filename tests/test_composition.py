@@ -120,8 +120,9 @@ def test_mechanisms_compose(row, request):
 
 # ---------------------------------------------------------------- the KV cache tiers column
 # The host tier (a small device pool pushes blocks there; preempted requests swap or recompute) with every
-# other mechanism. Tiers hold prefix-cache blocks, so they need prefix caching (refused without it); they
-# are refused with speculative decoding and expert parallelism (not supported yet).
+# other mechanism, speculative decoding's three proposers included (a block carries a draft model's or EAGLE
+# head's K/V with the target's). Tiers hold prefix-cache blocks, so they need prefix caching (refused
+# without it); they are refused with expert parallelism (not supported yet).
 
 #              fixture, overlap, preemption mode, chunked prefill, tensor parallel, expert parallel, guesses
 TIERS_MATRIX = [
@@ -130,7 +131,9 @@ TIERS_MATRIX = [
     (DENSE, True, "recompute", False, 2, 1, 0),
     (MOE, False, "swap", True, 2, 1, 0),
     (MOE, True, "auto", False, 1, 1, 0),
-    (DENSE, True, "swap", True, 1, 1, 3),  # refused: speculative decoding
+    (DENSE, True, "swap", True, 1, 1, 3),
+    (DENSE, True, "auto", False, 2, 1, "draft2"),
+    (DENSE, True, "swap", False, 1, 1, "eagle2"),
     (MOE, True, "swap", True, 1, 2, 0),  # refused: expert parallelism
 ]
 
@@ -156,12 +159,15 @@ def test_kv_tiers_compose(row, request):
                    request_buckets=[4], precompile=False, progress=False, async_scheduling=overlap,
                    tensor_parallel_size=tp, host_kv_gib=1 / 1024, preemption_mode=mode, prefix_hash_seed=1,
                    **{"parallel.expert": ep})
-    if guesses:
+    if isinstance(guesses, str):  # a model proposer, as in MATRIX
+        method, k = guesses[:-1], int(guesses[-1])
+        model = (fixture.path if method == "draft" else
+                 random_eagle_head(fixture.path, request.getfixturevalue("tmp_path") / "eagle"))
+        options["speculative_config"] = {"method": {"draft": "draft_model", "eagle": "eagle"}[method],
+                                         "model": str(model), "num_speculative_tokens": k}
+    elif guesses:
         options["speculative_config"] = {"method": "ngram", "num_speculative_tokens": guesses,
                                          "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-        with pytest.raises(ValueError, match="KV cache tiers.*not supported yet with speculative decoding"):
-            LLM(**options)
-        return
     if ep > 1:
         with pytest.raises(ValueError, match="KV cache tiers.*not supported yet with parallel.expert > 1"):
             LLM(**options)
@@ -181,6 +187,10 @@ def test_kv_tiers_compose(row, request):
         assert kv.swaps_out > 0 and kv.swaps_in == kv.swaps_out
     elif mode == "recompute":
         assert kv.swaps_out == 0
+    if guesses:
+        assert stats.spec_draft_tokens > 0, "the proposer was meant to make guesses"
+    if guesses == "draft2":  # the target drafting for itself guesses right, its K/V loaded with the target's
+        assert stats.spec_accepted_tokens > 0
     assert stats.kv_cache_usage == 0.0
     llm.engine.kv_transfer.poll(llm.engine.kv_cache.tier_link, wait=True)
     llm.engine.kv_transfer.tiers.host.check()

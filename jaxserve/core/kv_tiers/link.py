@@ -18,6 +18,11 @@ Swap preemption uses the same moves under keys of its own (SwapKey, never a pref
     swap_in (once all landed, swap_ready): fresh device blocks -> loads; take() reads them and frees the
         host slots
     drop_swap (the request finished while swapped): its host slots freed, or freed as their copies land
+
+Speculative decoding's guess and lookahead K/V never reaches a tier as a block of its own: evicted blocks
+are prefix-cache blocks (full blocks of known tokens), and a swap covers the blocks of the tokens it keeps
+(known tokens, excluding the last). Its partial last block may hold guess K/V past them, which the resumed
+request writes again before any step reads it.
 """
 
 from __future__ import annotations
