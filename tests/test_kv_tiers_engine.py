@@ -74,8 +74,9 @@ def test_tiers_are_refused_where_they_cannot_work_yet():
     from jaxserve.runner.kv_transfer import refuse_unsupported
 
     config = load_config(TINY_CONFIG, host_kv_gib=0.01)
-    with pytest.raises(ValueError, match="KV cache tiers.*not supported yet with parallel.expert > 1"):
-        refuse_unsupported(dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, expert=2)))
+    parallel = dataclasses.replace(config.parallel, num_processes=2, coordinator_address="127.0.0.1:1")
+    with pytest.raises(ValueError, match="KV cache tiers.*not supported yet with parallel.num_processes > 1"):
+        refuse_unsupported(dataclasses.replace(config, parallel=parallel))
 
 
 @pytest.mark.parametrize("layout", ["reference", "layout"])

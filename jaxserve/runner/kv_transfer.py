@@ -62,14 +62,29 @@ def _scatter(kv_caches, ids, data, *, axis: int):
             for i, kv in enumerate(kv_caches)], ids[0]
 
 
-def _gather_sets(cache_sets, ids, *, axes: tuple[int, ...]):
-    """Per cache set, its blocks `ids` as _gather's [n, L, *block]."""
-    return tuple(_gather(caches, ids, axis=axis) for caches, axis in zip(cache_sets, axes))
+def _shard_index(shards, ids, axis: int) -> tuple:
+    """The index of blocks `ids` of expert shards `shards` in a cache whose leading axis is the shard's and
+    whose block axis is `axis`: both advanced indices, so the blocks come first, [n, *the other axes]."""
+    return (shards, *(slice(None),) * (axis - 1), ids)
 
 
-def _scatter_sets(cache_sets, ids, datas, *, axes: tuple[int, ...]):
-    """(the cache sets with each set's `datas` written into blocks `ids`, a scalar ready once they are)."""
-    out = [_scatter(caches, ids, data, axis=axis)[0] for caches, data, axis in zip(cache_sets, datas, axes)]
+def _gather_sets(cache_sets, ids, shards, *, axes: tuple[int, ...], sharded: bool):
+    """Per cache set, its blocks `ids` as _gather's [n, L, *block] (`sharded`: of the expert shards `shards`,
+    the caches' leading axis)."""
+    if not sharded:
+        return tuple(_gather(caches, ids, axis=axis) for caches, axis in zip(cache_sets, axes))
+    return tuple(jnp.stack([kv[_shard_index(shards, ids, axis)] for kv in caches], axis=1)
+                 for caches, axis in zip(cache_sets, axes))
+
+
+def _scatter_sets(cache_sets, ids, shards, datas, *, axes: tuple[int, ...], sharded: bool):
+    """(the cache sets with each set's `datas` written into blocks `ids` (of shards `shards` when `sharded`),
+    a scalar ready once they are)."""
+    if not sharded:
+        out = [_scatter(caches, ids, data, axis=axis)[0] for caches, data, axis in zip(cache_sets, datas, axes)]
+    else:
+        out = [[kv.at[_shard_index(shards, ids, axis)].set(data[:, i].astype(kv.dtype)) for i, kv in enumerate(caches)]
+               for caches, data, axis in zip(cache_sets, datas, axes)]
     return out, ids[0]
 
 
@@ -112,11 +127,10 @@ def model_identity(config: EngineConfig, model_config, block_shape: tuple[int, .
 
 
 def refuse_unsupported(config: EngineConfig) -> None:
-    """The tiers run in single-process engines (data-parallel replicas each have their own) without expert
-    parallelism."""
+    """The tiers run in single-process engines (data-parallel replicas and expert shards each have their
+    own)."""
     parallel = config.parallel
-    reasons = [why for bad, why in [(parallel.expert > 1, "parallel.expert > 1"),
-                                    (parallel.num_processes > 1, "parallel.num_processes > 1")] if bad]
+    reasons = [why for bad, why in [(parallel.num_processes > 1, "parallel.num_processes > 1")] if bad]
     if reasons:
         raise ValueError(f"cache.host_kv_gib / cache.disk_kv_path (KV cache tiers) are not supported yet with "
                          f"{', '.join(reasons)}; turn the tiers off (host_kv_gib: 0) or run without it")
@@ -125,13 +139,16 @@ def refuse_unsupported(config: EngineConfig) -> None:
 class CacheSet:
     """One set of per-layer caches that shares the block ids (the target's, a proposer's): `owner` holds
     them as `.kv_caches` (replaced by each program that writes them); a block of the set on host is
-    `shape` ([L, *one layer's block]), `size` elements of a host row from `offset`."""
+    `shape` ([L, *one layer's block]), `size` elements of a host row from `offset`. With expert shards
+    (`sharded`) each array has a leading shard axis, and a block is one shard's."""
 
-    def __init__(self, owner, offset: int):
+    def __init__(self, owner, offset: int, sharded: bool = False):
         self.owner = owner
-        self.axis = layers.kv_cache_axes(owner.attention_backend).index("pages")
+        self.axis = layers.kv_cache_axes(owner.attention_backend).index("pages") + sharded
         shape = list(owner.kv_caches[0].shape)
         del shape[self.axis]
+        if sharded:
+            del shape[0]
         self.shape = (len(owner.kv_caches), *shape)
         self.size = int(np.prod(self.shape))
         self.offset = offset
@@ -140,17 +157,22 @@ class CacheSet:
 def cache_sets(runner) -> list[CacheSet]:
     """The target's caches, then the draft model's or EAGLE head's when the runner has one."""
     owners = [runner] + [d for d in [getattr(runner, "drafter", None)] if d is not None]
+    sharded = getattr(runner, "num_shards", 1) > 1
     sets, offset = [], 0
     for owner in owners:
-        sets.append(CacheSet(owner, offset))
+        sets.append(CacheSet(owner, offset, sharded))
         offset += sets[-1].size
     return sets
 
 
 class KVTransfer:
-    def __init__(self, runner, tiers: KVTiers):
+    def __init__(self, runner, shard_tiers: list[KVTiers]):
+        """`shard_tiers`: the tiers of each expert shard's KV manager (one without expert parallelism)."""
         self.runner = runner
-        self.tiers = tiers
+        self.shard_tiers = shard_tiers
+        self.tiers = shard_tiers[0]  # (the only one without expert shards)
+        self.sharded = len(shard_tiers) > 1
+        tiers = self.tiers
         self.sets = cache_sets(runner)
         self._dtype = runner.kv_caches[0].dtype
         block_bytes = tiers.block_bytes
@@ -160,12 +182,13 @@ class KVTransfer:
         first = shardings[0][0]
         scalar = NamedSharding(first.mesh, PartitionSpec()) if isinstance(first, NamedSharding) else first
         axes = tuple(s.axis for s in self.sets)
-        self._gather = jax.jit(functools.partial(_gather_sets, axes=axes))
-        self._scatter = jax.jit(functools.partial(_scatter_sets, axes=axes), donate_argnums=0,
+        self._gather = jax.jit(functools.partial(_gather_sets, axes=axes, sharded=self.sharded))
+        self._scatter = jax.jit(functools.partial(_scatter_sets, axes=axes, sharded=self.sharded), donate_argnums=0,
                                 out_shardings=(shardings, scalar))
         self._compiled: dict[tuple[str, int], jax.stages.Compiled] = {}
-        self._pending: collections.deque[tuple[list, tuple[jax.Array, ...]]] = collections.deque()
-        # Load latency (TierCounters.host_load_seconds): a watcher thread waits for each step's loads.
+        self._pending: collections.deque[tuple[list, list, tuple[jax.Array, ...]]] = collections.deque()
+        # Load latency (TierCounters.host_load_seconds): a watcher thread waits for each step's loads (all
+        # shards' together: counted in the first shard's counters).
         self._loads_done: queue.SimpleQueue = queue.SimpleQueue()
         # (the thread holds the queue and the counters, not self: an engine dropped without close() is
         # collected, and the finalizer ends its thread)
@@ -192,8 +215,8 @@ class KVTransfer:
         for n in self.sizes:
             ids = jax.ShapeDtypeStruct((n,), jnp.int32)
             datas = [jax.ShapeDtypeStruct((n, *s.shape), self._dtype) for s in self.sets]
-            self._compiled[("gather", n)] = self._gather.lower(self._caches(), ids).compile()
-            self._compiled[("scatter", n)] = self._scatter.lower(self._caches(), ids, datas).compile()
+            self._compiled[("gather", n)] = self._gather.lower(self._caches(), ids, ids).compile()
+            self._compiled[("scatter", n)] = self._scatter.lower(self._caches(), ids, ids, datas).compile()
         return len(self._compiled)
 
     def _chunks(self, count: int):
@@ -203,12 +226,13 @@ class KVTransfer:
             yield start, stop, next(n for n in self.sizes if n >= stop - start)
 
     def _ids(self, block_ids: list[int], size: int) -> np.ndarray:
-        ids = np.zeros(size, np.int32)  # padding: the null block 0
+        ids = np.zeros(size, np.int32)  # padding: the null block 0 (of shard 0)
         ids[:len(block_ids)] = block_ids
         return ids
 
-    def _gathered(self, block_ids: list[int], size: int) -> tuple[jax.Array, ...]:
-        return self._compiled.get(("gather", size), self._gather)(self._caches(), self._ids(block_ids, size))
+    def _gathered(self, block_ids: list[int], shards: list[int], size: int) -> tuple[jax.Array, ...]:
+        gather = self._compiled.get(("gather", size), self._gather)
+        return gather(self._caches(), self._ids(block_ids, size), self._ids(shards, size))
 
     @staticmethod
     def _host_rows(blocks: tuple[jax.Array, ...], count: int) -> np.ndarray:
@@ -219,13 +243,15 @@ class KVTransfer:
     def run(self, moves: Transfers) -> None:
         """Dispatches the step's saves, then its loads; waits for neither."""
         for start, stop, size in self._chunks(len(moves.save_block_ids)):
-            blocks = self._gathered(moves.save_block_ids[start:stop], size)
+            shards = moves.save_shards[start:stop]
+            blocks = self._gathered(moves.save_block_ids[start:stop], shards, size)
             for b in blocks:
                 b.copy_to_host_async()
-            self._pending.append((moves.save_keys[start:stop], blocks))
+            self._pending.append((moves.save_keys[start:stop], shards, blocks))
         started, done = time.perf_counter(), None
         for start, stop, size in self._chunks(len(moves.load_block_ids)):
             ids = self._ids(moves.load_block_ids[start:stop], size)
+            shards = self._ids(moves.load_shards[start:stop], size)
             rows = moves.load_data[start:stop]
             datas = []
             for s in self.sets:
@@ -233,7 +259,7 @@ class KVTransfer:
                 data[:stop - start] = rows[:, s.offset:s.offset + s.size].reshape(stop - start, *s.shape)
                 datas.append(data)
             scatter = self._compiled.get(("scatter", size), self._scatter)
-            caches, done = scatter(self._caches(), ids, datas)
+            caches, done = scatter(self._caches(), ids, shards, datas)
             for s, written in zip(self.sets, caches):
                 s.owner.kv_caches = written
         if done is not None:
@@ -243,10 +269,11 @@ class KVTransfer:
         """Hands the save copies that landed (all of them with `wait`; the oldest beyond MAX_PENDING) to
         the host pool, and completes finished disk IO."""
         pending = self._pending
-        while pending and (wait or len(pending) > MAX_PENDING or all(b.is_ready() for b in pending[0][1])):
-            keys, blocks = pending.popleft()
-            link.finish_saves(keys, self._host_rows(blocks, len(keys)))
-        self.tiers.poll(wait=wait)
+        while pending and (wait or len(pending) > MAX_PENDING or all(b.is_ready() for b in pending[0][2])):
+            keys, shards, blocks = pending.popleft()
+            link.finish_saves(keys, self._host_rows(blocks, len(keys)), shards)
+        for tiers in self.shard_tiers:
+            tiers.poll(wait=wait)
 
     def close(self, link: TierLink) -> None:
         """Shutdown: with a disk tier, every block cached on the device or present on host that the disk
@@ -255,13 +282,16 @@ class KVTransfer:
         if self.tiers.disk is not None:
             device_only = link.device_only()
             for start, stop, size in self._chunks(len(device_only)):
-                blocks = self._gathered([block_id for block_id, _ in device_only[start:stop]], size)
-                for (_, key), row in zip(device_only[start:stop], self._host_rows(blocks, stop - start)):
-                    self.tiers.write_to_disk(key, row)
-            self.tiers.flush()
+                chunk = device_only[start:stop]
+                blocks = self._gathered([block_id for block_id, _, _ in chunk], [shard for _, _, shard in chunk], size)
+                for (_, key, shard), row in zip(chunk, self._host_rows(blocks, stop - start)):
+                    self.shard_tiers[shard].write_to_disk(key, row)
+            for tiers in self.shard_tiers:
+                tiers.flush()
         self._loads_done.put(None)
         self._watcher.join()
-        self.tiers.close()
+        for tiers in self.shard_tiers:
+            tiers.close()
 
 
 def build(config: EngineConfig, runner) -> KVTransfer | None:
@@ -278,14 +308,21 @@ def build(config: EngineConfig, runner) -> KVTransfer | None:
                          f"target's is {dtype.name}; the KV cache tiers keep both in one block: load the draft "
                          f"in the target's dtype, or turn the tiers off (host_kv_gib: 0)")
     block_bytes = int(np.prod(shape)) * dtype.itemsize
-    num_slots = int(cache.host_kv_gib * (1 << 30)) // block_bytes
+    # Expert shards: each its own host tier, an equal share of host_kv_gib; all over one disk directory.
+    shards = getattr(runner, "num_shards", 1)
+    num_slots = int(cache.host_kv_gib * (1 << 30)) // shards // block_bytes
     if num_slots < 1:
-        raise ValueError(f"cache.host_kv_gib={cache.host_kv_gib} holds no KV block ({block_bytes} bytes each); "
-                         f"raise it to at least {block_bytes / (1 << 30):.6f}")
-    disk = None
+        raise ValueError(f"cache.host_kv_gib={cache.host_kv_gib} holds no KV block per expert shard ({shards} "
+                         f"shard(s), {block_bytes} bytes a block); raise it to at least "
+                         f"{shards * block_bytes / (1 << 30):.6f}")
+    identity = None
     if cache.disk_kv_path is not None:
         identity = model_identity(config, runner.cfg, shape, dtype,
                                   drafter.cfg if drafter is not None else None)
-        disk = DiskKVStore(cache.disk_kv_path, int(cache.disk_kv_gib * (1 << 30)), identity, dtype.name, shape)
-    tiers = KVTiers(HostKVPool(num_slots, shape, dtype), disk, block_tokens=cache.block_size)
-    return KVTransfer(runner, tiers)
+    shard_tiers = []
+    for _ in range(shards):
+        disk = None
+        if identity is not None:
+            disk = DiskKVStore(cache.disk_kv_path, int(cache.disk_kv_gib * (1 << 30)), identity, dtype.name, shape)
+        shard_tiers.append(KVTiers(HostKVPool(num_slots, shape, dtype), disk, block_tokens=cache.block_size))
+    return KVTransfer(runner, shard_tiers)
