@@ -27,7 +27,7 @@ from jax.sharding import Mesh
 from jaxserve import distributed
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.core import eplb
-from jaxserve.core.kv_cache_manager import KVCacheManager
+from jaxserve.core.kv_cache_manager import KVCacheManager, root_hash
 from jaxserve.core.kv_tiers.link import ShardedTierLink
 from jaxserve.core.sched_types import SchedulerOutput
 from jaxserve.core.scheduler import Scheduler
@@ -105,9 +105,13 @@ class Engine:
         # KV cache tiers (host memory, disk) under the prefix cache: each shard its own, over one disk directory
         self.kv_transfer = kv_transfer.build(config, self.runner)
         shard_tiers = self.kv_transfer.shard_tiers if self.kv_transfer is not None else [None] * shards
+        # (unseeded shards share one random key root: their disk-tier blocks are hits for each other)
+        seed = config.cache.prefix_hash_seed
+        if seed is None and shards > 1:
+            seed = root_hash(None)
         kv_caches = [KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                     enable_caching=config.cache.enable_prefix_caching,
-                                    hash_algo=config.cache.prefix_hash, hash_seed=config.cache.prefix_hash_seed,
+                                    hash_algo=config.cache.prefix_hash, hash_seed=seed,
                                     tiers=shard_tiers[shard])
                      for shard in range(shards)]
         schedulers = [Scheduler(config.scheduler, kv_cache, self.max_model_len,

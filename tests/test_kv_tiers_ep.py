@@ -1,6 +1,7 @@
 """KV cache tiers with expert parallelism on fake CPU devices: each expert shard's KV manager has its own
 host tier, and its blocks go there and come back into the shard's own cache (moves indexed by shard and
-block); the greedy tokens equal an expert-parallel engine's without tiers."""
+block); the shards share the disk tier (one key root without a seed), so a prefix one shard wrote is a disk
+hit for the other; the greedy tokens equal an expert-parallel engine's without tiers."""
 
 from __future__ import annotations
 
@@ -22,11 +23,11 @@ def make_llm(fixture, **overrides) -> LLM:
                precompile=False, progress=False, **{"parallel.expert": 2}, **overrides)
 
 
-def rounds(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    """Two prompts at a time (the first to shard 0, the second to shard 1: both idle, then the first is
-    the busier), A B, then C D, then A B again."""
+def rounds(llm: LLM, pairs: list[list[list[int]]]) -> list[list[int]]:
+    """Two prompts at a time: the first goes to shard 0, the second to shard 1 (both idle, then the first
+    is the busier)."""
     out = []
-    for pair in (prompts[:2], prompts[2:], prompts[:2]):
+    for pair in pairs:
         outputs = llm.generate([{"prompt_token_ids": p} for p in pair], GREEDY, use_tqdm=False)
         out += [o.outputs[0].token_ids for o in outputs]
     return out
@@ -35,11 +36,12 @@ def rounds(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 def test_each_expert_shard_has_its_own_host_tier(hf_fixture_by_name):
     fixture = hf_fixture_by_name("qwen2_moe_8x4_shared")
     rng = np.random.default_rng(3)
-    prompts = [rng.integers(3, fixture.model.config.vocab_size, 40).tolist() for _ in range(4)]
-    want = rounds(make_llm(fixture), prompts)
+    a, b, c, d = [rng.integers(3, fixture.model.config.vocab_size, 40).tolist() for _ in range(4)]
+    pairs = [[a, b], [c, d], [a, b]]
+    want = rounds(make_llm(fixture), pairs)
     llm = make_llm(fixture, host_kv_gib=1 / 1024, prefix_hash_seed=1, async_scheduling=True)
     engine = llm.engine
-    assert rounds(llm, prompts) == want
+    assert rounds(llm, pairs) == want
     shard_tiers = engine.kv_transfer.shard_tiers
     assert len(shard_tiers) == 2 and shard_tiers[0].host is not shard_tiers[1].host
     for shard, manager in enumerate(engine.kv_cache.managers):
@@ -50,3 +52,26 @@ def test_each_expert_shard_has_its_own_host_tier(hf_fixture_by_name):
     engine.kv_transfer.poll(engine.tier_link, wait=True)
     for tiers in shard_tiers:
         tiers.host.check()
+
+
+def test_expert_shards_share_the_disk_tier(hf_fixture_by_name, tmp_path):
+    fixture = hf_fixture_by_name("qwen2_moe_8x4_shared")
+    cfg = fixture.model.config
+    block_bytes = cfg.num_layers * 2 * 4 * cfg.num_kv_heads * cfg.head_dim * 4
+    rng = np.random.default_rng(4)
+    a, b = [rng.integers(3, cfg.vocab_size, 40).tolist() for _ in range(2)]
+    reference = make_llm(fixture)
+    want = rounds(reference, [[a, b]])
+    # Unseeded shards share one key root, so their disk blocks are each other's.
+    managers = reference.engine.kv_cache.managers
+    assert managers[0].block_keys(a) == managers[1].block_keys(a)
+    disk = dict(host_kv_gib=4 * block_bytes / (1 << 30), disk_kv_path=str(tmp_path / "kv"), disk_kv_gib=0.01,
+                prefix_hash_seed=5)
+    first = make_llm(fixture, **disk)
+    assert [t.host.num_slots for t in first.engine.kv_transfer.shard_tiers] == [2, 2]
+    assert rounds(first, [[a, b]]) == want
+    first.close()  # (every cached block to disk: A's written by shard 0, B's by shard 1)
+    second = make_llm(fixture, **disk)
+    assert rounds(second, [[b, a]]) == want[::-1]  # each on the other shard
+    for shard, manager in enumerate(second.engine.kv_cache.managers):
+        assert manager.stats.disk_hits > 0, f"shard {shard} was meant to read the other shard's disk blocks"
