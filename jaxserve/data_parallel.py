@@ -12,12 +12,19 @@ chained like the prefix cache's keys, salted by cache_salt) and sends a request 
 with the longest match, unless that replica's load exceeds the least loaded one's by more than
 `max_imbalance` tokens (default: one step's token budget). It cannot see evictions inside a
 replica, so a preference is a guess that costs nothing when wrong.
+
+KV cache tiers: each replica has its own host tier of cache.host_kv_gib (host memory taken is parallel.data
+times that) and all share the disk tier's directory, so a block one replica wrote is a disk hit for the
+others. Without cache.prefix_hash_seed the replicas share one random key root (drawn here), so their keys
+agree with each other's and no one else's.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
+import secrets
 from concurrent.futures import ThreadPoolExecutor
 
 from jaxserve.config import EngineConfig
@@ -83,6 +90,9 @@ class DataParallelEngine:
         if parallel.num_processes > 1:
             raise ValueError("parallel.data > 1 runs in one process; set parallel.num_processes to 1")
         meshes = replica_meshes(make_mesh(parallel.data, parallel.model, expert=parallel.expert))
+        if config.cache.disk_kv_path is not None and config.cache.prefix_hash_seed is None:
+            config = dataclasses.replace(config, cache=dataclasses.replace(config.cache,
+                                                                           prefix_hash_seed=secrets.randbits(63)))
         self.engines = [Engine(config, progress, mesh=mesh) for mesh in meshes]
         first = self.engines[0]
         self.config, self.model = config, first.model

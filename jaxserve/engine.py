@@ -27,7 +27,8 @@ from jax.sharding import Mesh
 from jaxserve import distributed
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.core import eplb
-from jaxserve.core.kv_cache_manager import KVCacheManager
+from jaxserve.core.kv_cache_manager import KVCacheManager, root_hash
+from jaxserve.core.kv_tiers.link import ShardedTierLink
 from jaxserve.core.sched_types import SchedulerOutput
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.sharded_scheduler import ShardedKVCache, ShardedScheduler
@@ -101,18 +102,26 @@ class Engine:
         # One scheduler and KV cache manager per expert shard (one without expert parallelism): each shard
         # runs attention over its own requests and cache (core/sharded_scheduler.py).
         shards = self.tp.expert_size if expert_parallel else 1
-        # KV cache tiers (host memory, disk) under the prefix cache: one engine, one shard (refused otherwise)
+        # KV cache tiers (host memory, disk) under the prefix cache: each shard its own, over one disk directory
         self.kv_transfer = kv_transfer.build(config, self.runner)
+        shard_tiers = self.kv_transfer.shard_tiers if self.kv_transfer is not None else [None] * shards
+        # (unseeded shards share one random key root: their disk-tier blocks are hits for each other)
+        seed = config.cache.prefix_hash_seed
+        if seed is None and shards > 1:
+            seed = root_hash(None)
         kv_caches = [KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                     enable_caching=config.cache.enable_prefix_caching,
-                                    hash_algo=config.cache.prefix_hash, hash_seed=config.cache.prefix_hash_seed,
-                                    tiers=self.kv_transfer.tiers if self.kv_transfer is not None else None)
-                     for _ in range(shards)]
+                                    hash_algo=config.cache.prefix_hash, hash_seed=seed,
+                                    tiers=shard_tiers[shard])
+                     for shard in range(shards)]
         schedulers = [Scheduler(config.scheduler, kv_cache, self.max_model_len,
                                 max_prompt_logprob_rows=self.runner.max_prompt_logprob_rows,
                                 first_row=shard * config.scheduler.max_num_seqs, speculative=config.speculative)
                       for shard, kv_cache in enumerate(kv_caches)]
         self.kv_cache = kv_caches[0] if shards == 1 else ShardedKVCache(kv_caches)
+        # The tiers' link(s) to the KV managers, as one for the mover (None without tiers)
+        self.tier_link = (None if self.kv_transfer is None else kv_caches[0].tier_link if shards == 1
+                          else ShardedTierLink([kv_cache.tier_link for kv_cache in kv_caches]))
         self.scheduler = schedulers[0] if shards == 1 else ShardedScheduler(schedulers)
         self.num_compiled = self.runner.precompile(progress) if config.runner.precompile else 0
         if self.kv_transfer is not None and config.runner.precompile:
@@ -226,7 +235,7 @@ class Engine:
             previous, self._in_flight = self._in_flight, None
             self._process(*previous, final_only=True)
         if self.kv_transfer is not None and not self._closed:
-            self.kv_transfer.close(self.kv_cache.tier_link)
+            self.kv_transfer.close(self.tier_link)
         self._closed = True
 
     # ---- one step ----
@@ -245,10 +254,10 @@ class Engine:
         outputs, self._pending = self._pending, []
         t_start = time.perf_counter()
         if self.kv_transfer is not None:  # copies that landed on host: found by this schedule()
-            self.kv_transfer.poll(self.kv_cache.tier_link)
+            self.kv_transfer.poll(self.tier_link)
         out = self.scheduler.schedule() if self.scheduler.has_unfinished_requests() else None
         if self.kv_transfer is not None:  # blocks evicted or swapped to host / loaded back: before the forward
-            moves = self.kv_cache.tier_link.take()
+            moves = self.tier_link.take()
             if moves:
                 self.kv_transfer.run(moves)
         current = None

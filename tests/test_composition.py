@@ -125,8 +125,9 @@ def test_mechanisms_compose(row, request):
 
 # ---------------------------------------------------------------- the KV cache tiers column
 # The host tier (a small device pool pushes blocks there; preempted requests swap or recompute) with every
-# other mechanism. Tiers hold prefix-cache blocks, so they need prefix caching (refused without it); they
-# are refused with speculative decoding and expert parallelism (not supported yet).
+# other mechanism, speculative decoding's three proposers included (a block carries a draft model's or EAGLE
+# head's K/V with the target's) and expert parallelism (each shard its own host tier; those rows send every
+# prompt twice, as above). Tiers hold prefix-cache blocks, so they need prefix caching (refused without it).
 
 #              fixture, overlap, preemption mode, chunked prefill, tensor parallel, expert parallel, guesses
 TIERS_MATRIX = [
@@ -135,8 +136,11 @@ TIERS_MATRIX = [
     (DENSE, True, "recompute", False, 2, 1, 0),
     (MOE, False, "swap", True, 2, 1, 0),
     (MOE, True, "auto", False, 1, 1, 0),
-    (DENSE, True, "swap", True, 1, 1, 3),  # refused: speculative decoding
-    (MOE, True, "swap", True, 1, 2, 0),  # refused: expert parallelism
+    (DENSE, True, "swap", True, 1, 1, 3),
+    (DENSE, True, "auto", False, 2, 1, "draft2"),
+    (DENSE, True, "swap", False, 1, 1, "eagle2"),
+    (MOE, True, "swap", True, 1, 2, 0),
+    (MOE, False, "auto", False, 2, 2, 0),
 ]
 
 
@@ -155,29 +159,30 @@ def test_kv_tiers_compose(row, request):
     prompts = fixture.prompts
     budget = 16 if chunked else 64
     # Every prompt fits, their generated tokens do not: preemption, and each round evicts the other's blocks.
-    num_blocks = sum(-(-len(p) // 4) for p in prompts) + 3
+    # Expert shards split the prompts: the least max_model_len allows.
+    num_blocks = sum(-(-len(p) // 4) for p in prompts) + 3 if ep == 1 else 64 // 4 + 1
     options = dict(model=fixture.path, dtype="float32", skip_tokenizer_init=True, max_model_len=64, block_size=4,
                    num_blocks=num_blocks, max_num_batched_tokens=budget, max_num_seqs=4, token_buckets=[budget],
                    request_buckets=[4], precompile=False, progress=False, async_scheduling=overlap,
                    tensor_parallel_size=tp, host_kv_gib=1 / 1024, preemption_mode=mode, prefix_hash_seed=1,
                    **{"parallel.expert": ep})
-    if guesses:
+    if isinstance(guesses, str):  # a model proposer, as in MATRIX
+        method, k = guesses[:-1], int(guesses[-1])
+        model = (fixture.path if method == "draft" else
+                 random_eagle_head(fixture.path, request.getfixturevalue("tmp_path") / "eagle"))
+        options["speculative_config"] = {"method": {"draft": "draft_model", "eagle": "eagle"}[method],
+                                         "model": str(model), "num_speculative_tokens": k}
+    elif guesses:
         options["speculative_config"] = {"method": "ngram", "num_speculative_tokens": guesses,
                                          "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-        with pytest.raises(ValueError, match="KV cache tiers.*not supported yet with speculative decoding"):
-            LLM(**options)
-        return
-    if ep > 1:
-        with pytest.raises(ValueError, match="KV cache tiers.*not supported yet with parallel.expert > 1"):
-            LLM(**options)
-        return
     llm = LLM(**options)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    requests = [{"prompt_token_ids": p} for p in prompts]
+    requests = [{"prompt_token_ids": p} for p in prompts] * (2 if ep > 1 else 1)
     for _ in range(2):
         outputs = llm.generate(requests, params, use_tqdm=False)
         for i, out in enumerate(outputs):
-            assert out.outputs[0].token_ids == fixture.generated[i][:NEW_TOKENS], f"{_tiers_id(row)} prompt {i}"
+            want = fixture.generated[i % len(prompts)][:NEW_TOKENS]
+            assert out.outputs[0].token_ids == want, f"{_tiers_id(row)} prompt {i}"
     stats = llm.engine.stats()
     kv = stats.kv_cache
     assert stats.num_preemptions > 0, "the small KV pool was meant to force preemption"
@@ -186,9 +191,16 @@ def test_kv_tiers_compose(row, request):
         assert kv.swaps_out > 0 and kv.swaps_in == kv.swaps_out
     elif mode == "recompute":
         assert kv.swaps_out == 0
+    if guesses:
+        assert stats.spec_draft_tokens > 0, "the proposer was meant to make guesses"
+    if guesses == "draft2":  # the target drafting for itself guesses right, its K/V loaded with the target's
+        assert stats.spec_accepted_tokens > 0
     assert stats.kv_cache_usage == 0.0
-    llm.engine.kv_transfer.poll(llm.engine.kv_cache.tier_link, wait=True)
-    llm.engine.kv_transfer.tiers.host.check()
+    engine = llm.engine
+    engine.kv_transfer.poll(engine.tier_link, wait=True)
+    assert len(engine.kv_transfer.shard_tiers) == ep
+    for tiers in engine.kv_transfer.shard_tiers:
+        tiers.host.check()
 
 
 def test_kv_tiers_need_prefix_caching():

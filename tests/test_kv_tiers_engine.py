@@ -69,8 +69,14 @@ def test_disk_tier_is_shared_between_engines_with_one_seed(reference, tmp_path):
 
 
 def test_tiers_are_refused_where_they_cannot_work_yet():
-    with pytest.raises(ValueError, match="KV cache tiers.*not supported yet with speculative decoding"):
-        make_llm(host_kv_gib=0.01, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    import dataclasses
+
+    from jaxserve.runner.kv_transfer import refuse_unsupported
+
+    config = load_config(TINY_CONFIG, host_kv_gib=0.01)
+    parallel = dataclasses.replace(config.parallel, num_processes=2, coordinator_address="127.0.0.1:1")
+    with pytest.raises(ValueError, match="KV cache tiers.*not supported yet with parallel.num_processes > 1"):
+        refuse_unsupported(dataclasses.replace(config, parallel=parallel))
 
 
 @pytest.mark.parametrize("layout", ["reference", "layout"])

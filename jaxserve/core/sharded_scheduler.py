@@ -73,6 +73,12 @@ class ShardedKVCache:
         return sum(m.usage for m in self.managers) / len(self.managers)
 
     @property
+    def tier_usage(self) -> tuple[tuple[str, float], ...]:
+        """Each tier's share in use, the shards' mean (each shard has its own tiers)."""
+        usages = [m.tier_usage for m in self.managers]
+        return tuple((tier, sum(u[i][1] for u in usages) / len(usages)) for i, (tier, _) in enumerate(usages[0]))
+
+    @property
     def stats(self) -> KVCacheStats:
         stats = [m.stats for m in self.managers]
         return KVCacheStats(*(sum(getattr(s, f.name) for s in stats) for f in dataclasses.fields(KVCacheStats)))

@@ -18,6 +18,11 @@ Swap preemption uses the same moves under keys of its own (SwapKey, never a pref
     swap_in (once all landed, swap_ready): fresh device blocks -> loads; take() reads them and frees the
         host slots
     drop_swap (the request finished while swapped): its host slots freed, or freed as their copies land
+
+Speculative decoding's guess and lookahead K/V never reaches a tier as a block of its own: evicted blocks
+are prefix-cache blocks (full blocks of known tokens), and a swap covers the blocks of the tokens it keeps
+(known tokens, excluding the last). Its partial last block may hold guess K/V past them, which the resumed
+request writes again before any step reads it.
 """
 
 from __future__ import annotations
@@ -41,6 +46,9 @@ class Transfers:
     save_keys: list[Hashable]
     load_block_ids: list[int]
     load_data: np.ndarray | None  # [len(load_block_ids), *block_shape], a copy of the host slots
+    # The expert shard of each save and load (ShardedTierLink; empty: every block is shard 0's)
+    save_shards: list[int] = dataclasses.field(default_factory=list)
+    load_shards: list[int] = dataclasses.field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.save_block_ids or self.load_block_ids)
@@ -170,8 +178,9 @@ class TierLink:
         return Transfers([block_id for block_id, _ in saves], [key for _, key in saves],
                          [block_id for block_id, _ in loads], data)
 
-    def finish_saves(self, keys: Sequence[Hashable], data: np.ndarray) -> None:
-        """The device -> host copies of `keys` landed: `data[i]` is keys[i]'s block."""
+    def finish_saves(self, keys: Sequence[Hashable], data: np.ndarray, shards: Sequence[int] = ()) -> None:
+        """The device -> host copies of `keys` landed: `data[i]` is keys[i]'s block (`shards`: unused, one
+        shard)."""
         host = self.tiers.host
         for key, block in zip(keys, data):
             if self._dropped and key in self._dropped:
@@ -188,9 +197,10 @@ class TierLink:
         for key in keys:
             self.tiers.host.abort(key)
 
-    def device_only(self) -> list[tuple[int, Hashable]]:
-        """(block id, key) of every block cached on the device that no tier below holds (nor is loading)."""
-        return [(block.block_id, key) for key, block in self.pool.cached_blocks.items()
+    def device_only(self, shard: int = 0) -> list[tuple[int, Hashable, int]]:
+        """(block id, key, `shard`) of every block cached on the device that no tier below holds (nor is
+        loading)."""
+        return [(block.block_id, key, shard) for key, block in self.pool.cached_blocks.items()
                 if block.block_id not in self._loads and self.tiers.locate(key) is None]
 
     # ---- swap preemption ----
@@ -242,3 +252,29 @@ class TierLink:
             self.tiers.host.unpin(key)
         self._loads.clear()
 
+
+
+class ShardedTierLink:
+    """The expert shards' links (one per shard's KV manager, each over its own tiers) as one for the mover:
+    take() joins their moves shard after shard, each block tagged with its shard (its block ids are the
+    shard's), and landed saves go back to the link that asked them."""
+
+    def __init__(self, links: Sequence[TierLink]):
+        self.links = list(links)
+
+    def take(self) -> Transfers:
+        moves = [link.take() for link in self.links]
+        data = [m.load_data for m in moves if m.load_data is not None]
+        return Transfers([i for m in moves for i in m.save_block_ids], [k for m in moves for k in m.save_keys],
+                         [i for m in moves for i in m.load_block_ids], np.concatenate(data) if data else None,
+                         [shard for shard, m in enumerate(moves) for _ in m.save_block_ids],
+                         [shard for shard, m in enumerate(moves) for _ in m.load_block_ids])
+
+    def finish_saves(self, keys: Sequence[Hashable], data: np.ndarray, shards: Sequence[int] = ()) -> None:
+        for shard, link in enumerate(self.links):
+            rows = [i for i, s in enumerate(shards) if s == shard]
+            if rows:
+                link.finish_saves([keys[i] for i in rows], data[rows])
+
+    def device_only(self) -> list[tuple[int, Hashable, int]]:
+        return [entry for shard, link in enumerate(self.links) for entry in link.device_only(shard)]
