@@ -217,3 +217,17 @@ def test_tight_loop_decode_smoke(tmp_path, monkeypatch):
         assert r["tokens_per_s"] == pytest.approx(r["batch"] / (r["ms_per_step"] / 1e3))
         assert r["roofline_share"] == pytest.approx(r["tokens_per_s"] / r["roofline_tokens_per_s"])
         assert r["ms_per_step"] > 0 and r["bytes_per_step"] > 0
+
+
+def test_bench_fp8_flags_reach_the_engine_and_the_roofline(tmp_path, tiny_model):
+    """--quantization fp8 and --kv-cache-dtype fp8 set model.quantization and cache.kv_cache_dtype; the roofline
+    counts the FP8 weights' own bytes (less than the float32 ones) and 1 byte per KV element."""
+    report = bench(tmp_path, "latency", "--config", str(TINY_CONFIG), "--batch-size", "2", "--input-len", "4",
+                   "--output-len", "3", "--num-iters-warmup", "0", "--num-iters", "1", "--quantization", "fp8",
+                   "--kv-cache-dtype", "fp8")
+    config = report["engine"]["config"]
+    assert config["model"]["quantization"] == "fp8" and config["cache"]["kv_cache_dtype"] == "fp8"
+    cfg, roofline = tiny_model.config, report["roofline"]
+    assert roofline["kv_bytes_per_token"] == cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
+    assert roofline["weight_bytes"] < sum(leaf.nbytes for leaf in jax.tree.leaves(tiny_model.params))
+    assert report["decode_tokens_per_s"] > 0
