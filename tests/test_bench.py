@@ -143,6 +143,7 @@ def test_bench_throughput_on_the_embedded_model(tmp_path, tiny_model):
     check_summary(report["tpot_ms"], 6)  # every request has 4 >= 2 output tokens
     assert report["ttft_ms"]["max"] <= elapsed * 1e3
     assert report["engine"]["num_compiled"] == 0 and report["engine"]["startup_compile_s"] >= 0
+    assert report["engine"]["num_preemptions"] == 0  # 512 blocks hold every request
     steps = report["steps"]
     # every prompt token and every output token but the last is fed to the model once
     assert steps["num_steps"] * steps["mean_tokens_per_step"] == 30 + 6 * 3

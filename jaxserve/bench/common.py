@@ -302,7 +302,8 @@ def roofline(cfg, batch: float, mean_context: float, num_devices: int = 1,
 def engine_report(engine: Engine, init_s: float) -> dict[str, Any]:
     return {"num_compiled": engine.num_compiled, "startup_compile_s": engine.startup_seconds,
             "engine_init_s": init_s, "attention_backend": engine.runner.attention_backend,
-            "num_kv_blocks": engine.runner.num_blocks, "device": str(jax.devices()[0].device_kind),
+            "num_kv_blocks": engine.runner.num_blocks, "num_preemptions": engine.stats().num_preemptions,
+            "device": str(jax.devices()[0].device_kind),
             "kv_cache": kv_cache_report(engine), "config": engine.config.to_dict()}
 
 
