@@ -61,10 +61,10 @@ MODE=${1:-all}
 case "$MODE" in
 all)
   bf16_b1 120 390; fp8w_b1 120 300; bf16_b64 90 240; fp8w_b64 90 180
-  kvbf16_ctx8k 150 100; kvfp8_ctx8k 150 20; ttft_32k 120 10; tight_b1 60 5; ttft_128k 150 5
+  kvbf16_ctx8k 150 100; kvfp8_ctx8k 150 20; ttft_32k 120 10; tight_b1 90 5; ttft_128k 150 5
   ;;
 weights)
-  bf16_b1 120 230; fp8w_b1 120 150; bf16_b64 90 100; fp8w_b64 90 40; tight_b1 60 5
+  bf16_b1 120 230; fp8w_b1 120 150; bf16_b64 90 100; fp8w_b64 90 40; tight_b1 90 5
   ;;
 long)
   kvbf16_ctx8k 160 280; kvfp8_ctx8k 160 170; ttft_32k 150 30; ttft_128k 200 5
