@@ -44,7 +44,10 @@ else
 fi
 BENCH="$PY -m jaxserve.cli bench latency --disable-tqdm --precompile false"
 # bench NAME MAX_S RESERVE_S ARGS...: one bench process (run), its report in $W/NAME.json
-bench() { local name=$1 max=$2 reserve=$3; shift 3; run "$name" "$max" "$reserve" $BENCH "$@" --output-json "$W/$name.json"; }
+bench() {
+  local name=$1 max=$2 reserve=$3; shift 3
+  run "$name" "$max" "$reserve" $BENCH "$@" --output-json "$W/$name.json"
+}
 ITERS="--num-iters-warmup 1 --num-iters 2"
 # Each step: MAX_S RESERVE_S (the reserve keeps time for the steps after it in the mode's order).
 bf16_b1() { bench bf16_b1 "$1" "$2" $CFG --batch-size 1 $B1 $ITERS; }
@@ -53,9 +56,12 @@ bf16_b64() { bench bf16_b64 "$1" "$2" $CFG $B64 $ITERS; }
 fp8w_b64() { bench fp8w_b64 "$1" "$2" $CFG $B64 $ITERS --quantization fp8; }
 kvbf16_ctx8k() { bench kvbf16_ctx8k "$1" "$2" $CFG $KV --num-iters-warmup 0 --num-iters 1; }
 kvfp8_ctx8k() { bench kvfp8_ctx8k "$1" "$2" $CFG $KV --num-iters-warmup 0 --num-iters 1 --kv-cache-dtype fp8; }
-ttft_32k() { bench ttft_32k "$1" "$2" $LONG_CFG --batch-size 1 $T32K --output-len 2 --num-iters-warmup 1 --num-iters 3; }
-ttft_128k() { bench ttft_128k "$1" "$2" $LONG_CFG --batch-size 1 $T128K --output-len 2 --num-iters-warmup 1 --num-iters 1; }
-tight_b1() { run tight_b1 "$1" "$2" $PY benchmarks/tight_loop_decode.py $TIGHT --batch-sizes 1 --output-json "$W/tight_b1.json"; }
+LONG="$LONG_CFG --batch-size 1 --output-len 2 --num-iters-warmup 1"
+ttft_32k() { bench ttft_32k "$1" "$2" $LONG $T32K --num-iters 3; }
+ttft_128k() { bench ttft_128k "$1" "$2" $LONG $T128K --num-iters 1; }
+tight_b1() {
+  run tight_b1 "$1" "$2" $PY benchmarks/tight_loop_decode.py $TIGHT --batch-sizes 1 --output-json "$W/tight_b1.json"
+}
 
 MODE=${1:-all}
 case "$MODE" in

@@ -161,7 +161,8 @@ def render(summary: dict) -> str:
         lines.append("    tight loop: (not run)")
     else:
         lines.append(f"    tight loop: {tight['tokens_per_s']:.1f} tokens/s at batch {tight['batch']}, context "
-                     f"{tight['context']} + {tight['steps']} steps, {100 * tight['roofline_share']:.1f}% of its roofline")
+                     f"{tight['context']} + {tight['steps']} steps, {100 * tight['roofline_share']:.1f}% of its "
+                     "roofline")
     lines.append("")
     lines.append("(e) TTFT of one long prompt (p50 of the timed iterations) against its compute bound")
     for name in TTFT:

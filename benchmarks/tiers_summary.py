@@ -26,7 +26,8 @@ COPY_LINE = re.compile(r"^(?P<direction>device_to_host|host_to_device): (?P<gb>[
                        r".*?(?:, (?P<share>\d+)% of a plain pinned copy)?$")
 PLAIN_LINE = re.compile(r"^plain copies, GB/s: (?P<items>.*)$")
 TURNS_LINE = re.compile(r"^(?P<name>host_tier_o(?:n|ff)): turn-2 TTFT p50 (?P<p50>[\d.]+) ms p90 (?P<p90>[\d.]+) ms, "
-                        r"(?P<tps>[\d.]+) tokens/s, turn-2 prefix hit rate (?P<hit>[\d.]+)% \(host (?P<host>\d+) tokens\)")
+                        r"(?P<tps>[\d.]+) tokens/s, turn-2 prefix hit rate (?P<hit>[\d.]+)% "
+                        r"\(host (?P<host>\d+) tokens\)")
 MODES = ("recompute", "swap", "auto")
 COPY_TARGET, TTFT_TARGET, TPUT_TARGET, AUTO_SLACK = 0.7, 0.3, 1.5, 1.05
 
@@ -108,7 +109,8 @@ def _met(value, target: float, at_least: bool) -> str:
 
 
 def render(summary: dict) -> str:
-    lines = ["=== device <-> host block copies (kv_transfer's save / load paths) against plain copies of the same bytes"]
+    lines = ["=== device <-> host block copies (kv_transfer's save / load paths) against plain copies of the same "
+             "bytes"]
     copy = summary["copy"]
     if copy is None:
         lines.append("(not run)")
@@ -132,7 +134,8 @@ def render(summary: dict) -> str:
         if r is None:
             lines.append(f"{name:14s} (not run)")
             continue
-        lines.append(f"{name:14s} turn-2 TTFT p50 {r['turn2_ttft_ms']['p50']:9.1f} ms  p90 {r['turn2_ttft_ms']['p90']:9.1f} ms  "
+        ttft = r["turn2_ttft_ms"]
+        lines.append(f"{name:14s} turn-2 TTFT p50 {ttft['p50']:9.1f} ms  p90 {ttft['p90']:9.1f} ms  "
                      f"{r['total_tokens_per_s']:9.0f} tokens/s  turn-2 hits {100 * r['turn2_hit_rate']:5.1f}% "
                      f"(host {r['turn2_host_hits']} tokens)")
     ttft, tput = turns["turn2_ttft_p50_on_over_off"], turns["throughput_on_over_off"]
@@ -147,7 +150,8 @@ def render(summary: dict) -> str:
         if r is None:
             lines.append(f"{mode:10s} (not run)")
             continue
-        lines.append(f"{mode:10s} {r['elapsed_s']:9.2f} {r['output_tokens_per_s']:10.1f} {_f(r['num_preemptions'], 'd'):>9s} "
+        lines.append(f"{mode:10s} {r['elapsed_s']:9.2f} {r['output_tokens_per_s']:10.1f} "
+                     f"{_f(r['num_preemptions'], 'd'):>9s} "
                      f"{_f(r['swaps_out'], 'd'):>5s}/{_f(r['swaps_in'], 'd'):<6s} {_f(r['ttft_p50_ms'], '.1f'):>11s} "
                      f"{r['num_kv_blocks']:9d}")
     faster = pre["auto_over_faster"]
