@@ -12,10 +12,11 @@
 #               the device pool ~12 GiB, the host tier 1.1 x the working set, ~39 GiB of the host's 128 GiB
 #               (the bench's default 256 conversations would pin ~77 GiB)
 #   preempt_recompute, preempt_swap, preempt_auto    `jaxserve bench throughput`, 128 prompts of 1024 in / 256
-#               out on a device pool of 4096 blocks (8 GiB: about 50 requests at full length of the 128 admitted
-#               together, so decode preempts) with a 16 GiB host tier, --preemption-mode each in turn;
-#               --precompile true, so elapsed_s (queueing to the last finish) excludes compiling (the later
-#               runs read the first one's shapes from the persistent cache)
+#               out on kv_tiers' device pool of 5973 blocks (~12 GiB: 93 prompts fit, about 74 requests at full
+#               length, so decode preempts) with a 16 GiB host tier, --preemption-mode each in turn;
+#               --precompile true, so elapsed_s (queueing to the last finish) excludes compiling; with the pool
+#               of the kv_tiers engines (the KV cache's shape is part of every step program) the shapes come
+#               from the persistent cache
 # Then the table (benchmarks/tiers_summary.py; it reads kv_tiers.log when a cut-short run wrote no JSON) to
 # stdout and $OUT/summary.txt, $OUT/summary.json, and every log and report in $OUT/tiers_logs.tar.gz.
 set -o pipefail
@@ -30,7 +31,7 @@ if [ -n "${SMOKE:-}" ]; then
 else
   TIERS="--config configs/llama3-8b-dummy.yaml --conversations 128 --prompt-len 1024 --output-len 64
     --append-len 64 --copy-blocks 512 --repeats 5"
-  PRE="--config configs/llama3-8b-dummy.yaml --num-prompts 128 --input-len 1024 --output-len 256 --num-blocks 4096
+  PRE="--config configs/llama3-8b-dummy.yaml --num-prompts 128 --input-len 1024 --output-len 256 --num-blocks 5973
     --host-kv-gib 16 --precompile true"
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.total --format=csv,noheader
   free -g | head -2
