@@ -143,6 +143,7 @@ def test_bench_throughput_on_the_embedded_model(tmp_path, tiny_model):
     check_summary(report["tpot_ms"], 6)  # every request has 4 >= 2 output tokens
     assert report["ttft_ms"]["max"] <= elapsed * 1e3
     assert report["engine"]["num_compiled"] == 0 and report["engine"]["startup_compile_s"] >= 0
+    assert report["engine"]["num_preemptions"] == 0  # 512 blocks hold every request
     steps = report["steps"]
     # every prompt token and every output token but the last is fed to the model once
     assert steps["num_steps"] * steps["mean_tokens_per_step"] == 30 + 6 * 3
@@ -235,3 +236,17 @@ def test_bench_multi_turn_brings_histories_back_from_the_host_tier(tmp_path):
     check_summary(report["first_turn_ttft_ms"], 4)
     check_summary(report["returning_ttft_ms"], 8)
     assert cli_main(["bench", "multi-turn", "--config", str(TINY_CONFIG), "--num-turns", "0"]) == 2
+
+
+def test_bench_fp8_flags_reach_the_engine_and_the_roofline(tmp_path, tiny_model):
+    """--quantization fp8 and --kv-cache-dtype fp8 set model.quantization and cache.kv_cache_dtype; the roofline
+    counts the FP8 weights' own bytes (less than the float32 ones) and 1 byte per KV element."""
+    report = bench(tmp_path, "latency", "--config", str(TINY_CONFIG), "--batch-size", "2", "--input-len", "4",
+                   "--output-len", "3", "--num-iters-warmup", "0", "--num-iters", "1", "--quantization", "fp8",
+                   "--kv-cache-dtype", "fp8")
+    config = report["engine"]["config"]
+    assert config["model"]["quantization"] == "fp8" and config["cache"]["kv_cache_dtype"] == "fp8"
+    cfg, roofline = tiny_model.config, report["roofline"]
+    assert roofline["kv_bytes_per_token"] == cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
+    assert roofline["weight_bytes"] < sum(leaf.nbytes for leaf in jax.tree.leaves(tiny_model.params))
+    assert report["decode_tokens_per_s"] > 0

@@ -89,6 +89,8 @@ def test_bench_reports_the_tiers(tmp_path, capsys):
     assert cli_main(argv) == 0
     printed = capsys.readouterr().out
     assert "KV cache: prefix hits" in printed and "host: hits" in printed and "swaps out/in" in printed
-    kv = json.loads(out.read_text())["engine"]["kv_cache"]
+    engine = json.loads(out.read_text())["engine"]
+    kv = engine["kv_cache"]
     assert kv["swaps_out"] > 0 and kv["swaps_in"] == kv["swaps_out"] and kv["host_bytes_in"] > 0
+    assert engine["num_preemptions"] >= kv["swaps_out"]  # every swap-out is a preemption
     assert set(kv["usage"]) == {"device", "host"}

@@ -25,7 +25,8 @@ Roofline of a memory-bound decode step on one H200 (HBM copy bandwidth measured 
                          independent routing (random dummy weights route near-uniformly; a trained
                          router's skew touches fewer); padding rows of a bucket above B are routed
                          too and are not counted
-    kv_bytes_per_token = num_layers * 2 (K and V) * num_kv_heads * head_dim * dtype bytes
+    kv_bytes_per_token = num_layers * 2 (K and V) * num_kv_heads * head_dim * the KV cache dtype's bytes
+                         (the model's; 1 with --kv-cache-dtype fp8)
     roofline tokens/s  = B / (bytes per step / 4.3e12)
 with B the decode rows per step and C the mean context (prompt + half the output) over the run.
 """
@@ -60,7 +61,7 @@ PERCENTILES = (50, 90, 99)
 ENGINE_FLAGS = ("model", "tokenizer", "load_format", "dtype", "max_model_len", "max_num_seqs",
                 "max_num_batched_tokens", "block_size", "num_blocks", "enable_prefix_caching", "async_scheduling",
                 "attention_backend", "precompile", "skip_tokenizer_init", "all_reduce", "host_kv_gib", "disk_kv_path",
-                "disk_kv_gib", "prefix_hash_seed", "preemption_mode")
+                "disk_kv_gib", "prefix_hash_seed", "preemption_mode", "quantization", "kv_cache_dtype")
 
 
 def parse_bool(text: str) -> bool:
@@ -83,6 +84,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                                            "benchmarks/make_synthetic_tokenizer.py)")
     group.add_argument("--load-format", choices=("auto", "dummy"), help="dummy: random weights, no safetensors")
     group.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"))
+    group.add_argument("--quantization", choices=("fp8",), help="fp8: FP8 weights, quantized at load (README "
+                                                                "\"FP8 weights\")")
+    group.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3"),
+                       help="fp8: a float8_e4m3fn KV cache (README \"FP8 KV cache\")")
     group.add_argument("--max-model-len", type=int)
     group.add_argument("--max-num-seqs", type=int)
     group.add_argument("--max-num-batched-tokens", type=int)
@@ -267,10 +272,11 @@ def _weight_bytes(cfg) -> tuple[int, int]:
 
 
 def roofline(cfg, batch: float, mean_context: float, num_devices: int = 1,
-             bandwidth: float = HBM_BYTES_PER_S) -> dict[str, float]:
+             bandwidth: float = HBM_BYTES_PER_S, kv_dtype=None) -> dict[str, float]:
     """Decode tokens/s if a step only had to read the weights it uses and the batch's KV once (module
     docstring). Under tensor parallelism each of the `num_devices` devices reads its share at its own
-    bandwidth."""
+    bandwidth. `kv_dtype`: the KV cache's dtype (the runner's kv_dtype; default the model's), 1 byte an
+    element for an fp8 cache; the weights' bytes are the params' own (FP8 weights and their scales)."""
     bandwidth = bandwidth * num_devices
     weight_bytes, expert_bytes = _weight_bytes(cfg)
     spec = getattr(cfg, "moe", None)
@@ -284,7 +290,8 @@ def roofline(cfg, batch: float, mean_context: float, num_devices: int = 1,
         read_bytes = weight_bytes - expert_bytes + touched_bytes
         report = {"expert_bytes": expert_bytes, "one_expert_bytes": one_expert, "experts_touched_per_layer": touched,
                   "touched_expert_bytes": touched_bytes}
-    kv_bytes_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * np.dtype(cfg.jnp_dtype).itemsize
+    kv_itemsize = np.dtype(cfg.jnp_dtype if kv_dtype is None else kv_dtype).itemsize
+    kv_bytes_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * kv_itemsize
     step_bytes = read_bytes + batch * mean_context * kv_bytes_per_token
     return {"batch": batch, "mean_context": mean_context, "weight_bytes": weight_bytes,
             "read_weight_bytes": read_bytes, **report,
@@ -295,7 +302,8 @@ def roofline(cfg, batch: float, mean_context: float, num_devices: int = 1,
 def engine_report(engine: Engine, init_s: float) -> dict[str, Any]:
     return {"num_compiled": engine.num_compiled, "startup_compile_s": engine.startup_seconds,
             "engine_init_s": init_s, "attention_backend": engine.runner.attention_backend,
-            "num_kv_blocks": engine.runner.num_blocks, "device": str(jax.devices()[0].device_kind),
+            "num_kv_blocks": engine.runner.num_blocks, "num_preemptions": engine.stats().num_preemptions,
+            "device": str(jax.devices()[0].device_kind),
             "kv_cache": kv_cache_report(engine), "config": engine.config.to_dict()}
 
 

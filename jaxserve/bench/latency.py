@@ -75,7 +75,7 @@ def measure(args: argparse.Namespace, engine, rng: np.random.Generator, acceptan
     decode_rates = [rate for rate in (decode_tokens_per_s(r.outputs) for r in runs) if rate is not None]
     decode_rate = float(np.mean(decode_rates)) if decode_rates else None
     roofline = common.roofline(engine.model.config, args.batch_size, args.input_len + args.output_len / 2,
-                               engine.config.parallel.model)
+                               engine.config.parallel.model, kv_dtype=engine.runner.kv_dtype)
     steps = common.step_report([r.steps for r in runs])
     # The roofline share compares a decode step's rate: the steady pure-decode rate when the run had
     # such steps (prefill steps of other requests otherwise stretch the decode window).

@@ -65,7 +65,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     steps = common.step_report([result.steps])
     batch = steps["mean_decode_rows_per_step"] or min(len(outputs), config.scheduler.max_num_seqs)
     mean_context = float(np.mean([len(out.prompt_token_ids) + len(out.outputs[0].token_ids) / 2 for out in outputs]))
-    roofline = common.roofline(engine.model.config, batch, mean_context, engine.config.parallel.model)
+    roofline = common.roofline(engine.model.config, batch, mean_context, engine.config.parallel.model,
+                               kv_dtype=engine.runner.kv_dtype)
     return {
         "mode": "throughput",
         "args": common.args_dict(args),

@@ -1,0 +1,85 @@
+# FP8 weights, FP8 KV cache and long-prompt prefill on an H200 (Llama-3-8B shape, random weights), one call
+# under 9 minutes; the table is printed last.
+#   bash benchmarks/devrun_fp8.sh [all|weights|long]     on the device (default: all)
+#   SMOKE=1 PYTHON=/path/to/python bash benchmarks/devrun_fp8.sh [MODE]    the same plumbing on a CPU: the
+#       embedded model (jaxserve/assets/tiny-adder, float32), tiny shapes, a couple of minutes
+# Steps (logged under $OUT/work, each under its own timeout and never past DEADLINE, 540 s), most important
+# first; every bench is `jaxserve bench latency --precompile false` (only the shapes a run uses compile, on
+# first use) in its own process, its report in $OUT/work/NAME.json:
+#   bf16_b1, fp8w_b1      (a) batch 1, 128 in / 128 out, bf16 weights then --quantization fp8
+#   bf16_b64, fp8w_b64    (b) batch 64, 128 in / 128 out, the same pair
+#   kvbf16_ctx8k, kvfp8_ctx8k   (c) batch 64, 8128 in / 64 out (mean context 8160), bf16 KV then
+#               --kv-cache-dtype fp8, bf16 weights, max_model_len 8192 (the checkpoint's limit). Memory: the
+#               K/V of a token is 32 layers x 2 x 8 kv heads x 128 x 2 bytes = 128 KiB in bf16, so 64 x 8192
+#               tokens hold 64 GiB (32 GiB in fp8) beside 16 GB of weights: it fits the KV pool (0.85 of the
+#               ~124 GB left after the weights, ~105 GB) with room to spare. One timed iteration, no warm-up:
+#               the prefill (64 x 8128 tokens) dominates its time; the steady decode rate (median step) is
+#               compile-free without one
+#   ttft_32k    (e) configs/llama3.1-8b-dummy.yaml, one 32768-token prompt, 2 output tokens, 1 warm-up and 3
+#               timed iterations (TTFT p50)
+#   tight_b1    (d) benchmarks/tight_loop_decode.py at batch 1 from context 128, 128 steps (mean context 192,
+#               bf16_b1's), its roofline share beside the engine's
+#   ttft_128k   one 131000-token prompt (reported, no target), if time is left
+# Modes: all (every step, in the order above; a step that does not fit is skipped and named "not run"),
+# weights (a, b, d) and long (c, e): for two calls when one did not finish. Then the table
+# (benchmarks/fp8_summary.py) to stdout and $OUT/summary.txt, $OUT/summary.json, and every log and report in
+# $OUT/fp8_logs.tar.gz.
+set -o pipefail
+OUT=${OUT:-/tmp/devrun_fp8}
+DEADLINE=${DEADLINE:-540}
+source benchmarks/devrun_common.sh
+SHOW="^Decode:|^steady decode|^TTFT|^roofline|^compiled|^ *blkh "
+if [ -n "${SMOKE:-}" ]; then
+  CFG="" LONG_CFG=""  # the default config: the embedded model
+  B1="--input-len 4 --output-len 16" B64="--batch-size 8 --input-len 4 --output-len 12"
+  KV="--batch-size 8 --input-len 16 --output-len 8" T32K="--input-len 24" T128K="--input-len 28"
+  TIGHT="--config-json jaxserve/assets/tiny-adder/config.json --context 4 --steps 8"
+else
+  CFG="--config configs/llama3-8b-dummy.yaml" LONG_CFG="--config configs/llama3.1-8b-dummy.yaml"
+  B1="--input-len 128 --output-len 128" B64="--batch-size 64 --input-len 128 --output-len 128"
+  KV="--max-model-len 8192 --batch-size 64 --input-len 8128 --output-len 64" T32K="--input-len 32768"
+  T128K="--input-len 131000"
+  TIGHT="--config-json configs/models/llama3-8b/config.json --context 128 --steps 128"
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.total --format=csv,noheader
+fi
+BENCH="$PY -m jaxserve.cli bench latency --disable-tqdm --precompile false"
+# bench NAME MAX_S RESERVE_S ARGS...: one bench process (run), its report in $W/NAME.json
+bench() {
+  local name=$1 max=$2 reserve=$3; shift 3
+  run "$name" "$max" "$reserve" $BENCH "$@" --output-json "$W/$name.json"
+}
+ITERS="--num-iters-warmup 1 --num-iters 2"
+# Each step: MAX_S RESERVE_S (the reserve keeps time for the steps after it in the mode's order).
+bf16_b1() { bench bf16_b1 "$1" "$2" $CFG --batch-size 1 $B1 $ITERS; }
+fp8w_b1() { bench fp8w_b1 "$1" "$2" $CFG --batch-size 1 $B1 $ITERS --quantization fp8; }
+bf16_b64() { bench bf16_b64 "$1" "$2" $CFG $B64 $ITERS; }
+fp8w_b64() { bench fp8w_b64 "$1" "$2" $CFG $B64 $ITERS --quantization fp8; }
+kvbf16_ctx8k() { bench kvbf16_ctx8k "$1" "$2" $CFG $KV --num-iters-warmup 0 --num-iters 1; }
+kvfp8_ctx8k() { bench kvfp8_ctx8k "$1" "$2" $CFG $KV --num-iters-warmup 0 --num-iters 1 --kv-cache-dtype fp8; }
+LONG="$LONG_CFG --batch-size 1 --output-len 2 --num-iters-warmup 1"
+ttft_32k() { bench ttft_32k "$1" "$2" $LONG $T32K --num-iters 3; }
+ttft_128k() { bench ttft_128k "$1" "$2" $LONG $T128K --num-iters 1; }
+tight_b1() {
+  run tight_b1 "$1" "$2" $PY benchmarks/tight_loop_decode.py $TIGHT --batch-sizes 1 --output-json "$W/tight_b1.json"
+}
+
+MODE=${1:-all}
+case "$MODE" in
+all)
+  bf16_b1 120 390; fp8w_b1 120 300; bf16_b64 90 240; fp8w_b64 90 180
+  kvbf16_ctx8k 150 100; kvfp8_ctx8k 150 20; ttft_32k 120 10; tight_b1 90 5; ttft_128k 150 5
+  ;;
+weights)
+  bf16_b1 120 230; fp8w_b1 120 150; bf16_b64 90 100; fp8w_b64 90 40; tight_b1 90 5
+  ;;
+long)
+  kvbf16_ctx8k 160 280; kvfp8_ctx8k 160 170; ttft_32k 150 30; ttft_128k 200 5
+  ;;
+*)
+  echo "unknown mode ${MODE}: all, weights or long"; exit 2
+  ;;
+esac
+echo "== ${SECONDS}s: done"
+tar -czf "$OUT/fp8_logs.tar.gz" -C "$OUT" work
+$PY benchmarks/fp8_summary.py "$W" --json "$OUT/summary.json" | tee "$OUT/summary.txt"
+rm -rf "$W"

@@ -1,0 +1,52 @@
+"""The devrun scripts' summarizers (benchmarks/fp8_summary.py, benchmarks/tiers_summary.py): the compute bound's
+FLOP count on the Llama-3-8B shape, and the tiers table rebuilt from kv_tiers.py's printed lines."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+
+def load(name: str, monkeypatch):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_prefill_flops_of_the_llama3_8b_shape(monkeypatch):
+    fp8_summary = load("fp8_summary", monkeypatch)
+    hf = json.loads((ROOT / "configs" / "models" / "llama3-8b" / "config.json").read_text())
+    flops = fp8_summary.prefill_flops(hf, 32768)
+    decoder_params = 6_979_321_856  # 8.03B less the embedding, lm_head and norms
+    assert flops["weight_flops"] == 2 * 32768 * decoder_params + 2 * 4096 * 128256
+    assert flops["attention_flops"] == 4 * 32 * 32 * 128 * 32768 * 32769 / 2
+    # ~0.75 s at 989 TFLOP/s, 38% of it attention at 32K tokens
+    assert (flops["weight_flops"] + flops["attention_flops"]) / 989e12 == pytest.approx(0.747, abs=0.001)
+
+
+def test_tiers_summary_reads_a_cut_short_log(tmp_path, monkeypatch):
+    tiers_summary = load("tiers_summary", monkeypatch)
+    (tmp_path / "kv_tiers.log").write_text(
+        "device_to_host: 12.50 GB/s, 5952 blocks/s (512 blocks of 2.10 MB), 81% of a plain pinned copy\n"
+        "host_to_device: 20.00 GB/s, 9524 blocks/s (512 blocks of 2.10 MB), 40% of a plain pinned copy\n"
+        "plain copies, GB/s: host_to_device 9.00, device_to_host 8.00, pinned_to_device 50.00\n"
+        "host_tier_off: turn-2 TTFT p50 800.0 ms p90 900.0 ms, 10000 tokens/s, turn-2 prefix hit rate 10.0% "
+        "(host 0 tokens), 3 preemptions (100 device blocks, working set 300)\n"
+        "host_tier_on: turn-2 TTFT p50 200.0 ms p90 250.0 ms, 16000 tokens/s, turn-2 prefix hit rate 90.0% "
+        "(host 5000 tokens), 3 preemptions (100 device blocks, working set 300)\n")
+    summary = tiers_summary.summarise(tmp_path)
+    assert summary["copy"]["device_to_host"] == {"gb_per_s": 12.5, "blocks_per_s": 5952, "share_of_pinned_copy": 0.81}
+    assert summary["copy"]["plain_gb_per_s"]["pinned_to_device"] == 50.0
+    turns = summary["turns"]
+    assert turns["from_log"] and turns["host_tier_on"]["turn2_host_hits"] == 5000
+    assert turns["turn2_ttft_p50_on_over_off"] == 0.25 and turns["throughput_on_over_off"] == 1.6
+    text = tiers_summary.render(summary)
+    assert "81% of a pinned copy (target >= 70%: met)" in text and "40% of a pinned copy" in text
+    assert "recompute  (not run)" in text
