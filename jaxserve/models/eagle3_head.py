@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
-from jaxserve.models import layers, llama, llama_hf, loader
+from jaxserve.models import eagle_head, layers, llama, llama_hf, loader
 from jaxserve.models.eagle_head import _replicated, embed
 from jaxserve.models.layers import ModelBatch
 from jaxserve.spec_decode.draft_model import decode_batch, first_rows
@@ -72,18 +72,7 @@ def default_aux_layers(num_layers: int) -> tuple[int, ...]:
 def head_config(head_dir: str | Path, dtype: str, target_num_layers: int) -> Eagle3Config:
     """The head's config.json (read as a Llama's, whatever its architectures say); the aux layers default
     to (2, L // 2, L - 3) of the target's L layers."""
-    path = Path(head_dir) / "config.json"
-    if not path.is_file():
-        raise loader.CheckpointError(f"{head_dir} has no config.json; an EAGLE-3 head's directory needs one")
-    hf = loader.read_json(path)
-    cfg = llama_hf.config_from_hf({**hf, "architectures": ["LlamaForCausalLM"]}, dtype=dtype, source=str(path))
-    if cfg.num_layers != 1:
-        raise loader.CheckpointError(f"{path}: an EAGLE-3 head has one decoder layer, this config has "
-                                     f"num_hidden_layers={cfg.num_layers}")
-    extras = [name for name in ("qkv_bias", "o_bias", "mlp_bias", "qk_norm", "sliding_window") if getattr(cfg, name)]
-    if extras:
-        raise loader.CheckpointError(f"{path}: an EAGLE-3 head's layer is a plain Llama layer; this config asks for "
-                                     f"{extras} (attention_bias, mlp_bias, ...), which jaxserve's EAGLE-3 does not run")
+    hf, cfg = eagle_head.read_head_config(head_dir, dtype, "EAGLE-3")
     aux = hf.get("eagle_aux_hidden_state_layer_ids") or (hf.get("eagle_config") or {}).get(
         "eagle_aux_hidden_state_layer_ids")
     return Eagle3Config(layer=cfg, draft_vocab_size=int(hf.get("draft_vocab_size") or cfg.vocab_size),

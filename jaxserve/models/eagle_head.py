@@ -62,19 +62,25 @@ def fits_target(target) -> bool:
 def head_config(head_dir: str | Path, dtype: str) -> llama.LlamaConfig:
     """The head's layer as a one-layer LlamaConfig (config.json read as a Llama's, whatever its
     architectures say)."""
+    return read_head_config(head_dir, dtype, "EAGLE-1")[1]
+
+
+def read_head_config(head_dir: str | Path, dtype: str, kind: str) -> tuple[dict, llama.LlamaConfig]:
+    """(config.json, its one plain Llama decoder layer as a LlamaConfig) of an EAGLE head of `kind`
+    (EAGLE-1, EAGLE-3: named in the errors); CheckpointError for anything else."""
     path = Path(head_dir) / "config.json"
     if not path.is_file():
-        raise loader.CheckpointError(f"{head_dir} has no config.json; an EAGLE head's directory needs one")
+        raise loader.CheckpointError(f"{head_dir} has no config.json; an {kind} head's directory needs one")
     hf = loader.read_json(path)
     cfg = llama_hf.config_from_hf({**hf, "architectures": ["LlamaForCausalLM"]}, dtype=dtype, source=str(path))
     if cfg.num_layers != 1:
-        raise loader.CheckpointError(f"{path}: an EAGLE head has one decoder layer, this config has "
+        raise loader.CheckpointError(f"{path}: an {kind} head has one decoder layer, this config has "
                                      f"num_hidden_layers={cfg.num_layers}")
     extras = [name for name in ("qkv_bias", "o_bias", "mlp_bias", "qk_norm", "sliding_window") if getattr(cfg, name)]
     if extras:
-        raise loader.CheckpointError(f"{path}: an EAGLE-1 head's layer is a plain Llama layer; this config asks for "
-                                     f"{extras} (attention_bias, mlp_bias, ...), which jaxserve's EAGLE does not run")
-    return cfg
+        raise loader.CheckpointError(f"{path}: an {kind} head's layer is a plain Llama layer; this config asks for "
+                                     f"{extras} (attention_bias, mlp_bias, ...), which jaxserve's {kind} does not run")
+    return hf, cfg
 
 
 def load_head(head_dir: str | Path, cfg: llama.LlamaConfig, place) -> dict:
