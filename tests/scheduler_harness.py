@@ -38,6 +38,7 @@ class _RunnerState:
     block_ids: list[int]
     num_computed_tokens: int
     cache_salt: str | None
+    last_guesses: int = 0  # guesses of the row's last verify step
 
 
 class FakeRunner:
@@ -76,7 +77,8 @@ class FakeRunner:
         assert len({item.row for item in rows}) == len(rows), "two requests share a runner row"
         assert out.num_scheduled_tokens == sum(item.num_new_tokens for item in rows)
         steps = []
-        for item in rows:
+        deferred = set(out.deferred_decode)
+        for index, item in enumerate(rows):
             request = self.scheduler.requests[item.request_id]
             assert item.row == request.row and 0 <= item.row < self.scheduler.config.max_num_seqs
             if item.new is not None:
@@ -92,6 +94,11 @@ class FakeRunner:
                 self.states[item.request_id] = state
             else:
                 assert item.new is None, f"{item.request_id}: `new` sent again without a preemption"
+                if index in deferred:  # decode rows lead: behind its verify step, at "none accepted"; the
+                    # runner adds the count that step kept (this runner ran it already)
+                    kept = state.num_computed_tokens - item.num_computed_tokens
+                    assert item.num_new_tokens == 1 and 0 <= kept <= state.last_guesses, (item, state)
+                    item = dataclasses.replace(item, num_computed_tokens=state.num_computed_tokens)
                 assert item.num_computed_tokens == state.num_computed_tokens, (
                     f"{item.request_id}: scheduled from position {item.num_computed_tokens}, runner is at "
                     f"{state.num_computed_tokens}")
@@ -101,6 +108,7 @@ class FakeRunner:
                 assert item.samples and item.num_computed_tokens == num_known - 1
                 assert item.num_new_tokens == 1 + len(item.draft_token_ids)
                 state.token_ids = state.token_ids + list(item.draft_token_ids)
+                state.last_guesses = len(item.draft_token_ids)
             assert state.block_ids == self.kv.get_block_ids(item.request_id), "block table is not append-only"
             end = item.num_computed_tokens + item.num_new_tokens
             assert item.num_new_tokens >= 1

@@ -99,8 +99,9 @@ def test_engine_accepted_lengths_and_no_compiles_across_acceptances(engine, monk
                 common.run_batch(engine, prompts, params, progress=False)
             guesses = np.array([n for n, _ in drafts])
             accepted = np.array([a for _, a in drafts])
-            # Every row guesses k tokens (the n-gram's padded), fewer only where the token limit is near.
-            assert len(drafts) > 300 and (guesses == K).mean() > 0.7
+            # Every row guesses k tokens (the n-gram's padded), fewer only where the token limit is near; under
+            # overlap a row takes a plain token right behind each verify step.
+            assert len(drafts) > 200 and (guesses == K).mean() > 0.7  # enough drafts for the sum test
             expected = sum(expected_accepted(acceptance, n) for n in guesses)
             sd = math.sqrt(sum(accepted_variance(acceptance, n) for n in guesses))
             assert abs(accepted.sum() - expected) <= 4 * sd

@@ -21,8 +21,9 @@ input token (which may be pending: the runner feeds it from the device as for an
 how many guesses it accepted plus one sampled token. The scheduler then rolls num_computed_tokens back
 past the rejected positions and frees the blocks that only they used; the runner learns it from
 `truncated_block_tables` of a later step (block tables are append-only between such cuts). Until the
-step is processed the request's token count is unknown, so it is not scheduled again (under overlap it
-sits out one step).
+step is processed the request's token count is unknown: under overlap a greedy row takes one plain token
+in the next step at the position of "no guess kept" (`deferred_decode`; the runner moves it on device),
+any other row sits that step out.
 
 With a draft model (or EAGLE head) the guesses are made on the device during a step, from the token
 the step samples: they come back as RunnerOutput.draft_token_ids and the next schedule makes them a
@@ -81,6 +82,10 @@ class SchedulerOutput:
     # (row, number of blocks): cut that row's block table to that length before this step's appends (the
     # slots of rejected speculative positions, freed after the step that guessed them).
     truncated_block_tables: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    # Decode rows right behind their own verify step, still in flight (speculative decoding): indexes into
+    # the decode rows. Their position is the one the row has if that step accepts none of its guesses; the
+    # runner adds the number it accepts on device.
+    deferred_decode: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

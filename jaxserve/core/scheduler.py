@@ -156,6 +156,7 @@ class Scheduler:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_position: list[int] = []
+        self.num_deferred = 0  # plain tokens scheduled right behind their row's verify step (spec_schedule.may_defer)
         if config.preemption_mode == "swap" and not kv_cache.can_swap:
             raise ValueError("scheduler.preemption_mode=swap copies preempted requests' KV blocks to the host tier; "
                              "set cache.host_kv_gib > 0, or use preemption_mode auto or recompute")
@@ -274,6 +275,8 @@ class Scheduler:
         preempted = False
         prompt_rows_left = self.max_prompt_logprob_rows
         drafting: set[str] = set()  # requests given the slots of a draft model's lookahead this step
+        deferred: set[str] = set()  # decode rows right behind their own verify step (SchedulerOutput.deferred_decode)
+        may_defer = self.speculative is not None and not self.speculative.uses_model
         lookahead = self._lookahead
 
         # Running requests first, in order (over a copy: preemption takes requests out of `running`).
@@ -285,8 +288,25 @@ class Scheduler:
                 break
             if preempted and request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
-            if request.draft_token_ids:
-                continue  # its speculative step is in flight: how many tokens it adds is not known yet
+            if request.draft_token_ids:  # its verify step is in flight: how many guesses it keeps is not known
+                if not (may_defer and spec_schedule.may_defer(request, self.max_model_len)):
+                    continue
+                # One plain token right behind it, at the position of "none accepted" (the runner adds the
+                # count on device), with a slot for "all accepted"; the update of the verify step rolls
+                # num_computed_tokens back past the rejected guesses, this token included.
+                new_blocks = allocate(request, 1)
+                if new_blocks is None:
+                    continue
+                if new_blocks:
+                    decode_blocks[request.request_id] = (len(decode), new_blocks)
+                deferred.add(request.request_id)
+                self.num_deferred += 1
+                append_decode(request)
+                append_position(request.num_computed_tokens - len(request.draft_token_ids))
+                request.num_computed_tokens += 1
+                request.num_pending += 1
+                budget -= 1
+                continue
             computed = request.num_computed_tokens
             known = len(request.all_token_ids) + request.num_pending
             remaining = known - computed
@@ -441,7 +461,9 @@ class Scheduler:
                                                 {i for i, r in enumerate(sampled) if r.request_id in drafting})
         return SchedulerOutput([request.request_id for request in decode], [request.row for request in decode],
                                decode_positions, decode_new_blocks, [item for _, item in scheduled],
-                               self.config.max_num_batched_tokens - budget, finished, self.step_count, truncated)
+                               self.config.max_num_batched_tokens - budget, finished, self.step_count, truncated,
+                               [i for i, request in enumerate(decode) if request.request_id in deferred]
+                               if deferred else [])
 
     @staticmethod
     def _unschedule(victim: Request, decode: list[Request], decode_positions: list[int],

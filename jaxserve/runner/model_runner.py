@@ -27,6 +27,7 @@ The jitted programs themselves are in step_program.py; ep_runner.py builds exper
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -196,6 +197,7 @@ class ModelRunner:
         # Sampled tokens come back padded to the largest request bucket, so the next step reads them
         # from the device with one compiled shape.
         self.max_rows = self.buckets.request_buckets[-1] * self.num_shards
+        self._no_accepted = self._zeros((self.max_rows,), jnp.int32)  # a step's prev_accepted after a plain step
         if self.drafter is not None:
             self.drafter.init_caches(self.num_blocks, self.max_rows, self.on_device)
         # A prompt-logprob step of T tokens pads its requests to the largest bucket T pairs with.
@@ -351,6 +353,11 @@ class ModelRunner:
             r_pad = max(r_pad, self.buckets.pad_requests(len(guesses.logits_rows)))
         batch, prev_index = self.fill_batch(layout, t_pad, r_pad,
                                             guesses.logits_rows if guesses is not None else None)
+        if out.deferred_decode:  # decode rows (token r: request r) whose position waits for the count of
+            # guesses their verify step keeps: its token and count come from its device outputs (also when
+            # it was collected already, before the scheduler took its update: the position is still none-kept)
+            deferred = np.asarray(out.deferred_decode)
+            prev_index[deferred] = self.row_prev_index[layout.rows[deferred]] + self.max_rows
         request_ids = out.decode_ids + [item.request_id for item in items if item.samples]
         if guesses is None:
             sampling = self._sampling_metadata(sample_rows, r_pad) if len(sample_rows) else None
@@ -402,7 +409,8 @@ class ModelRunner:
         # A step that samples nothing marks its readiness with its logits: they must not be donated later.
         logits, greedy_tokens, *prompt_arrays = self._run_forward(
             step.batch, prev_tokens, step.prev_index, step.decode_only, keep_logits=step.sampling is not None,
-            prompt=step.prompt, twins=step.decode_only or step.guesses is not None)
+            prompt=step.prompt, twins=step.decode_only or step.guesses is not None,
+            prev_accepted=self._last.num_accepted if self._last is not None else None)
         prompt = None
         if step.prompt is not None:
             for array in prompt_arrays[0]:
@@ -437,7 +445,7 @@ class ModelRunner:
 
     def _run_forward(self, batch: ModelBatch, prev_tokens, prev_index, decode_only: bool = False,
                      keep_logits: bool = True, prompt: prompt_logprobs.PromptRows | None = None,
-                     twins: bool = False):
+                     twins: bool = False, prev_accepted=None):
         """Stage the step's inputs, run the forward -> (logits, greedy tokens of a decode-only step or
         None), plus prompt_logprobs.compute's arrays when `prompt` is given. Every device buffer the
         forward reads or writes is the same each time a shape recurs (staged inputs, caches, logits: all
@@ -445,14 +453,19 @@ class ModelRunner:
         re-uploading it would be most of a decode step's host time (benchmarks/RESULTS.md).
         `keep_logits=False`: the logits get a buffer of their own (nothing will donate it), for a step
         whose logits are its readiness marker. `twins`: a step that recurs back to back (decode-only
-        steps, verify steps of speculative decoding) alternates between twin executables of its shape."""
+        steps, verify steps of speculative decoding) alternates between twin executables of its shape.
+        `prev_accepted`: the previous step's accepted guesses per sampling row when it verified guesses
+        (step_program._stage_step: rows right behind their verify step), else None."""
         t_pad, r_pad = batch.token_ids.shape[-1], batch.seq_lens.shape[-1]  # (per shard: [n, T] under EP)
         staged = self._staged.get((t_pad, r_pad))
         if staged is None:  # (precompile made those of every bucket)
             staged = self._zeros_like_batch(t_pad, r_pad)
         compiled = self._compiled.get(("stage", t_pad, r_pad))
-        stage = compiled if compiled is not None else self.stage_fn
-        staged = self._staged[(t_pad, r_pad)] = stage(staged, pack_step(batch, prev_index), prev_tokens)
+        stage = compiled if compiled is not None else functools.partial(self.stage_fn, block_size=self.block_size)
+        if prev_accepted is None:
+            prev_accepted = self._no_accepted
+        staged = self._staged[(t_pad, r_pad)] = stage(staged, pack_step(batch, prev_index), prev_tokens,
+                                                      prev_accepted)
         logits_buffer = self._logits.pop(r_pad, None) if keep_logits else None
         if logits_buffer is None:
             logits_buffer = zeros((r_pad * self.num_shards, self.cfg.vocab_size), jnp.float32, self.logits_sharding)
