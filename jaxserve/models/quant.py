@@ -16,8 +16,9 @@ side that tensor parallelism may shard (heads, MLP columns) then holds one scale
 `linear(x, w, subscripts)` is every dense matmul of the model: a plain array runs today's einsum (or
 `x @ w`), an Fp8Weight is dequantized in the step ((q as float32 * scale) in x's dtype) and runs the same
 one. Activations stay in the model dtype here: static and per-token activation scales of a checkpoint are
-not applied (weight-only dequantization). A kernel that streams the FP8 bytes replaces the Fp8Weight
-branch of `linear` and nothing else.
+not applied (weight-only dequantization). On a GPU a decode-sized step with per-channel scales runs the
+FP8 GEMM kernel instead (pallas_kernels/fp8_gemm/gpu.py), which streams the fp8 bytes and widens them in
+registers; prefill-sized steps and block scales dequantize.
 """
 
 from __future__ import annotations
@@ -107,12 +108,40 @@ def dequantize(w, dtype) -> jax.Array:
     return (w.q.astype(jnp.float32) * scale).astype(dtype)
 
 
-def linear(x: jax.Array, w, subscripts: str | None = None) -> jax.Array:
+def linear(x: jax.Array, w, subscripts: str | None = None, *, kernel: bool | None = None) -> jax.Array:
     """x times the weight w: `jnp.einsum(subscripts, x, w)`, or `x @ w` without subscripts. The weight is
-    a plain array (the model dtype) or an Fp8Weight (dequantized to x's dtype first)."""
+    a plain array (the model dtype) or an Fp8Weight: on a GPU, a decode-sized step with per-channel
+    scales runs the FP8 GEMM kernel (pallas_kernels/fp8_gemm: the fp8 bytes streamed, widened in
+    registers); otherwise it is dequantized to x's dtype first. `kernel`: force the choice (None: the
+    platform decides; tests run the kernel in interpret mode on a CPU with True)."""
     if isinstance(w, Fp8Weight):
+        if kernel is not False and (y := _fp8_kernel(x, w, subscripts, kernel)) is not None:
+            return y
         w = dequantize(w, x.dtype)
     return x @ w if subscripts is None else jnp.einsum(subscripts, x, w)
+
+
+def _fp8_kernel(x: jax.Array, w: Fp8Weight, subscripts: str | None, forced: bool | None) -> jax.Array | None:
+    """x @ w through the FP8 GEMM kernel, or None where it does not apply: not a GPU (unless forced), not
+    x [T, K] contracting w's one leading axis (subscripts like "td,dnh->tnh"), scales not per output
+    channel, or shapes the kernel does not take (T above its rows, K or N off its blocks)."""
+    if forced is None and jax.default_backend() != "gpu":
+        return None
+    if subscripts is not None:
+        inputs, out = subscripts.split("->")
+        lhs, rhs = inputs.split(",")
+        if not (len(lhs) == 2 and lhs[-1] == rhs[0] and out == lhs[:-1] + rhs[1:]):
+            return None
+    q = w.q
+    if x.ndim != 2 or w.block != (q.shape[0], *(1,) * (q.ndim - 1)) or w.scale.shape[0] != 1:
+        return None
+    from pallas_kernels.fp8_gemm import gpu  # noqa: PLC0415 - the Triton backend loads where it runs
+    k, n = q.shape[0], math.prod(q.shape[1:])
+    if not gpu.supported(x.shape[0], k, n):
+        return None
+    y = gpu.fp8_matmul(x, q.reshape(k, n), w.scale.reshape(n), interpret=forced is True and
+                       jax.default_backend() != "gpu")
+    return y.reshape(x.shape[0], *q.shape[1:])
 
 
 def merge_leading(w, count: int):

@@ -1,0 +1,1 @@
+"""Weight-only FP8 GEMM kernels (decode-sized steps): `gpu.py`."""
