@@ -264,8 +264,9 @@ FP8KV_MATRIX = [
     (DENSE, False, True, True, False, 1, "swap"),  # host tier, swap preemption
     (MOE, True, True, True, True, 1, "ngram3"),
     (MOE, False, False, False, True, 2, None),
+    (DENSE, True, True, True, True, 2, "fp8w"),  # FP8 weights too: against a plain engine with both
 ]
-_fp8kv_baselines: dict[str, list[list[int]]] = {}
+_fp8kv_baselines: dict[tuple[str, bool], list[list[int]]] = {}
 
 
 def _fp8kv_id(row) -> str:
@@ -289,6 +290,8 @@ def _fp8kv_generate(fixture, *, overlap=False, caching=True, preempt=False, chun
     elif extra == "ngram3":
         options["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 3,
                                          "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    elif extra == "fp8w":
+        options["quantization"] = "fp8"
     llm = LLM(**options)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     requests = [{"prompt_token_ids": p} for p in prompts]
@@ -302,9 +305,10 @@ def test_fp8kv_composes(row, request):
     if tp > len(jax.devices()):
         pytest.skip(f"needs {tp} devices")
     fixture = request.getfixturevalue("hf_fixture_by_name")(name)
-    if name not in _fp8kv_baselines:
-        _fp8kv_baselines[name] = _fp8kv_generate(fixture)[1][0]
-    want = _fp8kv_baselines[name]
+    key = (name, extra == "fp8w")
+    if key not in _fp8kv_baselines:
+        _fp8kv_baselines[key] = _fp8kv_generate(fixture, extra="fp8w" if key[1] else None)[1][0]
+    want = _fp8kv_baselines[key]
     llm, rounds = _fp8kv_generate(fixture, overlap=overlap, caching=caching, preempt=preempt, chunked=chunked,
                                   tp=tp, extra=extra)
     assert all(c.dtype == jax.numpy.float8_e4m3fn for c in llm.engine.runner.kv_caches)
