@@ -82,27 +82,27 @@ def test_guesses_leave_outputs_unchanged_and_save_steps(overlap):
     assert any(out.truncated_block_tables for out in driver.outputs)
 
 
-def test_overlap_greedy_row_takes_a_token_behind_its_verify_step_others_sit_out():
-    """Under overlap a greedy row whose verify step is in flight takes one plain token in the next step, at
-    the position of "no guess kept" (the runner moves it; the fake runner checks the move stays within
-    the guesses); a sampled row (its noise index depends on the count) sits that step out. Outputs equal
-    those without guesses either way."""
-    driver, outputs = generate(SPEC, overlap=True, prompts={"a": prompt(0)}, max_tokens=12)
+@pytest.mark.parametrize("temperature", [0.0, 0.7], ids=["greedy", "sampled"])
+def test_overlap_row_takes_a_token_right_behind_its_verify_step(temperature):
+    """Under overlap a row whose verify step is in flight takes one plain token in the next step, at the
+    position of "no guess kept" (the runner moves it; the fake runner checks the move stays within the
+    guesses). Outputs equal those without guesses."""
+    def run(speculative):
+        scheduler = make_scheduler(num_blocks=64, block_size=4, speculative=speculative)
+        driver = OverlapDriver(scheduler, cyclic)
+        request = make_request("a", prompt(0), max_tokens=12, temperature=temperature, seed=1)
+        driver.add(request)
+        driver.run()
+        assert scheduler.kv_cache.num_free_blocks == 63
+        return driver, request.output_token_ids
+
+    driver, outputs = run(SPEC)
     rows = [{item.request_id: item for item in out.all_rows()} for out in driver.outputs]
     behind = [step for step, items in enumerate(rows[:-1]) if "a" in items and items["a"].draft_token_ids]
-    assert behind and all("a" in rows[step + 1] and not rows[step + 1]["a"].draft_token_ids
-                          and driver.outputs[step + 1].deferred_decode == [0] for step in behind[:-1])
+    assert len(behind) > 1 and all("a" in rows[step + 1] and not rows[step + 1]["a"].draft_token_ids
+                                   and driver.outputs[step + 1].deferred_decode == [0] for step in behind[:-1])
     assert driver.scheduler.num_deferred >= len(behind) - 1
-    assert outputs == generate(overlap=True, prompts={"a": prompt(0)}, max_tokens=12)[1]
-
-    scheduler = make_scheduler(num_blocks=64, block_size=4, speculative=SPEC)
-    driver = OverlapDriver(scheduler, cyclic)
-    driver.add(make_request("s", prompt(0), max_tokens=12, temperature=0.7, seed=1))
-    driver.run()
-    rows = [{item.request_id: item for item in out.all_rows()} for out in driver.outputs]
-    behind = [step for step, items in enumerate(rows[:-1]) if "s" in items and items["s"].draft_token_ids]
-    assert behind and all("s" not in rows[step + 1] for step in behind)
-    assert scheduler.num_deferred == 0
+    assert outputs == run(None)[1]
 
 
 def test_budget_counts_guesses_and_caps_them():

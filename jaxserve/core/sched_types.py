@@ -21,9 +21,9 @@ input token (which may be pending: the runner feeds it from the device as for an
 how many guesses it accepted plus one sampled token. The scheduler then rolls num_computed_tokens back
 past the rejected positions and frees the blocks that only they used; the runner learns it from
 `truncated_block_tables` of a later step (block tables are append-only between such cuts). Until the
-step is processed the request's token count is unknown: under overlap a greedy row takes one plain token
-in the next step at the position of "no guess kept" (`deferred_decode`; the runner moves it on device),
-any other row sits that step out.
+step is processed the request's token count is unknown: under overlap the row takes one plain token in
+the next step at the position of "no guess kept" (`deferred_decode`; the runner moves it on device); a
+draft model's row sits that step out.
 
 With a draft model (or EAGLE head) the guesses are made on the device during a step, from the token
 the step samples: they come back as RunnerOutput.draft_token_ids and the next schedule makes them a

@@ -10,9 +10,9 @@
                            (KVCacheManager.trim) and tells the runner (SchedulerOutput.truncated_block_tables)
 
 A request's token count after a step with guesses is unknown until that step is processed
-(Request.draft_token_ids marks the step in flight). Under overlap a greedy row without penalties takes
-one plain token in the next step all the same (`may_defer`): scheduled at the position it has if no guess
-is kept, moved on device by the count the verify step keeps (runner/step_program.py); others sit it out.
+(Request.draft_token_ids marks the step in flight). Under overlap the row takes one plain token in the
+next step all the same (`may_defer`): scheduled at the position it has if no guess is kept, moved on device
+by the count the verify step keeps (runner/step_program.py). (A draft model's rows sit that step out.)
 
 A draft model (draft_model, eagle) guesses on the device instead, during a step, from the token that step
 samples: the scheduler gives such a row `lookahead` more KV slots (the draft writes the K/V of its k
@@ -50,14 +50,8 @@ def _can_take_guesses(request: Request) -> bool:
 
 def may_defer(request: Request, max_model_len: int) -> bool:
     """A row whose verify step is in flight may take one plain token right behind it (Scheduler.schedule:
-    its position is known only on device) when nothing sampled depends on how many guesses that step
-    keeps: greedy, no penalties, min_tokens reached, and room for the token if every guess is kept. Its
-    sampling metadata (noise index, penalty history, min_tokens bans) would otherwise need that count."""
-    params = request.sampling_params
-    return (params.temperature == 0.0 and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
-            and params.repetition_penalty == 1.0
-            and len(request.all_token_ids) - request.num_prompt_tokens >= params.min_tokens
-            and request.num_computed_tokens + 1 <= max_model_len and request.num_pending == 1)
+    its position is known only on device) when the token has room if every guess is kept."""
+    return request.num_computed_tokens + 1 <= max_model_len and request.num_pending == 1
 
 
 def propose(running: list[Request], spec: SpeculativeConfig) -> dict[str, list[int]]:

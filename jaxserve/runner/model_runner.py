@@ -400,10 +400,17 @@ class ModelRunner:
 
     def dispatch(self, out: SchedulerOutput) -> StepHandle:
         """Enqueues one step on the device and starts copying its sampled tokens back; returns at once."""
-        if self._last is not None and self._last.output is None and self.row_penalties.any():
-            rows = [item.row for item in out.scheduled if item.samples] + out.decode_rows
-            if (self.row_pending[rows] * self.row_penalties[rows]).any():
-                self._collect(self._last)  # penalties read the whole history, the pending tokens included
+        if self._last is not None and self._last.output is None:
+            if self.row_penalties.any():
+                rows = [item.row for item in out.scheduled if item.samples] + out.decode_rows
+                if (self.row_pending[rows] * self.row_penalties[rows]).any():
+                    self._collect(self._last)  # penalties read the whole history, the pending tokens included
+            if out.deferred_decode and self._last.output is None:
+                # A row behind its verify step samples its next output token: unless greedy without bans, its
+                # noise index and min_tokens bans need the count of guesses that step kept.
+                rows = np.asarray(out.decode_rows)[out.deferred_decode]
+                if not self.row_greedy[rows].all() or self.row_min_tokens[rows].any():
+                    self._collect(self._last)
         step = self.prepare(out)
         prev_tokens = self._last.tokens if self._last is not None else self._zeros((self.max_rows,), jnp.int32)
         # A step that samples nothing marks its readiness with its logits: they must not be donated later.
