@@ -76,9 +76,12 @@ class Engine:
         if mesh is None and config.parallel.data > 1:
             raise ValueError(f"parallel.data={config.parallel.data} runs one engine per replica: use LLM or "
                              "jaxserve.data_parallel.DataParallelEngine, or give each Engine its mesh")
-        if config.speculative.enabled and (config.parallel.expert > 1 or config.parallel.num_processes > 1):
-            raise ValueError("speculative decoding is not supported yet with parallel.expert > 1 or "
-                             "parallel.num_processes > 1; leave speculative_config unset there")
+        if config.speculative.enabled and config.parallel.expert > 1:
+            raise ValueError("speculative decoding is not supported yet with parallel.expert > 1; leave "
+                             "speculative_config unset there")
+        if config.speculative.uses_model and config.parallel.num_processes > 1:
+            raise ValueError(f"speculative.method={config.speculative.method} is not supported yet with "
+                             f"parallel.num_processes > 1; use method ngram there")
         if config.speculative.uses_model and config.parallel.data > 1:
             raise ValueError(f"speculative.method={config.speculative.method} is not supported yet with "
                              f"parallel.data > 1; use method ngram there, or one replica")

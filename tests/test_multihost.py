@@ -30,23 +30,27 @@ TIMEOUT_S = 240
 CPU_NUM_BLOCKS = (128, 96)  # by process: as if their devices had different free memory; both must use 96
 
 
-def _engine_config(process_id: int, port: int):
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+
+
+def _engine_config(process_id: int, port: int, speculative: bool = False):
     from jaxserve.config import EngineConfig, ParallelConfig
 
     config = EngineConfig().with_overrides(
         model=FIXTURE, dtype="float32", skip_tokenizer_init=True, max_model_len=96, block_size=4,
         cpu_num_blocks=CPU_NUM_BLOCKS[process_id], max_num_batched_tokens=16, max_num_seqs=4, token_buckets=[16],
-        request_buckets=[4], precompile=False, compilation_cache_dir=None)
+        request_buckets=[4], precompile=False, compilation_cache_dir=None,
+        speculative_config=SPEC if speculative else None)
     return dataclasses.replace(config, parallel=ParallelConfig(
         model=NUM_PROCESSES * DEVICES_PER_PROCESS, coordinator_address=f"127.0.0.1:{port}",
         num_processes=NUM_PROCESSES, process_id=process_id))
 
 
-def _run_process(process_id: int, port: int) -> None:
+def _run_process(process_id: int, port: int, speculative: bool) -> None:
     from jaxserve import LLM, SamplingParams
     from jaxserve.distributed import run_follower
 
-    config = _engine_config(process_id, port)
+    config = _engine_config(process_id, port, speculative)
     if process_id != 0:
         calls = run_follower(config)  # follows process 0's steps until it closes the channel
         print(f"FOLLOWED {calls}", flush=True)
@@ -57,6 +61,7 @@ def _run_process(process_id: int, port: int) -> None:
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     print("TOKENS " + json.dumps([o.outputs[0].token_ids for o in outputs]), flush=True)
     print(f"NUM_BLOCKS {llm.engine.runner.num_blocks}", flush=True)
+    print(f"ACCEPTED {llm.engine.scheduler.num_accepted_tokens}", flush=True)
 
 
 def _free_port() -> int:
@@ -65,11 +70,14 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_two_processes_match_one():
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "ngram"])
+def test_two_processes_match_one(speculative):
+    """Greedy tokens over two processes equal transformers'; with n-gram speculation too (the guesses travel
+    in the broadcast SchedulerOutput, and every process verifies them)."""
     port = _free_port()
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS}",
                JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    procs = [subprocess.Popen([sys.executable, __file__, str(i), str(port)], cwd=ROOT, env=env,
+    procs = [subprocess.Popen([sys.executable, __file__, str(i), str(port), str(int(speculative))], cwd=ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(NUM_PROCESSES)]
     try:
@@ -84,6 +92,8 @@ def test_two_processes_match_one():
     tokens = json.loads(next(line for line in logs[0].splitlines() if line.startswith("TOKENS "))[7:])
     assert tokens == json.loads((FIXTURE / "reference.json").read_text())["generated"]
     assert f"NUM_BLOCKS {min(CPU_NUM_BLOCKS)}" in logs[0].splitlines()
+    accepted = int(next(line for line in logs[0].splitlines() if line.startswith("ACCEPTED "))[9:])
+    assert (accepted > 0) == speculative
     assert "TOKENS" not in logs[1] and "FOLLOWED" in logs[1], "the follower runs run_follower, not the program"
 
 
@@ -287,4 +297,4 @@ def test_codec_refuses_unknown_types():
 
 
 if __name__ == "__main__":
-    _run_process(int(sys.argv[1]), int(sys.argv[2]))
+    _run_process(int(sys.argv[1]), int(sys.argv[2]), bool(int(sys.argv[3])))
