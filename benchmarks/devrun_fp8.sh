@@ -1,6 +1,6 @@
 # FP8 weights, FP8 KV cache and long-prompt prefill on an H200 (Llama-3-8B shape, random weights), one call
 # under 9 minutes; the table is printed last.
-#   bash benchmarks/devrun_fp8.sh [all|weights|long]     on the device (default: all)
+#   bash benchmarks/devrun_fp8.sh [all|weights|long|kernel]     on the device (default: all)
 #   SMOKE=1 PYTHON=/path/to/python bash benchmarks/devrun_fp8.sh [MODE]    the same plumbing on a CPU: the
 #       embedded model (jaxserve/assets/tiny-adder, float32), tiny shapes, a couple of minutes
 # Steps (logged under $OUT/work, each under its own timeout and never past DEADLINE, 540 s), most important
@@ -21,20 +21,24 @@
 #               bf16_b1's), its roofline share beside the engine's
 #   ttft_128k   one 131000-token prompt (reported, no target), if time is left
 # Modes: all (every step, in the order above; a step that does not fit is skipped and named "not run"),
-# weights (a, b, d) and long (c, e): for two calls when one did not finish. Then the table
+# weights (a, b, d) and long (c, e): for two calls when one did not finish; kernel: benchmarks/fp8_gemm.py
+# alone (the FP8 decode GEMM kernel against XLA's bf16 dot and its dequantizing fp8 dot at the 8B weight
+# shapes, rows 1/16/64, over a small sweep of the kernel's tuning; its lines are printed as it runs). Then the table
 # (benchmarks/fp8_summary.py) to stdout and $OUT/summary.txt, $OUT/summary.json, and every log and report in
 # $OUT/fp8_logs.tar.gz.
 set -o pipefail
 OUT=${OUT:-/tmp/devrun_fp8}
 DEADLINE=${DEADLINE:-540}
 source benchmarks/devrun_common.sh
-SHOW="^Decode:|^steady decode|^TTFT|^roofline|^compiled|^ *blkh "
+SHOW="^Decode:|^steady decode|^TTFT|^roofline|^compiled|^ *blkh |^[a-z_]+ +rows "
 if [ -n "${SMOKE:-}" ]; then
   CFG="" LONG_CFG=""  # the default config: the embedded model
   B1="--input-len 4 --output-len 16" B64="--batch-size 8 --input-len 4 --output-len 12"
   KV="--batch-size 8 --input-len 16 --output-len 8" T32K="--input-len 24" T128K="--input-len 28"
   TIGHT="--config-json jaxserve/assets/tiny-adder/config.json --context 4 --steps 8"
+  KERNEL="--smoke --rows 1"
 else
+  KERNEL="--rows 1,16,64"
   CFG="--config configs/llama3-8b-dummy.yaml" LONG_CFG="--config configs/llama3.1-8b-dummy.yaml"
   B1="--input-len 128 --output-len 128" B64="--batch-size 64 --input-len 128 --output-len 128"
   KV="--max-model-len 8192 --batch-size 64 --input-len 8128 --output-len 64" T32K="--input-len 32768"
@@ -59,6 +63,7 @@ kvfp8_ctx8k() { bench kvfp8_ctx8k "$1" "$2" $CFG $KV --num-iters-warmup 0 --num-
 LONG="$LONG_CFG --batch-size 1 --output-len 2 --num-iters-warmup 1"
 ttft_32k() { bench ttft_32k "$1" "$2" $LONG $T32K --num-iters 3; }
 ttft_128k() { bench ttft_128k "$1" "$2" $LONG $T128K --num-iters 1; }
+fp8_gemm() { run fp8_gemm "$1" "$2" $PY benchmarks/fp8_gemm.py $KERNEL --json "$W/fp8_gemm.json"; }
 tight_b1() {
   run tight_b1 "$1" "$2" $PY benchmarks/tight_loop_decode.py $TIGHT --batch-sizes 1 --output-json "$W/tight_b1.json"
 }
@@ -75,8 +80,11 @@ weights)
 long)
   kvbf16_ctx8k 160 280; kvfp8_ctx8k 160 170; ttft_32k 150 30; ttft_128k 200 5
   ;;
+kernel)
+  fp8_gemm 520 5
+  ;;
 *)
-  echo "unknown mode ${MODE}: all, weights or long"; exit 2
+  echo "unknown mode ${MODE}: all, weights, long or kernel"; exit 2
   ;;
 esac
 echo "== ${SECONDS}s: done"
