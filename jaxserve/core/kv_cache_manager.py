@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from jaxserve.core.block_pool import NULL_BLOCK_ID, BlockHash, BlockPool, FreeBlockQueue, KVCacheBlock
 from jaxserve.core.kv_tiers.link import TierLink
+from jaxserve.core.kv_tiers.tiers import TierCounters
 
 if TYPE_CHECKING:
     from jaxserve.core.kv_tiers.tiers import KVTiers
@@ -90,35 +91,18 @@ def root_hash(seed: bytes | int | None) -> bytes:
     return bytes(seed)
 
 
-@dataclasses.dataclass(frozen=True)
-class KVCacheStats:
-    queries: int  # tokens looked up in the prefix cache
-    hits: int  # of those, tokens found (on device, or loaded back from a tier below)
-    evictions: int  # cached blocks whose contents were dropped to reuse the block
-    # The tiers (kv_tiers.tiers.TierCounters; 0 without them): tokens found in a tier after the device
-    # missed, tokens asked of it and not found, bytes written into it and read from it, blocks evicted,
-    # loads out of it and the seconds they took.
-    host_hits: int = 0
-    host_misses: int = 0
-    host_bytes_in: int = 0
-    host_bytes_out: int = 0
-    host_evictions: int = 0
-    host_loads: int = 0
-    host_load_seconds: float = 0.0
-    disk_hits: int = 0
-    disk_misses: int = 0
-    disk_bytes_in: int = 0
-    disk_bytes_out: int = 0
-    disk_evictions: int = 0
-    disk_loads: int = 0
-    disk_load_seconds: float = 0.0
-    disk_errors: int = 0
-    swaps_out: int = 0  # requests preempted by swapping their blocks to host, and of those, resumed
-    swaps_in: int = 0
+def _hit_rate(stats) -> float:
+    return stats.hits / stats.queries if stats.queries else 0.0
 
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
+
+# A KV cache's counters: tokens looked up in the prefix cache (queries), of those the tokens found (hits:
+# on device, or loaded back from a tier below), cached blocks whose contents were dropped to reuse the
+# block (evictions), then the tiers' own (kv_tiers.tiers.TierCounters, field for field; 0 without tiers).
+KVCacheStats = dataclasses.make_dataclass(
+    "KVCacheStats", [("queries", int), ("hits", int), ("evictions", int),
+                     *[(f.name, f.type, dataclasses.field(default=f.default))
+                       for f in dataclasses.fields(TierCounters)]],
+    frozen=True, namespace={"hit_rate": property(_hit_rate)}, module=__name__)
 
 
 class _RequestState:
