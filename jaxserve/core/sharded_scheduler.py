@@ -54,6 +54,11 @@ class ShardedSchedulerOutput:
         return [row for out in self.shards for row in out.decode_rows]
 
     @property
+    def deferred_decode(self) -> list[int]:
+        offsets = itertools.accumulate((len(out.decode_rows) for out in self.shards), initial=0)
+        return [start + i for out, start in zip(self.shards, offsets) for i in out.deferred_decode]
+
+    @property
     def scheduled(self) -> list[ScheduledRequest]:
         return [item for out in self.shards for item in out.scheduled]
 
