@@ -11,8 +11,14 @@ from pathlib import Path
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
+import jax
 import numpy as np
 import pytest
+
+# The suite's own process compiles without JAX's persistent compilation cache: XLA:CPU's executable
+# (de)serialization crashes the process now and then (a segfault while reading back a step program), and
+# such a crash ends every test. The server processes the tests start keep theirs (runner.compilation_cache_dir).
+jax.config.update("jax_enable_compilation_cache", False)
 
 ROOT = Path(__file__).resolve().parent.parent
 HF_FIXTURES = ROOT / "tests" / "fixtures" / "hf"
