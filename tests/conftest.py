@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 from pathlib import Path
@@ -19,6 +20,16 @@ import pytest
 # (de)serialization crashes the process now and then (a segfault while reading back a step program), and
 # such a crash ends every test. The server processes the tests start keep theirs (runner.compilation_cache_dir).
 jax.config.update("jax_enable_compilation_cache", False)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Each XLA:CPU executable keeps memory mappings of its code while JAX caches it. The whole suite in one
+    process compiles enough programs to pass the kernel's limit on mappings (vm.max_map_count, 65530), and
+    the compile that hits it segfaults: so every test module's programs are released when it ends."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 ROOT = Path(__file__).resolve().parent.parent
 HF_FIXTURES = ROOT / "tests" / "fixtures" / "hf"
