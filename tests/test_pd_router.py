@@ -65,7 +65,8 @@ def _processes():
         for name in INSTANCES:
             port = free_port()
             command = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(port), "--access-log", "false",
-                       "--log-level", "error", "--pd-role", name[:-1], "--kv-transfer-timeout-s", str(TIMEOUT_S)]
+                       "--log-level", "error", "--pd-role", name[:-1], "--kv-transfer-timeout-s", str(TIMEOUT_S),
+                       "--precompile", "false"]  # (shapes compile as the tests first use them)
             if name == "prefill0":  # prefill1 sends device to device (the default), prefill0 through the host
                 command += ["--kv-transfer-method", "host"]
             started[name] = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,

@@ -28,7 +28,8 @@ MODEL = "tiny-adder"
 
 
 def server_config(**overrides) -> EngineConfig:
-    return load_config(TINY_CONFIG, port=0, access_log=False, **overrides)
+    """The embedded model's config on an ephemeral port; shapes compile as the tests first use them."""
+    return load_config(TINY_CONFIG, **{"port": 0, "access_log": False, "precompile": False, **overrides})
 
 
 class LiveServer:

@@ -233,7 +233,7 @@ def test_bad_draft_configs_are_refused_at_start(tmp_path):
     (narrow / "config.json").write_text(json.dumps({**hf, "hidden_size": 64}))
     with pytest.raises(ValueError, match="the EAGLE head's hidden_size is 64 but the target model's is 128"):
         make_llm(precompile=False, speculative_config=eagle_spec(narrow))
-    with pytest.raises(ValueError, match="an EAGLE head has one decoder layer"):
+    with pytest.raises(ValueError, match="an EAGLE-1 head has one decoder layer"):
         make_llm(precompile=False, speculative_config=eagle_spec(TINY_DRAFT))
     other = tmp_path / "other-head"  # an fc missing, a final norm too many
     other.mkdir()
