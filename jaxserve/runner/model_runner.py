@@ -18,8 +18,9 @@ N+1 is dispatched before step N is collected: tokens not yet on the host are rea
 step N's sampled-token array (prev_index), and a row reset in between drops its stale token.
 Every jitted shape comes from core/buckets.py and all of them are compiled in `precompile()`.
 The forward reads and writes the same device buffers whenever a shape recurs (decode steps, and the verify
-steps of speculative decoding, alternate between two twin executables, each keeping its own temporaries), so XLA replays its CUDA graph
-without updating it: updating a graph's nodes would cost most of a decode step's host time (benchmarks/RESULTS.md).
+steps of speculative decoding, alternate between two twin executables, each keeping its own temporaries),
+so XLA replays its CUDA graph without updating it: updating a graph's nodes would cost most of a decode
+step's host time (benchmarks/RESULTS.md).
 The jitted programs themselves are in step_program.py; ep_runner.py builds expert parallelism's steps
 (one sub-batch per expert shard) on this class.
 """
@@ -216,6 +217,10 @@ class ModelRunner:
                                      self.drafter.aux_layers if self.drafter is not None else ())
         self.use_twins = platform == "gpu"  # (only XLA:GPU replays graphs; see _run_forward)
         self.speculative = config.speculative.enabled  # steps may carry guesses (spec_verify.py)
+        # The staging program's block size where a row may follow its own verify step (n-gram guesses:
+        # step_program._stage_step shifts such rows on device), None where none can.
+        self.stage_block_size = (self.block_size if self.speculative and not config.speculative.uses_model
+                                 else None)
         # The bench's synthetic acceptance (spec_verify.py): a step input, changed between runs without a compile
         self.synthetic_acceptance = config.speculative.synthetic_acceptance
 
@@ -468,7 +473,10 @@ class ModelRunner:
         if staged is None:  # (precompile made those of every bucket)
             staged = self._zeros_like_batch(t_pad, r_pad)
         compiled = self._compiled.get(("stage", t_pad, r_pad))
-        stage = compiled if compiled is not None else functools.partial(self.stage_fn, block_size=self.block_size)
+        if compiled is not None:
+            stage = compiled
+        else:
+            stage = functools.partial(self.stage_fn, block_size=self.stage_block_size)
         if prev_accepted is None:
             prev_accepted = self._no_accepted
         staged = self._staged[(t_pad, r_pad)] = stage(staged, pack_step(batch, prev_index), prev_tokens,

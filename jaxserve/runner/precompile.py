@@ -60,7 +60,7 @@ def precompile(runner, progress: bool = True) -> int:
         batch = runner._host_batch(t_pad, r_pad)
         packed = pack_step(batch, np.full(batch.token_ids.shape, -1, np.int32))
         return runner.stage_fn.lower(device_batch(t_pad, r_pad), packed, prev_tokens, prev_tokens,
-                                     block_size=runner.block_size).compile()
+                                     block_size=runner.stage_block_size).compile()
 
     def sample(rows: int, all_greedy: bool, use_penalties: bool, num_logprobs: int):
         md = sampler.empty_metadata(rows, model_runner.MAX_BANNED, runner.max_model_len if use_penalties else 1)

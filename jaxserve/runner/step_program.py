@@ -20,16 +20,18 @@ def pack_step(batch: ModelBatch, prev_index: np.ndarray) -> np.ndarray:
     return np.concatenate([a.reshape(-1) for a in (*batch, prev_index)])
 
 
-def _stage_step(staged: ModelBatch, packed, prev_tokens, prev_accepted, *, block_size: int) -> ModelBatch:
+def _stage_step(staged: ModelBatch, packed, prev_tokens, prev_accepted, *, block_size: int | None) -> ModelBatch:
     """The step's inputs (`pack_step`) copied into `staged` (donated: the same device buffers every
     step), with the tokens sampled by the previous step still on device fed in where prev_index >= 0
     (overlap scheduling: their values never went through the host).
 
-    prev_index >= max_rows (= prev_tokens' length) marks a decode row right behind its own verify step
-    (speculative decoding, still in flight when this step was prepared): its token is the previous step's
-    at prev_index - max_rows, and its position, sequence length and KV slot were filled as if that step
-    accepted none of the row's guesses; the number it accepted (prev_accepted at the same index) is added
-    here. Such rows are decode rows, which lead the batch: token r is request r's."""
+    With `block_size` (an engine whose verify steps may have a row right behind them: n-gram speculative
+    decoding), prev_index >= max_rows (= prev_tokens' length) marks such a decode row, its verify step still
+    in flight when this step was prepared: its token is the previous step's at prev_index - max_rows, and
+    its position, sequence length and KV slot were filled as if that step accepted none of the row's
+    guesses; the number it accepted (prev_accepted at the same index) is added here. Such rows are decode
+    rows, which lead the batch: token r is request r's. Without it (None) nothing is shifted and
+    prev_accepted is not read."""
     fields, offset = [], 0
     for like in (*staged, staged.token_ids):  # the batch's fields, then prev_index
         fields.append(packed[offset: offset + like.size].reshape(like.shape))
@@ -38,19 +40,20 @@ def _stage_step(staged: ModelBatch, packed, prev_tokens, prev_accepted, *, block
     batch = ModelBatch(*fields)
     max_rows = prev_tokens.shape[-1]
     deferred = prev_index >= max_rows
-    index = jnp.where(deferred, prev_index - max_rows, prev_index)
+    index = jnp.where(deferred, prev_index - max_rows, prev_index) if block_size is not None else prev_index
     from_prev = prev_tokens[jnp.maximum(index, 0)]
     batch = batch._replace(token_ids=jnp.where(index >= 0, from_prev, batch.token_ids))
-    shift = jnp.where(deferred, prev_accepted[jnp.maximum(index, 0)], 0)  # [.., T]
-    positions = batch.positions + shift
-    rows = min(batch.positions.shape[-1], batch.seq_lens.shape[-1])  # tokens that are also requests
-    pos = positions[..., :rows]
-    table = batch.block_tables[..., :rows, :]
-    block = jnp.take_along_axis(table, (pos // block_size)[..., None], axis=-1)[..., 0]
-    slots = batch.slot_mapping.at[..., :rows].set(
-        jnp.where(deferred[..., :rows], block * block_size + pos % block_size, batch.slot_mapping[..., :rows]))
-    seq_lens = batch.seq_lens.at[..., :rows].add(shift[..., :rows])
-    batch = batch._replace(positions=positions, slot_mapping=slots, seq_lens=seq_lens)
+    if block_size is not None:
+        shift = jnp.where(deferred, prev_accepted[jnp.maximum(index, 0)], 0)  # [.., T]
+        positions = batch.positions + shift
+        rows = min(batch.positions.shape[-1], batch.seq_lens.shape[-1])  # tokens that are also requests
+        pos = positions[..., :rows]
+        table = batch.block_tables[..., :rows, :]
+        block = jnp.take_along_axis(table, (pos // block_size)[..., None], axis=-1)[..., 0]
+        slots = batch.slot_mapping.at[..., :rows].set(
+            jnp.where(deferred[..., :rows], block * block_size + pos % block_size, batch.slot_mapping[..., :rows]))
+        seq_lens = batch.seq_lens.at[..., :rows].add(shift[..., :rows])
+        batch = batch._replace(positions=positions, slot_mapping=slots, seq_lens=seq_lens)
     # Written into the donated arrays (returning `batch` itself would hand back its fresh buffers).
     return jax.tree.map(lambda dst, src: jax.lax.dynamic_update_slice(dst, src, (0,) * src.ndim), staged, batch)
 

@@ -287,7 +287,7 @@ def ragged_paged_attention(
     if sliding_window is not None:
         span_tokens = block_q - 1 + sliding_window
         max_span_pages = min(max_blocks, (span_tokens + page_size - 2) // page_size + 1)
-    # TODO(tpu): every item walks num_steps grid steps (the longest possible span); skipped steps cost
+    # NOTE: every item walks num_steps grid steps (the longest possible span); skipped steps cost
     # only per-step overhead, but a flattened (item, page) schedule or a manual-DMA loop would drop them.
     num_steps = pl.cdiv(max_span_pages, pages_per_step)
 
