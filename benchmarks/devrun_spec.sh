@@ -10,6 +10,8 @@
 #   plain_b1    speculation off, batch 1 (128 in, 128 out)
 #   spec_b1     acceptance 0, 0.8, 0.2, 0.5, 0.9 in one engine (A is a step input: nothing recompiles):
 #               (a) the verify step's cost at acceptance 0, (b) the speed-up at 0.8
+#   draft_b1    the same with a Llama-3.2-1B-shape draft model proposing (configs/models/llama3.2-1b, random
+#               weights like the target's), acceptance 0.8, 0.5, 0: (c) the speed-up at 0.8
 #   plain_b16, spec_b16, plain_b64, spec_b64    the curve at batch 16 and 64 (128 in, 64 out)
 #   spec_b1_sync   batch 1 with overlap off, acceptance 0 and 0.8
 # The engine config is configs/llama3-8b-dummy.yaml with buckets that fit B x (k + 1) rows (5, 80, 320
@@ -26,6 +28,7 @@ K=4
 SPEC="--speculative-config {\"method\":\"ngram\",\"num_speculative_tokens\":$K}"
 if [ -n "${SMOKE:-}" ]; then
   CFG=""  # the default config: the embedded model
+  DRAFT_DIR=$PWD/jaxserve/assets/tiny-adder-draft
   B1="--input-len 4 --output-len 16" BN="--input-len 4 --output-len 12" BATCHES="4 8"
 else
   sed -e "s|path: models/llama3-8b|path: $PWD/configs/models/llama3-8b|" \
@@ -34,16 +37,20 @@ else
       -e "s|request_buckets: \[.*\]|request_buckets: [1, 5, 16, 64, 80, 256, 320]|" \
       configs/llama3-8b-dummy.yaml > "$W/spec.yaml"
   CFG="--config $W/spec.yaml"
+  DRAFT_DIR=$PWD/configs/models/llama3.2-1b
   B1="--input-len 128 --output-len 128" BN="--input-len 128 --output-len 64" BATCHES="16 64"
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.total --format=csv,noheader
 fi
+DRAFT="--speculative-config {\"method\":\"draft_model\",\"model\":\"$DRAFT_DIR\",\"num_speculative_tokens\":$K}"
 BENCH="$PY -m jaxserve.cli bench latency $CFG --disable-tqdm --precompile false"
 # bench NAME MAX_S RESERVE_S ARGS...: one bench process (run), its report in $W/NAME.json
 bench() { local name=$1 max=$2 reserve=$3; shift 3; run "$name" "$max" "$reserve" $BENCH "$@" --output-json "$W/$name.json"; }
 
-bench plain_b1 200 300 --batch-size 1 $B1 --num-iters-warmup 1 --num-iters 3
-bench spec_b1 180 200 --batch-size 1 $B1 --num-iters-warmup 1 --num-iters 3 $SPEC \
+bench plain_b1 200 330 --batch-size 1 $B1 --num-iters-warmup 1 --num-iters 3
+bench spec_b1 180 230 --batch-size 1 $B1 --num-iters-warmup 1 --num-iters 3 $SPEC \
   --spec-synthetic-acceptance 0,0.8,0.2,0.5,0.9
+bench draft_b1 150 150 --batch-size 1 $B1 --num-iters-warmup 1 --num-iters 2 $DRAFT \
+  --spec-synthetic-acceptance 0.8,0.5,0
 for B in $BATCHES; do
   bench plain_b$B 90 60 --batch-size "$B" $BN --num-iters-warmup 1 --num-iters 2
   bench spec_b$B 120 30 --batch-size "$B" $BN --num-iters-warmup 1 --num-iters 2 $SPEC \

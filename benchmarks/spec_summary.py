@@ -5,7 +5,8 @@ SYNTHETIC acceptance (outputs not meaningful), as ratios to speculation off in t
 
 WORK_DIR holds `jaxserve bench latency --output-json` reports: plain_b{B}.json (speculation off) and
 spec_b{B}.json (n-gram, synthetic acceptance swept in one engine: its `synthetic_sweep`), and optionally
-spec_b{B}_sync.json (the same with overlap off). A missing one is reported as not run.
+spec_b{B}_sync.json (the same with overlap off) and draft_b{B}.json (a draft model proposing, its guesses
+accepted at the same synthetic rates). A missing one is reported as not run.
 
     step ms       = TPOT x tokens per verified step (the mean accepted length; 1 with speculation off):
                     the time of one step as a request sees it, host work included
@@ -24,11 +25,12 @@ import json
 import re
 from pathlib import Path
 
-NAME = re.compile(r"^(plain|spec)_b(\d+)(_sync)?\.json$")
+KINDS = {"spec": "ngram", "spec_sync": "ngram-sync", "draft": "draft"}  # run kind -> its label
+NAME = re.compile(r"^(plain|spec|draft)_b(\d+)(_sync)?\.json$")
 
 
 def load_runs(work: Path) -> dict[tuple[str, int], dict]:
-    """(kind, batch) -> report, kind plain | spec | spec_sync."""
+    """(kind, batch) -> report, kind plain | spec | spec_sync | draft."""
     runs = {}
     for path in sorted(work.glob("*.json")):
         m = NAME.match(path.name)
@@ -79,7 +81,7 @@ def summarise(work: Path) -> dict:
         plain = runs.get(("plain", batch))
         base = point(plain) if plain is not None else None
         rows = {}
-        for kind in ("spec", "spec_sync"):
+        for kind in KINDS:
             if (kind, batch) not in runs:
                 continue
             points = sweep(runs[(kind, batch)])
@@ -105,12 +107,14 @@ def lookup(table: dict, batch: int, acceptance: float, kind: str = "spec") -> di
 
 def render(table: dict) -> str:
     lines = ["SYNTHETIC acceptance (the bench's --spec-synthetic-acceptance: outputs not meaningful); "
-             "n-gram proposer; ratios to speculation off in the same run", ""]
+             "n-gram proposer unless named; ratios to speculation off in the same run", ""]
     verify, fast = lookup(table, 1, 0.0), lookup(table, 1, 0.8)
     lines.append(f"(a) verify step at batch 1 (acceptance 0, every guess scored): {fmt(verify and verify['step_ratio'])}x "
                  f"a plain decode step as a request sees it, {fmt(verify and verify['device_ratio'])}x its device "
                  f"time (target <= 1.1)")
     lines.append(f"(b) acceptance 0.8, batch 1: {fmt(fast and fast['speedup'])}x tokens/s (target >= 2.5)")
+    draft = lookup(table, 1, 0.8, "draft")
+    lines.append(f"(c) acceptance 0.8, batch 1, draft model: {fmt(draft and draft['speedup'])}x tokens/s (target >= 1.8)")
     lines.append("")
     lines.append(f"{'batch':>5} {'mode':9} {'accept':>6} {'tok/step':>8} {'(expect)':>8} {'tok/s':>9} {'speedup':>7} "
                  f"{'step ms':>8} {'step x':>6} {'device ms':>9}")
@@ -119,10 +123,9 @@ def render(table: dict) -> str:
         if base is not None:
             lines.append(f"{batch:>5} {'off':9} {'-':>6} {1.0:>8.3f} {'':>8} {fmt(base['decode_tokens_per_s'], '.1f'):>9} "
                          f"{'1.00':>7} {fmt(base['step_ms'], '.3f'):>8} {'1.00':>6} {fmt(base['device_ms'], '.3f'):>9}")
-        for kind in ("spec", "spec_sync"):
+        for kind, mode in KINDS.items():
             if kind not in entry:
                 continue
-            mode = "ngram" if kind == "spec" else "ngram-sync"
             for p in sorted(entry[kind]["points"], key=lambda p: p["acceptance"]):
                 lines.append(f"{batch:>5} {mode:9} {p['acceptance']:>6.2f} {p['tokens_per_step']:>8.3f} "
                              f"{fmt(p['expected_tokens_per_step'], '.3f'):>8} {fmt(p['decode_tokens_per_s'], '.1f'):>9} "

@@ -73,6 +73,7 @@ class DraftRunner:
         self.k = config.speculative.num_speculative_tokens
         self.block_size = config.cache.block_size
         self.target = target
+        self.load_format = config.model.load_format
         self.cfg, self.params = self._load(config.speculative.model, target, max_model_len)
         self.attention_backend = resolve_attention_backend(config.runner.attention_backend, self.cfg, self.block_size)
         self.kv_caches: list[jax.Array] = []
@@ -82,7 +83,8 @@ class DraftRunner:
         return draft_parallel(config, tp)
 
     def _load(self, path: str, target, max_model_len: int):
-        """-> (the draft's model config, its params placed on self.tp's mesh)."""
+        """-> (the draft's model config, its params placed on self.tp's mesh). With model.load_format dummy
+        (benchmarks) the draft's weights are random too, from its config.json alone."""
         try:
             cfg, _ = loader.load_config(path, target.dtype)
         except loader.CheckpointError as err:
@@ -95,7 +97,7 @@ class DraftRunner:
             raise ValueError(f"speculative.model {path!r} takes {cfg.max_position_embeddings} positions but "
                              f"max_model_len is {max_model_len}; lower model.max_model_len or choose a draft with "
                              f"a longer context")
-        return cfg, loader.load_model(path, dtype=target.dtype, tp=self.tp).params
+        return cfg, loader.load_model(path, dtype=target.dtype, load_format=self.load_format, tp=self.tp).params
 
     def memory(self, buckets) -> tuple[int, int]:
         """(bytes of the draft's step outputs and temporaries at the largest shapes, bytes of its K/V per KV
