@@ -1,6 +1,7 @@
 # Prefill/decode disaggregation on one H200, two processes sharing it (each with half the memory), in one
 # call under 9 minutes (benchmarks/pd_bench.py does the measuring):
-#   bash benchmarks/devrun_pd.sh                     on the device (Llama-3-8B shape, random weights)
+#   bash benchmarks/devrun_pd.sh                     on the device (Llama-3-8B shape, random weights), with
+#                                                    .whl/ carried (the server's wheels)
 #   SMOKE=1 PYTHON=/path/to/python bash benchmarks/devrun_pd.sh    the same plumbing on a CPU: the embedded
 #       model (jaxserve/assets/tiny-adder), tiny prompts, a few seconds per run
 # Steps, logged under $OUT (default /tmp/devrun_pd), each under its own timeout, never past DEADLINE (530 s):
@@ -20,6 +21,7 @@ set -o pipefail
 OUT=${OUT:-/tmp/devrun_pd}
 DEADLINE=${DEADLINE:-530}
 source benchmarks/devrun_common.sh
+[ -n "${SMOKE:-}" ] || server_packages  # `jaxserve serve` and `router` in (b); on the device from the carried .whl/
 
 if [ -n "${SMOKE:-}" ]; then
   cp jaxserve/configs/tiny.yaml "$W/half.yaml"; cp jaxserve/configs/tiny.yaml "$W/full.yaml"
