@@ -1,22 +1,26 @@
 """Where a bench run's device time goes: `jaxserve bench latency`'s engine and arguments, one iteration
 traced with the JAX profiler after the warm-up, and the GPU kernels of the trace summed by name.
 
-    python3 benchmarks/profile_step.py BENCH-LATENCY-ARGS... [--trace-dir DIR] [--top 25]
+    python3 benchmarks/profile_step.py BENCH-LATENCY-ARGS... [--trace-dir DIR] [--top 25] [--host-top N]
 
 e.g. `python3 benchmarks/profile_step.py --config configs/llama3-8b-dummy.yaml --batch-size 1
 --input-len 128 --output-len 64 --num-iters-warmup 1 --num-iters 1 --quantization fp8`. The first
 --spec-synthetic-acceptance value, when given, is the one traced. Prints the traced window's engine steps,
 the device's busy time per step (the union of kernel intervals on the GPU's streams) against the window's
 wall time per step, and the kernels with the most time: calls and microseconds per step, and their share.
-On a CPU the trace holds no GPU stream: the table says so.
+On a CPU the trace holds no GPU stream: the table says so. --host-top N: one more iteration, untraced,
+under cProfile, and its N functions with the most cumulative time per engine step (the host's side).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import gzip
+import io
 import json
+import pstats
 import re
 import sys
 import time
@@ -62,10 +66,24 @@ def _short(name: str) -> str:
     return name if len(name) <= 60 else name[:57] + "..."
 
 
+def _host_profile(iteration, top: int) -> None:
+    profile = cProfile.Profile()
+    profile.enable()
+    run = iteration()
+    profile.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profile, stream=text)
+    stats.sort_stats("cumulative").print_stats(top)
+    print(f"host: {len(run.steps)} engine steps in {run.elapsed_s * 1e3:.1f} ms under cProfile "
+          f"({run.elapsed_s * 1e3 / max(len(run.steps), 1):.3f} ms per step); cumulative seconds:")
+    print("\n".join(line for line in text.getvalue().splitlines()[4:] if line.strip()))
+
+
 def main(argv: list[str]) -> int:
     extra = argparse.ArgumentParser(add_help=False)
     extra.add_argument("--trace-dir", type=Path, default=Path("/tmp/jaxserve-profile"))
     extra.add_argument("--top", type=int, default=25)
+    extra.add_argument("--host-top", type=int, default=0)
     own, rest = extra.parse_known_args(argv)
     args = latency.build_parser().parse_args(rest)
     config = common.engine_config(args)
@@ -88,6 +106,8 @@ def main(argv: list[str]) -> int:
     jax.profiler.stop_trace()
 
     steps = len(run.steps)
+    if own.host_top:
+        _host_profile(iteration, own.host_top)
     kernels = _gpu_kernels(_events(own.trace_dir))
     print(f"traced: {steps} engine steps in {wall_s * 1e3:.1f} ms ({wall_s * 1e3 / max(steps, 1):.3f} ms per step), "
           f"batch {args.batch_size}, {args.input_len} in / {args.output_len} out"

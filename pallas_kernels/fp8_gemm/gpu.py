@@ -32,12 +32,20 @@ MAX_ROWS = 64  # the largest M this kernel takes (a decode step's rows); larger 
 
 @dataclasses.dataclass(frozen=True)
 class TuningConfig:
-    block_n: int = 64
-    block_k: int = 256
-    num_warps: int = 4
+    block_n: int = 128
+    block_k: int = 128
+    num_warps: int = 8
     num_stages: int = 3
     num_cores: int = 132  # H200 SMs
     max_splits: int = 16
+
+
+def fitted(config: TuningConfig, n: int) -> TuningConfig:
+    """The config for N output columns: its column strip narrowed to 64 where N is a multiple of 64 but not
+    of block_n."""
+    if n % config.block_n and not n % 64 and config.block_n > 64:
+        return dataclasses.replace(config, block_n=64)
+    return config
 
 
 def num_splits(config: TuningConfig, k: int, n: int) -> int:
@@ -50,8 +58,8 @@ def num_splits(config: TuningConfig, k: int, n: int) -> int:
 
 
 def supported(m: int, k: int, n: int, config: TuningConfig | None = None) -> bool:
-    """Shapes the kernel takes: M <= MAX_ROWS, K and N multiples of its blocks."""
-    config = config or TuningConfig()
+    """Shapes the kernel takes: M <= MAX_ROWS, K and N multiples of its blocks (fitted to N)."""
+    config = fitted(config or TuningConfig(), n)
     return m <= MAX_ROWS and k % config.block_k == 0 and n % config.block_n == 0
 
 
@@ -74,8 +82,8 @@ def _kernel(x_ref, q_ref, scale_ref, out_ref, *, block_k: int, k_per_split: int,
 def fp8_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, *, config: TuningConfig | None = None,
                interpret: bool = False) -> jax.Array:
     """x [M, K] @ (q [K, N] fp8 * scale [N]) -> [M, N] in x's dtype (module docstring)."""
-    config = config or TuningConfig()
     (m, k), n = x.shape, q.shape[1]
+    config = fitted(config or TuningConfig(), n)
     if not supported(m, k, n, config) or q.shape[0] != k or scale.shape != (n,):
         raise ValueError(f"fp8_matmul takes x [M <= {MAX_ROWS}, K], q [K, N], scale [N] with K % "
                          f"{config.block_k} == 0 and N % {config.block_n} == 0; got {x.shape}, {q.shape}, "
