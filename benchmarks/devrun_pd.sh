@@ -15,7 +15,9 @@
 #       every 1/RATE s for DURATION s, against
 #         colocated      one `jaxserve serve` with gpu_memory_utilization 0.9
 #         disaggregated  a prefill and a decode instance (0.45 each) behind `jaxserve router`
-#       -> mixed_colocated.json, mixed_pd.json: decode ITL p50/p99, TTFT (short, long), output tokens/s
+#       -> mixed_colocated.json, mixed_pd.json: decode ITL p50/p99, TTFT (short, long), output tokens/s;
+#       every server precompiles its step shapes before it answers /health (a shape compiled on first use
+#       would show as a TTFT and ITL spike). The steps' time limits are shares of DEADLINE.
 # The summary (both JSONs side by side) is printed last and written to $OUT/summary.json.
 set -o pipefail
 OUT=${OUT:-/tmp/devrun_pd}
@@ -33,10 +35,11 @@ else
   TOK=build/synthetic-tokenizer/llama3-8b
   $PY benchmarks/make_synthetic_tokenizer.py --model-config configs/models/llama3-8b/config.json --out $TOK \
     > "$W/tokenizer.log" 2>&1 || { echo "synthetic tokenizer failed"; tail -5 "$W/tokenizer.log"; exit 1; }
-  # 8K-token prompts need max_model_len past 8192 tokens of KV: 8320 (the transfer runs no model step).
+  # 8K-token prompts need max_model_len past 8192 tokens of KV: 8320, past the Llama-3 config's 8192
+  # positions, so the Llama-3.1 config (the same shapes, 131072 positions; the transfer runs no model step).
   for pair in "half 0.45" "full 0.9"; do
     set -- $pair
-    sed -e "s|path: models/llama3-8b|path: $PWD/configs/models/llama3-8b|" \
+    sed -e "s|path: models/llama3-8b|path: $PWD/configs/models/llama3.1-8b|" \
         -e "s|tokenizer: ../build/|tokenizer: $PWD/build/|" \
         -e "s|max_model_len: 4096|max_model_len: 8320|" \
         -e "s|memory_fraction: 0.85|gpu_memory_utilization: $2|" \
@@ -56,14 +59,14 @@ t=0; until grep -q "receiver ready" "$W/recv.log"; do
   kill -0 $RECV 2>/dev/null || break; sleep 1; t=$((t + 1)); [ $t -lt 240 ] || break
 done
 for M in device host; do
-  XLA_PYTHON_CLIENT_MEM_FRACTION=0.47 timeout "$(limit 330)" $PY benchmarks/pd_bench.py transfer --role send \
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.47 timeout "$(limit $((DEADLINE * 62 / 100)))" $PY benchmarks/pd_bench.py transfer --role send \
     --config "$W/half.yaml" --peer "127.0.0.1:$P" --tokens $TOKENS --reps $REPS --method $M \
     --json "$OUT/transfer_$M.json" > "$W/send_$M.log" 2>&1 \
-    || { echo "   transfer ($M) failed"; tail -5 "$W/send_$M.log" "$W/recv.log"; }
+    || { echo "   transfer ($M) failed"; tail -n 5 "$W/send_$M.log" "$W/recv.log"; }
 done
 kill $RECV 2>/dev/null; wait $RECV 2>/dev/null
 
-SERVE="$PY -m jaxserve.cli serve --log-level warning --access-log false --precompile false"
+SERVE="$PY -m jaxserve.cli serve --log-level warning --access-log false --precompile true"
 MIXED="$PY benchmarks/pd_bench.py mixed --streams $STREAMS --short-len $SHORT --out-tokens $OUTTOK \
   --long-len $LONG --rate $RATE --duration $DURATION --vocab $VOCAB"
 
@@ -72,8 +75,8 @@ echo "== ${SECONDS}s: mixed, colocated"
 P=$(port)
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 $SERVE --config "$W/full.yaml" --port "$P" > "$W/colocated.log" 2>&1 &
 PIDS+=($!); C=$!
-if wait_up "http://127.0.0.1:$P" $C 240; then
-  timeout "$(limit 160)" $MIXED --url "http://127.0.0.1:$P" --label colocated --json "$OUT/mixed_colocated.json" \
+if wait_up "http://127.0.0.1:$P" $C 300; then
+  timeout "$(limit $((DEADLINE * 30 / 100)))" $MIXED --url "http://127.0.0.1:$P" --label colocated --json "$OUT/mixed_colocated.json" \
     > "$W/mixed_colocated.log" 2>&1 || { echo "   colocated run failed"; tail -5 "$W/mixed_colocated.log"; }
 else
   echo "   colocated server did not start"; tail -5 "$W/colocated.log"
@@ -92,12 +95,12 @@ PIDS+=($!); PF=$!
 $PY -m jaxserve.cli router --prefill "http://127.0.0.1:$PP" --decode "http://127.0.0.1:$DP" --port "$RP" \
   --log-level warning > "$W/router.log" 2>&1 &
 PIDS+=($!)
-if wait_up "http://127.0.0.1:$DP" $D 240 && wait_up "http://127.0.0.1:$PP" $PF 240; then
+if wait_up "http://127.0.0.1:$DP" $D 300 && wait_up "http://127.0.0.1:$PP" $PF 300; then
   timeout "$(limit 5)" $MIXED --url "http://127.0.0.1:$RP" --label disaggregated --json "$OUT/mixed_pd.json" \
     > "$W/mixed_pd.log" 2>&1 || { echo "   disaggregated run failed"; tail -5 "$W/mixed_pd.log"; }
   curl -s "http://127.0.0.1:$DP/pd/info" > "$OUT/decode_info.json"
 else
-  echo "   PD instances did not start"; tail -5 "$W/decode.log" "$W/prefill.log"
+  echo "   PD instances did not start"; tail -n 5 "$W/decode.log" "$W/prefill.log"
 fi
 cleanup; PIDS=()
 

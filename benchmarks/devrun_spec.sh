@@ -3,10 +3,10 @@
 # each guess accepted with probability A while the earlier ones were; outputs not meaningful).
 #   bash benchmarks/devrun_spec.sh                    on the device
 #   SMOKE=1 PYTHON=/path/to/python bash benchmarks/devrun_spec.sh    the same plumbing on a CPU: the
-#       embedded model (jaxserve/assets/tiny-adder), batches 1, 4 and 8, a few tokens
+#       embedded model (jaxserve/assets/tiny-adder), batches 1, 4 and 8, a few tokens, compiling on first use
 # Runs (logged under $OUT/work, each under its own timeout and never past DEADLINE, 530 s), most important
-# first, every one `jaxserve bench latency --precompile false` (only the shapes a run uses compile, on first
-# use; later processes find the shared ones in the persistent cache), n-gram k = 4:
+# first, every one `jaxserve bench latency --precompile true` (every step shape of its config compiles before
+# the timed iterations; later processes find the shared ones in the persistent cache), n-gram k = 4:
 #   plain_b1    speculation off, batch 1 (128 in, 128 out)
 #   spec_b1     acceptance 0, 0.8, 0.2, 0.5, 0.9 in one engine (A is a step input: nothing recompiles):
 #               (a) the verify step's cost at acceptance 0, (b) the speed-up at 0.8
@@ -14,9 +14,10 @@
 #               weights like the target's), acceptance 0.8, 0.5, 0: (c) the speed-up at 0.8
 #   plain_b16, spec_b16, plain_b64, spec_b64    the curve at batch 16 and 64 (128 in, 64 out)
 #   spec_b1_sync   batch 1 with overlap off, acceptance 0 and 0.8
-# The engine config is configs/llama3-8b-dummy.yaml with buckets that fit B x (k + 1) rows (5, 80, 320
-# tokens and logits rows) so that a verify step is not padded to the next power-of-two rung, and
-# max_num_seqs 320 (the scheduler takes a guess's logits row from the rows no request holds).
+# Each batch size B runs configs/llama3-8b-dummy.yaml with buckets of its own, so that precompiling is short
+# and a verify step is not padded to a larger rung: requests B and B x (k + 1) (max_num_seqs: the scheduler
+# takes a guess's logits row from the rows no request holds), tokens B (or 16), B x (k + 1) and B x 128 (the
+# prompts in one step; max_num_batched_tokens).
 # Then the table (benchmarks/spec_summary.py) to stdout and $OUT/summary.txt, $OUT/summary.json, and every
 # log and report in $OUT/spec_logs.tar.gz.
 set -o pipefail
@@ -27,36 +28,42 @@ SHOW="^Decode:|^synthetic acceptance|^compiled"
 K=4
 SPEC="--speculative-config {\"method\":\"ngram\",\"num_speculative_tokens\":$K}"
 if [ -n "${SMOKE:-}" ]; then
-  CFG=""  # the default config: the embedded model
   DRAFT_DIR=$PWD/jaxserve/assets/tiny-adder-draft
   B1="--input-len 4 --output-len 16" BN="--input-len 4 --output-len 12" BATCHES="4 8"
+  cfg() { echo "--precompile false"; }  # the default config (the embedded model), shapes compiled on first use
 else
-  sed -e "s|path: models/llama3-8b|path: $PWD/configs/models/llama3-8b|" \
-      -e "s|max_num_seqs: 256|max_num_seqs: 320|" \
-      -e "s|token_buckets: \[.*\]|token_buckets: [16, 64, 80, 256, 320, 1024, 2048, 8192]|" \
-      -e "s|request_buckets: \[.*\]|request_buckets: [1, 5, 16, 64, 80, 256, 320]|" \
-      configs/llama3-8b-dummy.yaml > "$W/spec.yaml"
-  CFG="--config $W/spec.yaml"
   DRAFT_DIR=$PWD/configs/models/llama3.2-1b
   B1="--input-len 128 --output-len 128" BN="--input-len 128 --output-len 64" BATCHES="16 64"
+  # cfg B: the config file of batch size B (written once), as bench flags
+  cfg() {
+    local b=$1 rows=$(($1 * (K + 1))) prompt=$(($1 * 128)) file=$W/spec_b$1.yaml
+    local small=$((b > 16 ? b : 16))
+    [ -f "$file" ] || sed -e "s|path: models/llama3-8b|path: $PWD/configs/models/llama3-8b|" \
+        -e "s|max_num_seqs: 256|max_num_seqs: $rows|" \
+        -e "s|max_num_batched_tokens: 8192|max_num_batched_tokens: $prompt|" \
+        -e "s|token_buckets: \[.*\]|token_buckets: [$small, $rows, $prompt]|" \
+        -e "s|request_buckets: \[.*\]|request_buckets: [$b, $rows]|" \
+        configs/llama3-8b-dummy.yaml > "$file"
+    echo "--config $file --precompile true"
+  }
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.total --format=csv,noheader
 fi
 DRAFT="--speculative-config {\"method\":\"draft_model\",\"model\":\"$DRAFT_DIR\",\"num_speculative_tokens\":$K}"
-BENCH="$PY -m jaxserve.cli bench latency $CFG --disable-tqdm --precompile false"
-# bench NAME MAX_S RESERVE_S ARGS...: one bench process (run), its report in $W/NAME.json
-bench() { local name=$1 max=$2 reserve=$3; shift 3; run "$name" "$max" "$reserve" $BENCH "$@" --output-json "$W/$name.json"; }
+BENCH="$PY -m jaxserve.cli bench latency --disable-tqdm"
+# bench NAME B MAX_S RESERVE_S ARGS...: one bench process at batch size B (run), its report in $W/NAME.json
+bench() {
+  local name=$1 b=$2 max=$3 reserve=$4; shift 4
+  run "$name" "$max" "$reserve" $BENCH $(cfg "$b") --batch-size "$b" "$@" --output-json "$W/$name.json"
+}
 
-bench plain_b1 200 330 --batch-size 1 $B1 --num-iters-warmup 1 --num-iters 3
-bench spec_b1 180 230 --batch-size 1 $B1 --num-iters-warmup 1 --num-iters 3 $SPEC \
-  --spec-synthetic-acceptance 0,0.8,0.2,0.5,0.9
-bench draft_b1 150 150 --batch-size 1 $B1 --num-iters-warmup 1 --num-iters 2 $DRAFT \
-  --spec-synthetic-acceptance 0.8,0.5,0
+bench plain_b1 1 200 330 $B1 --num-iters-warmup 1 --num-iters 3
+bench spec_b1 1 180 230 $B1 --num-iters-warmup 1 --num-iters 3 $SPEC --spec-synthetic-acceptance 0,0.8,0.2,0.5,0.9
+bench draft_b1 1 150 150 $B1 --num-iters-warmup 1 --num-iters 2 $DRAFT --spec-synthetic-acceptance 0.8,0.5,0
 for B in $BATCHES; do
-  bench plain_b$B 90 60 --batch-size "$B" $BN --num-iters-warmup 1 --num-iters 2
-  bench spec_b$B 120 30 --batch-size "$B" $BN --num-iters-warmup 1 --num-iters 2 $SPEC \
-    --spec-synthetic-acceptance 0.8,0.5,0.2,0.9,0
+  bench plain_b$B "$B" 90 60 $BN --num-iters-warmup 1 --num-iters 2
+  bench spec_b$B "$B" 120 30 $BN --num-iters-warmup 1 --num-iters 2 $SPEC --spec-synthetic-acceptance 0.8,0.5,0.2,0.9,0
 done
-bench spec_b1_sync 60 5 --batch-size 1 $B1 --num-iters-warmup 1 --num-iters 2 $SPEC --async-scheduling false \
+bench spec_b1_sync 1 60 5 $B1 --num-iters-warmup 1 --num-iters 2 $SPEC --async-scheduling false \
   --spec-synthetic-acceptance 0,0.8
 echo "== ${SECONDS}s: done"
 tar -czf "$OUT/spec_logs.tar.gz" -C "$OUT" work

@@ -86,8 +86,10 @@ def copy_bandwidth(config: EngineConfig, num_blocks: int, repeats: int) -> dict[
              "device_to_host_s": _best(lambda: np.asarray(on_device + 0), repeats)}
     if device.platform == "gpu" and "pinned_host" in [memory.kind for memory in device.addressable_memories()]:
         pinned = SingleDeviceSharding(device, memory_kind="pinned_host")
+        in_device = SingleDeviceSharding(device, memory_kind="device")  # a bare Device keeps the memory kind
         on_pinned = jax.device_put(data, pinned)
-        plain["pinned_to_device_s"] = _best(lambda: jax.device_put(on_pinned, device).block_until_ready(), repeats)
+        plain["pinned_to_device_s"] = _best(lambda: jax.device_put(on_pinned, in_device).block_until_ready(),
+                                            repeats)
         plain["device_to_pinned_s"] = _best(lambda: jax.device_put(on_device, pinned).block_until_ready(), repeats)
     report = {"block_bytes": block_bytes, "num_blocks": num_blocks, "bytes": total,
               **{direction: {"seconds": seconds, "gb_per_s": total / seconds / 1e9,

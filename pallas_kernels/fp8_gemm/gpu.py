@@ -33,9 +33,9 @@ MAX_ROWS = 64  # the largest M this kernel takes (a decode step's rows); larger 
 @dataclasses.dataclass(frozen=True)
 class TuningConfig:
     block_n: int = 128
-    block_k: int = 128
-    num_warps: int = 8
-    num_stages: int = 3
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 5
     num_cores: int = 132  # H200 SMs
     max_splits: int = 16
 
