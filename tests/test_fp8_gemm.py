@@ -70,3 +70,38 @@ def test_linear_runs_the_kernel_where_it_applies(subscripts, shape, n_in):
     assert quant._fp8_kernel(jnp.zeros((gpu.MAX_ROWS + 1, shape[0])), w, subscripts, True) is None
     blocked = quant.Fp8Weight(w.q, jnp.ones((shape[0] // 128, *shape[1:]), jnp.float32), (128, *(1,) * (len(shape) - 1)))
     assert quant._fp8_kernel(x, blocked, subscripts, True) is None
+
+
+def test_w8a8_matches_a_numpy_reference_and_the_float_product():
+    """W8A8 (the GPU's prefill path): rows quantized to fp8 per token, an fp8 x fp8 product in float32, both
+    scales applied; against the same math in numpy, and within fp8's error of the dequantized product."""
+    rng = np.random.default_rng(3)
+    q, scale = _weight(rng, 256, 128)
+    x = rng.standard_normal((40, 256)).astype(np.float32)
+    x[7] = 0.0  # a zero row keeps a finite scale
+    x_scale = np.maximum(np.abs(x).max(-1, keepdims=True), 1e-12) / 448
+    xq = (x / x_scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    expected = (xq @ q.astype(np.float64)) * x_scale * scale[None, :]
+    got = np.asarray(quant.w8a8(jnp.asarray(x), jnp.asarray(q), jnp.asarray(scale)))
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-4)
+    assert not got[7].any()
+    exact = x.astype(np.float64) @ (q.astype(np.float64) * scale)
+    assert np.abs(got - exact).max() / np.abs(exact).max() < 0.05
+
+
+def test_linear_runs_w8a8_for_prefill_sized_steps(monkeypatch):
+    """(Eager calls: nothing jitted here outlives the patch.)"""
+    rng = np.random.default_rng(4)
+    w = quant.quantize(rng.standard_normal((256, 2, 64)).astype(np.float32), 1)
+    w = quant.Fp8Weight(jnp.asarray(w.q), jnp.asarray(w.scale), w.block)
+    x = jnp.asarray(rng.standard_normal((80, 256)), jnp.float32)
+    plain = np.asarray(quant.linear(x, w, "td,dnh->tnh"))
+    assert quant._fp8_tensor_cores(x, w, "td,dnh->tnh") is None  # not a GPU
+    monkeypatch.setattr(quant, "tensor_cores_apply", lambda num_rows: num_rows > gpu.MAX_ROWS)
+    got = quant.linear(x, w, "td,dnh->tnh")
+    assert got.shape == (80, 2, 64)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(quant.w8a8(x, w.q.reshape(256, 128), w.scale.reshape(128)))
+                               .reshape(80, 2, 64), rtol=1e-6)
+    assert np.abs(np.asarray(got) - plain).max() / np.abs(plain).max() < 0.05
+    assert quant._fp8_tensor_cores(x[:gpu.MAX_ROWS], w, "td,dnh->tnh") is None  # decode-sized: the kernel's
+    assert quant._fp8_tensor_cores(x, w, "tnh,dnh->td") is None  # not x times w's leading axis

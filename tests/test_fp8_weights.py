@@ -131,7 +131,15 @@ def test_online_fp8_agrees_with_bfloat16_on_greedy_tokens():
     assert clear_agree / clear_total >= 0.98, f"{clear_agree}/{clear_total}"
 
 
-def test_embedded_adder_with_fp8_weights():
+@pytest.mark.parametrize("w8a8", [False, True], ids=["weight-only", "w8a8"])
+def test_embedded_adder_with_fp8_weights(w8a8, monkeypatch, request):
+    """FP8 weights dequantized (off a GPU), and every matmul as W8A8 (the GPU's prefill path: rows quantized
+    to fp8 per token)."""
+    if w8a8:  # (traced anew: the programs jitted without the patch are dropped before and after)
+        calls = []
+        monkeypatch.setattr(quant, "tensor_cores_apply", lambda num_rows: calls.append(num_rows) or True)
+        jax.clear_caches()
+        request.addfinalizer(jax.clear_caches)
     model = loader.load_model(TINY_MODEL, quantization="fp8")
     tokenizer = Tokenizer.from_dir(TINY_MODEL)
     held_out = train_tiny.held_out_problems()
@@ -143,6 +151,7 @@ def test_embedded_adder_with_fp8_weights():
     correct = [tokenizer.decode(tokens) == str(a + b) and tokens[-1] == tokenizer.eos_token_id
                for tokens, (a, b) in zip(result.tokens, problems)]
     assert np.mean(correct) >= 0.98, np.mean(correct)
+    assert not w8a8 or calls  # the W8A8 path ran
 
 
 def _generate(path, tp: int, **options) -> list[list[int]]:

@@ -15,10 +15,11 @@ side that tensor parallelism may shard (heads, MLP columns) then holds one scale
 
 `linear(x, w, subscripts)` is every dense matmul of the model: a plain array runs today's einsum (or
 `x @ w`), an Fp8Weight is dequantized in the step ((q as float32 * scale) in x's dtype) and runs the same
-one. Activations stay in the model dtype here: static and per-token activation scales of a checkpoint are
-not applied (weight-only dequantization). On a GPU a decode-sized step with per-channel scales runs the
-FP8 GEMM kernel instead (pallas_kernels/fp8_gemm/gpu.py), which streams the fp8 bytes and widens them in
-registers; prefill-sized steps and block scales dequantize.
+one. A checkpoint's static activation scales are not applied. On a GPU, weights with per-channel scales
+take two faster paths: a decode-sized step runs the FP8 GEMM kernel (pallas_kernels/fp8_gemm/gpu.py:
+weight-only, the fp8 bytes streamed and widened in registers); a larger one quantizes its rows to fp8 per
+token and multiplies on the FP8 tensor cores (`w8a8`, vLLM's dynamic per-token scheme). Block scales
+dequantize.
 """
 
 from __future__ import annotations
@@ -110,23 +111,23 @@ def dequantize(w, dtype) -> jax.Array:
 
 def linear(x: jax.Array, w, subscripts: str | None = None, *, kernel: bool | None = None) -> jax.Array:
     """x times the weight w: `jnp.einsum(subscripts, x, w)`, or `x @ w` without subscripts. The weight is
-    a plain array (the model dtype) or an Fp8Weight: on a GPU, a decode-sized step with per-channel
-    scales runs the FP8 GEMM kernel (pallas_kernels/fp8_gemm: the fp8 bytes streamed, widened in
-    registers); otherwise it is dequantized to x's dtype first. `kernel`: force the choice (None: the
-    platform decides; tests run the kernel in interpret mode on a CPU with True)."""
+    a plain array (the model dtype) or an Fp8Weight with per-channel scales: on a GPU a decode-sized step
+    runs the FP8 GEMM kernel (pallas_kernels/fp8_gemm: the fp8 bytes streamed, widened in registers) and a
+    larger one runs FP8 on the tensor cores (`_fp8_tensor_cores`); block scales, and every weight off a
+    GPU, are dequantized to x's dtype first. `kernel`: force the decode kernel's choice (None: the platform
+    decides; tests run the kernel in interpret mode on a CPU with True)."""
     if isinstance(w, Fp8Weight):
         if kernel is not False and (y := _fp8_kernel(x, w, subscripts, kernel)) is not None:
+            return y
+        if kernel is None and (y := _fp8_tensor_cores(x, w, subscripts)) is not None:
             return y
         w = dequantize(w, x.dtype)
     return x @ w if subscripts is None else jnp.einsum(subscripts, x, w)
 
 
-def _fp8_kernel(x: jax.Array, w: Fp8Weight, subscripts: str | None, forced: bool | None) -> jax.Array | None:
-    """x @ w through the FP8 GEMM kernel, or None where it does not apply: not a GPU (unless forced), not
-    x [T, K] contracting w's one leading axis (subscripts like "td,dnh->tnh"), scales not per output
-    channel, or shapes the kernel does not take (T above its rows, K or N off its blocks)."""
-    if forced is None and jax.default_backend() != "gpu":
-        return None
+def _matrix_form(x: jax.Array, w: Fp8Weight, subscripts: str | None) -> tuple[int, int] | None:
+    """(K, N) when the product is x [T, K] times w's q flattened to [K, N] with one scale per output column
+    (subscripts like "td,dnh->tnh": x contracts w's one leading axis); None otherwise."""
     if subscripts is not None:
         inputs, out = subscripts.split("->")
         lhs, rhs = inputs.split(",")
@@ -135,13 +136,52 @@ def _fp8_kernel(x: jax.Array, w: Fp8Weight, subscripts: str | None, forced: bool
     q = w.q
     if x.ndim != 2 or w.block != (q.shape[0], *(1,) * (q.ndim - 1)) or w.scale.shape[0] != 1:
         return None
+    return q.shape[0], math.prod(q.shape[1:])
+
+
+def _fp8_kernel(x: jax.Array, w: Fp8Weight, subscripts: str | None, forced: bool | None) -> jax.Array | None:
+    """x @ w through the FP8 GEMM kernel, or None where it does not apply: not a GPU (unless forced), not
+    the matrix form (`_matrix_form`), or shapes the kernel does not take (T above its rows, K or N off its
+    blocks)."""
+    if forced is None and jax.default_backend() != "gpu":
+        return None
+    if (form := _matrix_form(x, w, subscripts)) is None:
+        return None
     from pallas_kernels.fp8_gemm import gpu  # noqa: PLC0415 - the Triton backend loads where it runs
-    k, n = q.shape[0], math.prod(q.shape[1:])
+    (k, n), q = form, w.q
     if not gpu.supported(x.shape[0], k, n):
         return None
     y = gpu.fp8_matmul(x, q.reshape(k, n), w.scale.reshape(n), interpret=forced is True and
                        jax.default_backend() != "gpu")
     return y.reshape(x.shape[0], *q.shape[1:])
+
+
+def tensor_cores_apply(num_rows: int) -> bool:
+    """Whether a step of `num_rows` rows multiplies FP8 weights on the tensor cores: on a GPU, above the
+    decode kernel's rows (tests patch this to run the path on a CPU)."""
+    from pallas_kernels.fp8_gemm import gpu  # noqa: PLC0415
+    return jax.default_backend() == "gpu" and num_rows > gpu.MAX_ROWS
+
+
+def w8a8(x: jax.Array, q: jax.Array, w_scale: jax.Array) -> jax.Array:
+    """x [T, K] @ (q [K, N] fp8 * w_scale [N]) with x quantized to fp8 per row (W8A8, dynamic per-token
+    activation scales): xq = fp8(x / s), s = max|x_row| / FP8_MAX; the fp8 x fp8 product accumulates in
+    float32 and is scaled by s x w_scale -> [T, N] in x's dtype. XLA lowers the fp8 dot to the GPU's FP8
+    tensor-core GEMM."""
+    xf = x.astype(jnp.float32)
+    x_scale = jnp.maximum(jnp.max(jnp.abs(xf), axis=-1, keepdims=True), 1e-12) / FP8_MAX
+    xq = (xf / x_scale).astype(FP8_DTYPE)
+    y = jax.lax.dot_general(xq, q, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return (y * x_scale * w_scale.astype(jnp.float32)[None, :]).astype(x.dtype)
+
+
+def _fp8_tensor_cores(x: jax.Array, w: Fp8Weight, subscripts: str | None) -> jax.Array | None:
+    """x @ w as W8A8 (`w8a8`) for prefill-sized steps on a GPU (`tensor_cores_apply`), or None where it
+    does not apply (another platform, a decode-sized step, not the matrix form)."""
+    if x.ndim != 2 or not tensor_cores_apply(x.shape[0]) or (form := _matrix_form(x, w, subscripts)) is None:
+        return None
+    k, n = form
+    return w8a8(x, w.q.reshape(k, n), w.scale.reshape(n)).reshape(x.shape[0], *w.q.shape[1:])
 
 
 def merge_leading(w, count: int):
