@@ -1,6 +1,6 @@
 # FP8 weights, FP8 KV cache and long-prompt prefill on an H200 (Llama-3-8B shape, random weights), one call
 # under 9 minutes; the table is printed last.
-#   bash benchmarks/devrun_fp8.sh [all|weights|long|kernel]     on the device (default: all)
+#   bash benchmarks/devrun_fp8.sh [all|weights|long|throughput|kernel]     on the device (default: all)
 #   SMOKE=1 PYTHON=/path/to/python bash benchmarks/devrun_fp8.sh [MODE]    the same plumbing on a CPU: the
 #       embedded model (jaxserve/assets/tiny-adder, float32), tiny shapes, a couple of minutes
 # Steps (logged under $OUT/work, each under its own timeout and never past DEADLINE, 540 s), most important
@@ -20,8 +20,11 @@
 #   tight_b1    (d) benchmarks/tight_loop_decode.py at batch 1 from context 128, 128 steps (mean context 192,
 #               bf16_b1's), its roofline share beside the engine's
 #   ttft_128k   one 131000-token prompt (reported, no target), if time is left
+#   tput_bf16, tput_fp8   (f) offline throughput, `jaxserve bench throughput` of 1000 prompts of 1024 in / 256
+#               out (--precompile true: elapsed_s excludes compiling), bf16 then --quantization fp8 (decode
+#               steps on the FP8 GEMM kernel, prefill steps W8A8 on the tensor cores)
 # Modes: all (every step, in the order above; a step that does not fit is skipped and named "not run"),
-# weights (a, b, d) and long (c, e): for two calls when one did not finish; kernel: benchmarks/fp8_gemm.py
+# weights (a, b, d), long (c, e) and throughput (f): for separate calls when one did not finish; kernel: benchmarks/fp8_gemm.py
 # alone (the FP8 decode GEMM kernel against XLA's bf16 dot and its dequantizing fp8 dot at the 8B weight
 # shapes, rows 1/16/64, over a small sweep of the kernel's tuning; its lines are printed as it runs). Then the table
 # (benchmarks/fp8_summary.py) to stdout and $OUT/summary.txt, $OUT/summary.json, and every log and report in
@@ -30,7 +33,7 @@ set -o pipefail
 OUT=${OUT:-/tmp/devrun_fp8}
 DEADLINE=${DEADLINE:-540}
 source benchmarks/devrun_common.sh
-SHOW="^Decode:|^steady decode|^TTFT|^roofline|^compiled|^ *blkh |^[a-z_]+ +rows "
+SHOW="^Decode:|^steady decode|^TTFT|^roofline|^compiled|^Throughput|^ *blkh |^[a-z_]+ +rows "
 if [ -n "${SMOKE:-}" ]; then
   CFG="" LONG_CFG=""  # the default config: the embedded model
   B1="--input-len 4 --output-len 16" B64="--batch-size 8 --input-len 4 --output-len 12"
@@ -64,6 +67,12 @@ LONG="$LONG_CFG --batch-size 1 --output-len 2 --num-iters-warmup 1"
 ttft_32k() { bench ttft_32k "$1" "$2" $LONG $T32K --num-iters 3; }
 ttft_128k() { bench ttft_128k "$1" "$2" $LONG $T128K --num-iters 1; }
 fp8_gemm() { run fp8_gemm "$1" "$2" $PY benchmarks/fp8_gemm.py $KERNEL --json "$W/fp8_gemm.json"; }
+TPUT="$PY -m jaxserve.cli bench throughput $CFG --num-prompts 1000 --input-len 1024 --output-len 256 --disable-tqdm \
+  --precompile true"
+[ -z "${SMOKE:-}" ] || TPUT="$PY -m jaxserve.cli bench throughput --num-prompts 16 --input-len 4 --output-len 8 \
+  --disable-tqdm --precompile false"
+tput_bf16() { run tput_bf16 "$1" "$2" $TPUT --output-json "$W/tput_bf16.json"; }
+tput_fp8() { run tput_fp8 "$1" "$2" $TPUT --quantization fp8 --output-json "$W/tput_fp8.json"; }
 tight_b1() {
   run tight_b1 "$1" "$2" $PY benchmarks/tight_loop_decode.py $TIGHT --batch-sizes 1 --output-json "$W/tight_b1.json"
 }
@@ -73,6 +82,10 @@ case "$MODE" in
 all)
   bf16_b1 120 390; fp8w_b1 120 300; bf16_b64 90 240; fp8w_b64 90 180
   kvbf16_ctx8k 150 100; kvfp8_ctx8k 150 20; ttft_32k 120 10; tight_b1 90 5; ttft_128k 150 5
+  tput_bf16 200 5; tput_fp8 200 5
+  ;;
+throughput)
+  tput_bf16 260 250; tput_fp8 260 5
   ;;
 weights)
   bf16_b1 120 230; fp8w_b1 120 150; bf16_b64 90 100; fp8w_b64 90 40; tight_b1 90 5
@@ -84,7 +97,7 @@ kernel)
   fp8_gemm 520 5
   ;;
 *)
-  echo "unknown mode ${MODE}: all, weights, long or kernel"; exit 2
+  echo "unknown mode ${MODE}: all, weights, long, throughput or kernel"; exit 2
   ;;
 esac
 echo "== ${SECONDS}s: done"

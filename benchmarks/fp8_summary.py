@@ -8,7 +8,8 @@ WORK_DIR holds `jaxserve bench latency --output-json` reports (a missing one is 
     bf16_b64, fp8w_b64     (b) batch 64, bf16 vs fp8 weights           target >= 1.4
     kvbf16_ctx8k, kvfp8_ctx8k  (c) batch 64 at context ~8192, bf16 vs fp8 KV cache   target >= 1.3
     ttft_32k, ttft_128k    (e) TTFT of one long prompt
-and tight_b1.json, benchmarks/tight_loop_decode.py's --output-json at batch 1 (d).
+and tput_bf16.json, tput_fp8.json, `jaxserve bench throughput` reports (f: elapsed seconds, targets <= 38 s
+bf16 and <= 30 s fp8 for 1000 x 1024 / 256), and tight_b1.json, benchmarks/tight_loop_decode.py's --output-json at batch 1 (d).
 
     decode rate   = the bench's steady decode tokens/s (pure-decode steps at the full batch, median step:
                     compile-free), else its decode tokens/s over the whole window
@@ -37,6 +38,7 @@ PAIRS = {  # section -> (baseline report, fp8 report, what changes, target ratio
 }
 TTFT = ("ttft_32k", "ttft_128k")
 ROOFLINE_TARGET, TTFT_TARGET = 0.92, 1.2
+THROUGHPUT = {"tput_bf16": 38.0, "tput_fp8": 30.0}  # report -> target elapsed seconds (1000 x 1024 / 256)
 H200_BF16_TFLOPS = 989.0  # dense bf16 tensor-core peak of the H200 (SXM)
 
 
@@ -113,6 +115,14 @@ def summarise(work: Path, peak_tflops: float, attention_tflops: float) -> dict:
                     "over_tight_loop": ratio(b1 and b1["tokens_per_s"], tight and tight["tokens_per_s"])}
     summary["e"] = {name: ttft_row(load(work, name), peak_tflops, attention_tflops) for name in TTFT}
     summary["e"]["target"] = TTFT_TARGET
+    summary["f"] = {}
+    for name, target in THROUGHPUT.items():
+        report = load(work, name)
+        summary["f"][name] = None if report is None else {
+            "elapsed_s": report["elapsed_s"], "output_tokens_per_s": report["output_tokens_per_s"],
+            "num_prompts": report.get("num_requests", report.get("args", {}).get("num_prompts")), "target_s": target}
+    bf16, fp8 = summary["f"]["tput_bf16"], summary["f"]["tput_fp8"]
+    summary["f"]["fp8_over_bf16"] = ratio(bf16 and bf16["elapsed_s"], fp8 and fp8["elapsed_s"])
     return summary
 
 
@@ -178,10 +188,22 @@ def render(summary: dict) -> str:
                      f"{r['achieved_tflops']:.0f} TFLOP/s achieved"
                      + (f" (target <= {TTFT_TARGET}: {_met(r['ttft_over_bound'], TTFT_TARGET, False)})"
                         if name == "ttft_32k" else ""))
+    lines.append("")
+    lines.append("(f) offline throughput, 1000 prompts of 1024 in / 256 out (elapsed, compile excluded)")
+    for name, target in THROUGHPUT.items():
+        r = summary["f"][name]
+        if r is None:
+            lines.append(f"    {name}: (not run)")
+            not_run.append(name)
+            continue
+        lines.append(f"    {name}: {r['elapsed_s']:.1f} s, {r['output_tokens_per_s']:.0f} output tokens/s "
+                     f"(target <= {target:g} s: {_met(r['elapsed_s'], target, False)})")
+    if summary["f"]["fp8_over_bf16"] is not None:
+        lines.append(f"    fp8 / bf16 throughput: {summary['f']['fp8_over_bf16']:.2f}x")
     if not_run:
         lines.append("")
         lines.append("not run: " + ", ".join(not_run) + " (benchmarks/devrun_fp8.sh weights runs a, b and d; long "
-                     "runs c and e)")
+                     "runs c and e; throughput runs f)")
     return "\n".join(lines)
 
 
