@@ -54,6 +54,18 @@ def test_truncated_payload_and_layout_mismatch_fail():
 
 
 # ---- the device path (jax.experimental.transfer) --------------------------------------------------------------
+def test_long_transfers_travel_as_many_chunks():
+    """A long prompt's blocks are cut into at least PARALLEL_CHUNKS power-of-two chunks (the transfer
+    server's channels each move whole buffers), every split sums to its count within MAX_CHUNKS."""
+    from jaxserve.pd.device_transfer import MAX_CHUNKS, PARALLEL_CHUNKS, check_chunks, chunk_sizes
+    assert chunk_sizes(512) == [512 // PARALLEL_CHUNKS] * PARALLEL_CHUNKS
+    assert chunk_sizes(3) == [2, 1]
+    for count in [*range(1, 2100), 2**20 - 1]:
+        chunks = chunk_sizes(count)
+        assert check_chunks(chunks, count) == chunks and len(chunks) <= MAX_CHUNKS
+        assert count < 16 * PARALLEL_CHUNKS or len(chunks) >= PARALLEL_CHUNKS
+
+
 def test_device_path_moves_exactly_the_blocks_as_power_of_two_chunks():
     """13 blocks travel as chunks of 8, 4 and 1 (no padding), pulled by another transfer server onto its
     device and scattered into other block ids; blocks outside them are untouched."""

@@ -2,7 +2,8 @@
 transfer.py's host path is the other).
 
     prefill, engine thread:  the blocks gathered as power-of-two chunks ([c, L, *block], one device each, no
-                             padding: 13 blocks are chunks of 8, 4 and 1), registered under a fresh random
+                             padding: 13 blocks are chunks of 8, 4 and 1; a long prompt's blocks are cut
+                             into at least PARALLEL_CHUNKS of them), registered under a fresh random
                              uuid with this process's transfer server; the "ready" message carries
                              {address, uuid, chunks} instead of the bytes
     decode, control thread:  pulls the chunks onto its first device, waits for them against the transfer's
@@ -33,13 +34,20 @@ import numpy as np
 from jaxserve.pd.transfer import TransferError
 
 CHANNELS = 4  # bulk-transport sockets per server: chunks travel over them in parallel
-MAX_CHUNKS = 32  # a "ready" names at most this many chunks (a power-of-two split of < 2^32 blocks)
+PARALLEL_CHUNKS = 16  # a long transfer travels as at least this many chunks ...
+MIN_CHUNK = 8  # ... of at least this many blocks each
+MAX_CHUNKS = 64  # a "ready" names at most this many chunks (chunk_sizes: < 2 x PARALLEL_CHUNKS full + 31 binary)
 _POLL_S = 0.001
 
 
 def chunk_sizes(count: int) -> list[int]:
-    """`count` as distinct powers of two, largest first (the chunks of a transfer)."""
-    return [1 << bit for bit in reversed(range(count.bit_length())) if count >> bit & 1]
+    """`count` as powers of two, largest first (the chunks of a transfer): none above the largest power of
+    two within count / PARALLEL_CHUNKS (but MIN_CHUNK), so that a long prompt's KV is many buffers, which
+    the server's channels move in parallel (one buffer travels over one channel); then the rest's binary
+    digits."""
+    cap = max(MIN_CHUNK, 1 << max(0, (count // PARALLEL_CHUNKS).bit_length() - 1))
+    full, rest = divmod(count, cap)
+    return [cap] * full + [1 << bit for bit in reversed(range(rest.bit_length())) if rest >> bit & 1]
 
 
 def check_chunks(chunks, count: int) -> list[int]:
