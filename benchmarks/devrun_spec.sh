@@ -20,6 +20,10 @@
 # prompts in one step; max_num_batched_tokens).
 # Then the table (benchmarks/spec_summary.py) to stdout and $OUT/summary.txt, $OUT/summary.json, and every
 # log and report in $OUT/spec_logs.tar.gz.
+#   bash benchmarks/devrun_spec.sh profile     instead: where a speculating step's time goes, host and device
+#       (benchmarks/profile_step.py --host-top 45 on the batch-1 config, precompiled), n-gram with overlap off
+#       at A = 0 (every step's host work in series with its device work) and the draft model at A = 0.8;
+#       their output in $OUT/profile_*.txt
 set -o pipefail
 OUT=${OUT:-/tmp/devrun_spec}
 DEADLINE=${DEADLINE:-530}
@@ -56,6 +60,16 @@ bench() {
   run "$name" "$max" "$reserve" $BENCH $(cfg "$b") --batch-size "$b" "$@" --output-json "$W/$name.json"
 }
 
+if [ "${1:-}" = profile ]; then
+  PROFILE="$PY benchmarks/profile_step.py $(cfg 1) --disable-tqdm --batch-size 1 $B1 --num-iters-warmup 1 --num-iters 1
+    --top 20 --host-top 45"
+  run profile_ngram_sync 240 200 $PROFILE $SPEC --async-scheduling false --spec-synthetic-acceptance 0
+  run profile_draft 240 5 $PROFILE $DRAFT --spec-synthetic-acceptance 0.8
+  for name in profile_ngram_sync profile_draft; do
+    grep -v "^W[0-9]\|^I[0-9]" "$W/$name.log" > "$OUT/$name.txt"; tail -25 "$OUT/$name.txt"
+  done
+  exit 0
+fi
 bench plain_b1 1 200 330 $B1 --num-iters-warmup 1 --num-iters 3
 bench spec_b1 1 180 230 $B1 --num-iters-warmup 1 --num-iters 3 $SPEC --spec-synthetic-acceptance 0,0.8,0.2,0.5,0.9
 bench draft_b1 1 150 150 $B1 --num-iters-warmup 1 --num-iters 2 $DRAFT --spec-synthetic-acceptance 0.8,0.5,0
