@@ -6,8 +6,10 @@
 wgmma multiplies float8_e4m3fn operands only when both are fp8, so the decode rows are quantized too
 (W8A8): per row, x_scale = max|x_row| / 448 and xq = fp8(x * (448 / max|x_row|)), rounded to nearest even
 (an all-zero row: scale 1, xq 0). The multiplier form makes the rounding reproducible: a bf16 row gives
-many exact ties, which an f32 multiply keeps exact on every backend. `quantize_rows` does this in one small XLA fusion before the kernel, padding the rows to Mp (a
-multiple of 8, wgmma's N granularity) with zeros; the engine would fuse it into the op that produces x.
+many exact ties, which an f32 multiply keeps exact on every backend. `quantize_rows` does this in one
+small XLA fusion before the kernel, padding the rows to Mp (a multiple of 8, wgmma's N granularity) with
+zeros; in the engine it would fuse into the op that produces x. (Inside the kernel it would cost every
+CTA a pass over all of x for the row maxima before its first product.)
 
 The kernel (`fp8_gemv_quantized`): grid (N / 64, splits), 2 warpgroups per CTA. The weight is wgmma's A
 operand (64 output features per CTA), the padded rows its N. The producer TMA-loads [64, BK] weight
@@ -15,17 +17,17 @@ tiles and [Mp, BK] xq tiles into a ring of `stages` SMEM slots (K-major, 128-byt
 elements per swizzled row, as 8-bit wgmma operands must be: they take no transposes) and refills a slot
 once the consumer has released it. The consumer accumulates [64, Mp] in f32 with each wgmma left in
 flight across the next step's wait and releases a slot one step later. The epilogue multiplies by
-w_scale[n] * x_scale[m]: with one split it writes bf16 [M, N] (the real rows only); with K splits it writes f32 partials
-[splits, N, Mp] (already scaled), summed, transposed and cast by XLA after the call.
+w_scale[n] * x_scale[m]: with one split it writes bf16 [M, N] (the real rows only); with K splits it
+writes f32 partials [splits, N, Mp] (already scaled), summed, transposed and cast by XLA after the call.
 
 Weight layout: [N, K] (K contiguous), the transpose of the engine's [K, N] `x @ W` storage
 (pallas_kernels/fp8_gemm/gpu.py). Wiring this kernel into the engine means storing fp8 weights
 transposed at load time.
 
 Numerics: wgmma's fp8 products are exact and summed in f32 on the GPU (Hopper's fp8 accumulation keeps
-fewer mantissa bits than a full f32 add, so long K differs slightly from `reference`, which sums in
-numpy f32). `interpret=True` runs the kernel in GPU interpret mode on a CPU
-(benchmarks/experimental/tests/test_fp8_gemm_mgpu.py); `benchmarks/fp8_gemm.py --mosaic` times it.
+fewer mantissa bits than a full f32 add, so long K differs slightly from `reference`, an f32 matmul).
+`interpret=True` runs the kernel in GPU interpret mode on a CPU (benchmarks/experimental/tests/
+test_fp8_gemm_mgpu.py); `benchmarks/fp8_gemm_mgpu.py` times it.
 
 NOTE: sm_90a only (wgmma). Not wired into the engine.
 """
@@ -179,8 +181,8 @@ def fp8_gemv_quantized(xq: jax.Array, x_scale: jax.Array, q: jax.Array, w_scale:
     rows, k = xq.shape
     n = q.shape[0]
     m = rows if m is None else m
-    if not 1 <= m <= rows or rows % 8 or xq.dtype != FP8 or q.dtype != FP8 or q.shape[1] != k or x_scale.shape != (rows,) \
-            or w_scale.shape != (n,):
+    if (not 1 <= m <= rows or rows % 8 or xq.dtype != FP8 or q.dtype != FP8 or q.shape[1] != k
+            or x_scale.shape != (rows,) or w_scale.shape != (n,)):
         raise ValueError(f"xq {xq.shape} {xq.dtype}, x_scale {x_scale.shape}, q {q.shape} {q.dtype}, w_scale "
                          f"{w_scale.shape}: want xq [Mp, K] and q [N, K] float8_e4m3fn (Mp a multiple of 8), "
                          f"x_scale [Mp], w_scale [N], 1 <= m = {m} <= Mp")
