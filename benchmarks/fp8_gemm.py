@@ -8,11 +8,13 @@ tuning (block_n, block_k, warps, stages).
 
 The bf16 and dequantizing references are vmapped batched dots, which XLA runs slower than the engine's
 plain dot (the engine's bf16 decode step streams its weights at ~85% of the roofline): compare the
-kernel's GB/s with the bandwidth, not with them. Each variant is jitted over enough distinct weight copies (~1 GB of weights) that L2 holds none of them and
-timed as the wall time of 10 calls queued back to back, divided by calls and copies: the per-GEMM time
-with launch gaps, as a decode step pays it. GB/s = the variant's weight bytes / time (fp8: 1 byte per
-weight); the share is of 4.3 TB/s. Every variant is checked against a float32 product first. Prints one
-line per (shape, rows) with the best kernel configuration and its speedup over the bf16 dot.
+kernel's GB/s with the bandwidth, not with them (benchmarks/fp8_gemm_mgpu.py times a plain bf16 dot
+beside this kernel's default tuning). Each variant is jitted over enough distinct weight copies (~1 GB
+of weights) that L2 holds none of them and timed as the wall time of 10 calls queued back to back,
+divided by calls and copies: the per-GEMM time with launch gaps, as a decode step pays it. GB/s = the
+variant's weight bytes / time (fp8: 1 byte per weight); the share is of 4.3 TB/s. Every variant is
+checked against a float32 product first. Prints one line per (shape, rows) with the best kernel
+configuration and its speedup over the bf16 dot.
 """
 
 from __future__ import annotations
