@@ -24,8 +24,8 @@
 #               out (--precompile true: elapsed_s excludes compiling), bf16 then --quantization fp8 (decode
 #               steps on the FP8 GEMM kernel, prefill steps W8A8 on the tensor cores)
 # Modes: all (every step, in the order above; a step that does not fit is skipped and named "not run"),
-# weights (a, b, d), long (c, e) and throughput (f): for separate calls when one did not finish; kernel: benchmarks/fp8_gemm.py
-# alone (the FP8 decode GEMM kernel against XLA's bf16 dot and its dequantizing fp8 dot at the 8B weight
+# weights (a, b, d), long (c, e) and throughput (f): for separate calls when one did not finish; kernel: the
+# experimental W8A8 Mosaic GPU kernel's GPU tests and benchmarks/fp8_gemm_mgpu.py, then benchmarks/fp8_gemm.py (the FP8 decode GEMM kernel against XLA's bf16 dot and its dequantizing fp8 dot at the 8B weight
 # shapes, rows 1/16/64, over a small sweep of the kernel's tuning; its lines are printed as it runs). Then the table
 # (benchmarks/fp8_summary.py) to stdout and $OUT/summary.txt, $OUT/summary.json, and every log and report in
 # $OUT/fp8_logs.tar.gz.
@@ -33,7 +33,7 @@ set -o pipefail
 OUT=${OUT:-/tmp/devrun_fp8}
 DEADLINE=${DEADLINE:-540}
 source benchmarks/devrun_common.sh
-SHOW="^Decode:|^steady decode|^TTFT|^roofline|^compiled|^Throughput|^ *blkh |^[a-z_]+ +rows "
+SHOW="^Decode:|^steady decode|^TTFT|^roofline|^compiled|^Throughput|^ +(xla|triton|mosaic)|^[a-z_]+ +K |passed|failed|^ *blkh |^[a-z_]+ +rows "
 if [ -n "${SMOKE:-}" ]; then
   CFG="" LONG_CFG=""  # the default config: the embedded model
   B1="--input-len 4 --output-len 16" B64="--batch-size 8 --input-len 4 --output-len 12"
@@ -67,6 +67,7 @@ LONG="$LONG_CFG --batch-size 1 --output-len 2 --num-iters-warmup 1"
 ttft_32k() { bench ttft_32k "$1" "$2" $LONG $T32K --num-iters 3; }
 ttft_128k() { bench ttft_128k "$1" "$2" $LONG $T128K --num-iters 1; }
 fp8_gemm() { run fp8_gemm "$1" "$2" $PY benchmarks/fp8_gemm.py $KERNEL --json "$W/fp8_gemm.json"; }
+fp8_mgpu() { run fp8_mgpu "$1" "$2" $PY benchmarks/fp8_gemm_mgpu.py $KERNEL --json "$W/fp8_gemm_mgpu.json"; }
 TPUT="$PY -m jaxserve.cli bench throughput $CFG --num-prompts 1000 --input-len 1024 --output-len 256 --disable-tqdm \
   --precompile true"
 [ -z "${SMOKE:-}" ] || TPUT="$PY -m jaxserve.cli bench throughput --num-prompts 16 --input-len 4 --output-len 8 \
@@ -94,7 +95,9 @@ long)
   kvbf16_ctx8k 160 280; kvfp8_ctx8k 160 170; ttft_32k 150 30; ttft_128k 200 5
   ;;
 kernel)
-  fp8_gemm 520 5
+  run fp8_mgpu_tests 120 300 $PY -m pytest -q -m gpu benchmarks/experimental/tests/test_fp8_gemm_mgpu.py
+  fp8_mgpu 200 200
+  fp8_gemm 200 5
   ;;
 *)
   echo "unknown mode ${MODE}: all, weights, long, throughput or kernel"; exit 2
