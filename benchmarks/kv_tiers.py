@@ -2,12 +2,12 @@
 workload with the host tier on and off.
 
     copy   an Engine of --config with a host tier; --copy-blocks blocks moved device -> host (the save path:
-           KVTransfer.run's gather + copy_to_host_async, then poll() landing them in the host pool) and host ->
-           device (the load path: the host pool's slots read out, then the scatter into every layer's cache,
-           until the device is done), best of --repeats, in GB/s and blocks/s; beside them a plain copy of the
-           same bytes: jax.device_put of a numpy array to the device and np.asarray back, and to and from
-           "pinned_host" memory on a GPU. The ratio to the plain pinned copy is the share of the
-           link kv_transfer reaches.
+           KVTransfer.run's gather and copy to host -- pinned host arrays on a GPU, numpy elsewhere -- then
+           poll() landing them in the host pool) and host -> device (the load path: the host pool's blocks
+           copied to the device and scattered into every layer's cache, until the device is done), best of
+           --repeats, in GB/s and blocks/s; beside them a plain copy of the same bytes: jax.device_put of a
+           numpy array to the device and np.asarray back, and to and from "pinned_host" memory on a GPU. The
+           ratio to the plain pinned copy is the share of the link kv_transfer reaches.
     turns  --conversations conversations of --prompt-len random tokens; turn 1 generates --output-len tokens,
            turn 2 is turn 1's prompt and answer plus --append-len new tokens. Every first turn runs, then every
            second turn, on a device pool of --num-blocks (default: a third of the working set), so the second
@@ -72,7 +72,7 @@ def copy_bandwidth(config: EngineConfig, num_blocks: int, repeats: int) -> dict[
         transfer.poll(link, wait=True)
 
     def load():
-        data = host.read([host.lookup(key) for key in keys])  # (take() copies the slots out so)
+        data = host.blocks([host.lookup(key) for key in keys])  # (as take() hands them over)
         transfer.run(Transfers([], [], block_ids, data))
         jax.block_until_ready(engine.runner.kv_caches)
 
@@ -80,7 +80,7 @@ def copy_bandwidth(config: EngineConfig, num_blocks: int, repeats: int) -> dict[
     load_s = _best(load, repeats)
     total = num_blocks * block_bytes
     device = engine.runner.kv_caches[0].devices().pop()
-    data = np.ones((num_blocks, *host.block_shape), host.data.dtype)
+    data = np.ones((num_blocks, *host.block_shape), host.dtype)
     on_device = jax.device_put(data, device)
     plain = {"host_to_device_s": _best(lambda: jax.device_put(data, device).block_until_ready(), repeats),
              "device_to_host_s": _best(lambda: np.asarray(on_device + 0), repeats)}
@@ -92,6 +92,7 @@ def copy_bandwidth(config: EngineConfig, num_blocks: int, repeats: int) -> dict[
                                             repeats)
         plain["device_to_pinned_s"] = _best(lambda: jax.device_put(on_device, pinned).block_until_ready(), repeats)
     report = {"block_bytes": block_bytes, "num_blocks": num_blocks, "bytes": total,
+              "host_blocks": "pinned_host arrays" if transfer.pinned is not None else "numpy",
               **{direction: {"seconds": seconds, "gb_per_s": total / seconds / 1e9,
                              "blocks_per_s": num_blocks / seconds}
                  for direction, seconds in (("device_to_host", save_s), ("host_to_device", load_s))},
@@ -185,7 +186,8 @@ def main() -> None:
             item = copy[direction]
             share = item.get("share_of_pinned_copy")
             print(f"{direction}: {item['gb_per_s']:.2f} GB/s, {item['blocks_per_s']:.0f} blocks/s "
-                  f"({copy['num_blocks']} blocks of {copy['block_bytes'] / 1e6:.2f} MB)"
+                  f"({copy['num_blocks']} blocks of {copy['block_bytes'] / 1e6:.2f} MB, host blocks: "
+                  f"{copy['host_blocks']})"
                   + ("" if share is None else f", {share:.0%} of a plain pinned copy"))
         print("plain copies, GB/s: " + ", ".join(f"{k} {v:.2f}" for k, v in copy["plain_gb_per_s"].items()))
     turns = {}

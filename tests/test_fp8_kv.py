@@ -161,7 +161,7 @@ def test_fp8_kv_chunked_prefill_and_swap_preemption_keep_the_tokens():
     assert swapped == want
     stats = swap.engine.kv_cache.stats
     assert swap.engine.scheduler.num_preemptions > 0 and stats.swaps_out > 0 and stats.swaps_in == stats.swaps_out
-    assert swap.engine.kv_transfer.tiers.host.data.dtype == fp8.DTYPE
+    assert swap.engine.kv_transfer.tiers.host.dtype == fp8.DTYPE
 
 
 def test_fp8_kv_fits_twice_the_blocks():

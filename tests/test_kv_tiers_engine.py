@@ -68,6 +68,40 @@ def test_disk_tier_is_shared_between_engines_with_one_seed(reference, tmp_path):
     assert second.engine.kv_cache.stats.disk_hits > 0
 
 
+def test_pinned_host_tier_round_trips_blocks_through_host_and_disk(reference, tmp_path, monkeypatch):
+    """The host tier's GPU path (each block its own pinned host array, saves and loads as batched copies
+    to and from it) forced on the CPU: outputs as without tiers, hits from host and from disk, every host
+    block (disk promotions too) in pinned memory, the block moves compiled at start-up."""
+    from jaxserve.runner import kv_transfer
+
+    monkeypatch.setattr(kv_transfer, "uses_pinned_host", lambda device: True)
+    llm = make_llm(num_blocks=9, host_kv_gib=4 * BLOCK_GIB, disk_kv_path=str(tmp_path / "kv"), disk_kv_gib=0.01,
+                   prefix_hash_seed=3)
+    transfer = llm.engine.kv_transfer
+    assert transfer.pinned is not None and transfer.pinned.memory_kind == "pinned_host"
+    assert texts(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)) == reference[:1]
+    with jax.no_tracing():
+        assert run_rounds(llm) == reference
+    stats = llm.engine.kv_cache.stats
+    assert stats.host_hits > 0 and stats.disk_hits > 0 and stats.host_bytes_out > 0
+    host = transfer.tiers.host
+    blocks = host.blocks([host.lookup(key) for key in host.keys()])
+    assert blocks and all(isinstance(b, jax.Array) and b.sharding.memory_kind == "pinned_host" for b in blocks)
+    host.check()
+
+
+def test_a_host_tier_over_the_pinned_pool_keeps_numpy_blocks(monkeypatch, caplog):
+    """XLA's pinned host pool has a cap (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB): a host tier that would not fit
+    in it keeps pageable numpy blocks, and says so."""
+    from jaxserve.runner import kv_transfer
+
+    monkeypatch.setattr(kv_transfer, "uses_pinned_host", lambda device: True)
+    monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "0")
+    llm = make_llm(num_blocks=9, host_kv_gib=4 * BLOCK_GIB, precompile=False)
+    assert llm.engine.kv_transfer.pinned is None and llm.engine.kv_transfer.tiers.host.place is None
+    assert "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB" in caplog.text
+
+
 def test_tiers_are_refused_where_they_cannot_work_yet():
     import dataclasses
 

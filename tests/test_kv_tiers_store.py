@@ -35,23 +35,34 @@ def block_of(key: bytes) -> np.ndarray:
     return np.frombuffer(key[:4] * 6, np.float32).reshape(SHAPE).copy() + np.arange(6, dtype=np.float32).reshape(SHAPE)
 
 
-def make_tiers(tmp, host_slots: int, disk_blocks: int | None, block_tokens: int = 2) -> KVTiers:
+def to_pinned(row: np.ndarray):
+    """A host block as the GPU engine keeps it: a jax Array of its own in pinned host memory."""
+    import jax
+    from jax.sharding import SingleDeviceSharding
+
+    return jax.device_put(row, SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host"))
+
+
+def make_tiers(tmp, host_slots: int, disk_blocks: int | None, block_tokens: int = 2, pinned: bool = False) -> KVTiers:
     disk = None
     if disk_blocks is not None:
         disk = DiskKVStore(str(tmp), disk_blocks * (HEADER.size + 24), MODEL, "float32", SHAPE)
-    return KVTiers(HostKVPool(host_slots, SHAPE, np.float32), disk, block_tokens=block_tokens)
+    host = HostKVPool(host_slots, SHAPE, np.float32, place=to_pinned if pinned else None)
+    return KVTiers(host, disk, block_tokens=block_tokens)
 
 
 class TiersMachine(RuleBasedStateMachine):
     """Blocks written back into the host tier, evicted down to disk, read back up: every block found is
     the one written under its key, the host holds each key once within its slots, the disk stays within
-    its cap, and with a disk larger than every block nothing written is ever lost."""
+    its cap, and with a disk larger than every block nothing written is ever lost; with the host blocks in
+    pinned host memory (`pinned`) as with numpy ones."""
 
-    @initialize(host_slots=st.integers(1, 4), disk_blocks=st.sampled_from([None, 3, 64]))
-    def setup(self, host_slots, disk_blocks):
+    @initialize(host_slots=st.integers(1, 4), disk_blocks=st.sampled_from([None, 3, 64]), pinned=st.booleans())
+    def setup(self, host_slots, disk_blocks, pinned):
         self.dir = tempfile.mkdtemp(dir="/tmp/kvt")
         os.chmod(self.dir, 0o700)
-        self.tiers = make_tiers(self.dir, host_slots, disk_blocks)
+        self.tiers = make_tiers(self.dir, host_slots, disk_blocks, pinned=pinned)
+        self.pinned = pinned
         self.disk_blocks = disk_blocks
         self.written: set[bytes] = set()
         self.transit: list[bytes] = []
@@ -97,7 +108,11 @@ class TiersMachine(RuleBasedStateMachine):
         host.check()
         assert host.num_present + host.num_in_transit <= host.num_slots
         for key in host.keys():
-            assert np.array_equal(host.data[host.lookup(key)], block_of(key))
+            assert np.array_equal(host.row(host.lookup(key)), block_of(key))
+            block = host.blocks([host.lookup(key)])[0]
+            assert isinstance(block, np.ndarray) != self.pinned
+            if self.pinned:
+                assert block.sharding.memory_kind == "pinned_host"
         disk = self.tiers.disk
         if disk is not None:
             files = disk._scan()[0]

@@ -1,11 +1,23 @@
 """Moves KV blocks between the device cache and the host tier (core/kv_tiers), for the engine.
 
     engine step: schedule() -> link.take() -> run(saves, loads) -> runner.dispatch(step)
-      saves: one jitted gather of the evicted blocks from every layer's cache of every cache set ->
-             [n, L, *block] per set on device, copy_to_host_async() started; poll() (later steps) hands the
-             landed copies to the host pool, each block one row of the sets' blocks flattened end to end
-      loads: the host rows (a numpy copy) -> split per set -> one jitted scatter into every layer's cache of
-             every set (donated back)
+      saves: one jitted gather of the evicted blocks from every layer's cache of every cache set, each block
+             one host row (the sets' blocks flattened end to end); poll() (later steps) hands the landed
+             copies to the host pool
+      loads: the host rows -> one jitted scatter, which splits each row per set and writes it into every
+             layer's cache of every set (donated back)
+
+Where the host tier's blocks live (`pinned_sharding`):
+    pinned host memory (GPUs; single-device caches): each block is its own "pinned_host" jax Array. The
+        gather outputs one device array per block, and one batched device_put copies them to pinned
+        memory; a load is one batched device_put of the blocks' pinned arrays to the device, their rows
+        then fed to the scatter. Both are plain DMA copies. (One pinned pool array would not do: XLA
+        updates it in place only as host compute over the whole pool, and gathers from it slowly.)
+    numpy (CPU; caches over several devices: a tensor-parallel block is sharded over its heads, which a
+        flat host row does not follow; a host tier too big for XLA's pinned pool, see build()): the
+        gather's blocks [n, L, *block] per set are copied to host with copy_to_host_async() and joined
+        into numpy rows; a load stacks the rows, splits them per set and hands them to the scatter, whose
+        call copies them to the device.
 
 The cache sets are the target model's caches and, with a draft model or an EAGLE head, the proposer's
 (runner/draft_runner.py): its K/V lives in the same block ids, so a block is both sets' slices, and a host
@@ -18,7 +30,7 @@ with another proposer (or none) never read these blocks.
 
 Both are dispatched before the step's forward and take the caches as inputs, so the device orders them
 after every earlier step and before this one (kv_tiers/link.py relies on it). Neither waits for the
-device; a save's host copy is collected once its gather is done. Moves are split into programs of at
+device; a save's host copy is collected once it landed. Moves are split into programs of at
 most `max_move` blocks (powers of two, padded with the null block), all compiled by precompile().
 """
 
@@ -27,7 +39,9 @@ from __future__ import annotations
 import collections
 import functools
 import hashlib
+import logging
 import math
+import os
 import queue
 import threading
 import time
@@ -46,8 +60,12 @@ from jaxserve.core.kv_tiers.link import TierLink, Transfers
 from jaxserve.core.kv_tiers.tiers import KVTiers
 from jaxserve.models import layers
 
+logger = logging.getLogger(__name__)
+
 MOVE_BYTES = 64 << 20  # the device memory one move program's blocks take at most
 MAX_PENDING = 8  # save copies in flight before the oldest is waited for
+# The share of XLA's pinned host pool that host tiers may take (XLA stages host -> device copies there too)
+PINNED_POOL_SHARE = 0.9
 
 
 def _gather(kv_caches, ids, *, axis: int):
@@ -86,6 +104,27 @@ def _scatter_sets(cache_sets, ids, shards, datas, *, axes: tuple[int, ...], shar
         out = [[kv.at[_shard_index(shards, ids, axis)].set(data[:, i].astype(kv.dtype)) for i, kv in enumerate(caches)]
                for caches, data, axis in zip(cache_sets, datas, axes)]
     return out, ids[0]
+
+
+def _gather_rows(cache_sets, ids, shards, *, axes: tuple[int, ...], sharded: bool):
+    """_gather_sets' blocks as one device array per block: its host row (the sets' blocks flattened, joined
+    in set order)."""
+    blocks = _gather_sets(cache_sets, ids, shards, axes=axes, sharded=sharded)
+    rows = jnp.concatenate([b.reshape(b.shape[0], -1) for b in blocks], axis=1)
+    return tuple(rows[i] for i in range(rows.shape[0]))
+
+
+def _scatter_rows(cache_sets, ids, shards, rows, *, axes: tuple[int, ...], sharded: bool,
+                  shapes: tuple[tuple[int, ...], ...]):
+    """_scatter_sets of host rows (one device array per block), each split into the sets' blocks of
+    `shapes` (in row order)."""
+    rows = jnp.stack(rows)
+    datas, offset = [], 0
+    for shape in shapes:
+        size = math.prod(shape)
+        datas.append(rows[:, offset:offset + size].reshape(rows.shape[0], *shape))
+        offset += size
+    return _scatter_sets(cache_sets, ids, shards, datas, axes=axes, sharded=sharded)
 
 
 def _time_loads(loads_done: queue.SimpleQueue, counters) -> None:
@@ -136,6 +175,34 @@ def refuse_unsupported(config: EngineConfig) -> None:
                          f"{', '.join(reasons)}; turn the tiers off (host_kv_gib: 0) or run without it")
 
 
+def uses_pinned_host(device) -> bool:
+    """Whether the host tier keeps its blocks in `device`'s pinned host memory: on GPUs that have it.
+    (CPU JAX has a "pinned_host" memory too: tests patch this function to run that path on a CPU.)"""
+    return device.platform == "gpu" and "pinned_host" in [m.kind for m in device.addressable_memories()]
+
+
+def pinned_pool_bytes() -> int:
+    """XLA's pool of pinned host memory on a GPU, which every "pinned_host" array of the process comes out
+    of: XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (XLA's own setting, read as XLA reads it), 64 GiB unset."""
+    try:
+        return int(os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "64")) << 30
+    except ValueError:
+        return 64 << 30
+
+
+def pinned_sharding(runner):
+    """The sharding of a host block in pinned host memory (on the caches' device), or None where the host
+    tier keeps numpy rows: without pinned host memory, and for caches over several devices (tensor
+    parallel: a block is sharded over its heads, which one flat host row per block does not follow)."""
+    caches = [cache for s in cache_sets(runner) for cache in s.owner.kv_caches]
+    devices = {device for cache in caches for device in cache.sharding.device_set}
+    if len(devices) != 1 or not uses_pinned_host(next(iter(devices))):
+        return None
+    sharding = caches[0].sharding
+    replicated = NamedSharding(sharding.mesh, PartitionSpec()) if isinstance(sharding, NamedSharding) else sharding
+    return replicated.with_memory_kind("pinned_host")
+
+
 class CacheSet:
     """One set of per-layer caches that shares the block ids (the target's, a proposer's): `owner` holds
     them as `.kv_caches` (replaced by each program that writes them); a block of the set on host is
@@ -166,27 +233,41 @@ def cache_sets(runner) -> list[CacheSet]:
 
 
 class KVTransfer:
-    def __init__(self, runner, shard_tiers: list[KVTiers]):
-        """`shard_tiers`: the tiers of each expert shard's KV manager (one without expert parallelism)."""
+    def __init__(self, runner, shard_tiers: list[KVTiers], pinned=None):
+        """`shard_tiers`: the tiers of each expert shard's KV manager (one without expert parallelism).
+        `pinned`: pinned_sharding(runner) when the host pools keep pinned arrays (their `place` puts rows
+        there), None: numpy rows."""
         self.runner = runner
         self.shard_tiers = shard_tiers
         self.tiers = shard_tiers[0]  # (the only one without expert shards)
         self.sharded = len(shard_tiers) > 1
+        self.pinned = pinned
         tiers = self.tiers
         self.sets = cache_sets(runner)
         self._dtype = runner.kv_caches[0].dtype
+        self.row_size = sum(s.size for s in self.sets)
         block_bytes = tiers.block_bytes
         self.max_move = 1 << max(0, min(6, int(math.log2(max(1, MOVE_BYTES // block_bytes)))))
         self.sizes = [1 << i for i in range(int(math.log2(self.max_move)) + 1)]
         shardings = [[c.sharding for c in s.owner.kv_caches] for s in self.sets]
         first = shardings[0][0]
         scalar = NamedSharding(first.mesh, PartitionSpec()) if isinstance(first, NamedSharding) else first
-        axes = tuple(s.axis for s in self.sets)
-        self._gather = jax.jit(functools.partial(_gather_sets, axes=axes, sharded=self.sharded))
-        self._scatter = jax.jit(functools.partial(_scatter_sets, axes=axes, sharded=self.sharded), donate_argnums=0,
-                                out_shardings=(shardings, scalar))
+        layout = dict(axes=tuple(s.axis for s in self.sets), sharded=self.sharded)
+        if pinned is None:
+            self._gather = jax.jit(functools.partial(_gather_sets, **layout))
+            self._scatter = jax.jit(functools.partial(_scatter_sets, **layout), donate_argnums=0,
+                                    out_shardings=(shardings, scalar))
+        else:
+            # (a bare device, or a sharding without a memory kind, would keep the pinned arrays' memory)
+            self._on_device = pinned.with_memory_kind("device")
+            self._gather = jax.jit(functools.partial(_gather_rows, **layout))
+            shapes = tuple(s.shape for s in self.sets)
+            self._scatter = jax.jit(functools.partial(_scatter_rows, **layout, shapes=shapes), donate_argnums=0,
+                                    out_shardings=(shardings, scalar))
+            self._zero_row = jax.device_put(np.zeros(self.row_size, self._dtype), self._on_device)  # (padding)
         self._compiled: dict[tuple[str, int], jax.stages.Compiled] = {}
-        self._pending: collections.deque[tuple[list, list, tuple[jax.Array, ...]]] = collections.deque()
+        # (keys, shards, the save's arrays: gathered blocks on their way to numpy, or pinned rows)
+        self._pending: collections.deque[tuple[list, list, list[jax.Array]]] = collections.deque()
         # Load latency (TierCounters.host_load_seconds): a watcher thread waits for each step's loads (all
         # shards' together: counted in the first shard's counters).
         self._loads_done: queue.SimpleQueue = queue.SimpleQueue()
@@ -214,7 +295,10 @@ class KVTransfer:
     def precompile(self) -> int:
         for n in self.sizes:
             ids = jax.ShapeDtypeStruct((n,), jnp.int32)
-            datas = [jax.ShapeDtypeStruct((n, *s.shape), self._dtype) for s in self.sets]
+            if self.pinned is None:
+                datas = [jax.ShapeDtypeStruct((n, *s.shape), self._dtype) for s in self.sets]
+            else:
+                datas = (jax.ShapeDtypeStruct((self.row_size,), self._dtype, sharding=self._on_device),) * n
             self._compiled[("gather", n)] = self._gather.lower(self._caches(), ids, ids).compile()
             self._compiled[("scatter", n)] = self._scatter.lower(self._caches(), ids, ids, datas).compile()
         return len(self._compiled)
@@ -231,47 +315,65 @@ class KVTransfer:
         return ids
 
     def _gathered(self, block_ids: list[int], shards: list[int], size: int) -> tuple[jax.Array, ...]:
+        """The gather's outputs: [size, L, *block] per set (numpy path) or `size` device rows (pinned)."""
         gather = self._compiled.get(("gather", size), self._gather)
         return gather(self._caches(), self._ids(block_ids, size), self._ids(shards, size))
 
-    @staticmethod
-    def _host_rows(blocks: tuple[jax.Array, ...], count: int) -> np.ndarray:
-        """[count, host row]: the first `count` gathered blocks of each set, flattened and joined."""
-        rows = [np.asarray(b)[:count].reshape(count, -1) for b in blocks]
-        return rows[0] if len(rows) == 1 else np.concatenate(rows, axis=1)
+    def _host_rows(self, gathered, count: int) -> list[np.ndarray]:
+        """The first `count` gathered blocks as numpy host rows (each set's block flattened, joined)."""
+        if self.pinned is not None:
+            return [np.asarray(row) for row in gathered[:count]]
+        rows = [np.asarray(b)[:count].reshape(count, -1) for b in gathered]
+        return list(rows[0] if len(rows) == 1 else np.concatenate(rows, axis=1))
 
     def run(self, moves: Transfers) -> None:
         """Dispatches the step's saves, then its loads; waits for neither."""
+        saves = []
         for start, stop, size in self._chunks(len(moves.save_block_ids)):
             shards = moves.save_shards[start:stop]
-            blocks = self._gathered(moves.save_block_ids[start:stop], shards, size)
-            for b in blocks:
-                b.copy_to_host_async()
-            self._pending.append((moves.save_keys[start:stop], shards, blocks))
+            saves.append((moves.save_keys[start:stop], shards,
+                          self._gathered(moves.save_block_ids[start:stop], shards, size)))
+        if self.pinned is None:
+            for keys, shards, blocks in saves:
+                for b in blocks:
+                    b.copy_to_host_async()
+                self._pending.append((keys, shards, list(blocks)))
+        elif saves:
+            landed = iter(jax.device_put([row for keys, _, rows in saves for row in rows[:len(keys)]], self.pinned))
+            for keys, shards, _ in saves:
+                self._pending.append((keys, shards, [next(landed) for _ in keys]))
+        if not moves.load_block_ids:
+            return
         started, done = time.perf_counter(), None
+        blocks = moves.load_data
+        if self.pinned is not None:
+            blocks = jax.device_put(list(blocks), self._on_device)
         for start, stop, size in self._chunks(len(moves.load_block_ids)):
             ids = self._ids(moves.load_block_ids[start:stop], size)
             shards = self._ids(moves.load_shards[start:stop], size)
-            rows = moves.load_data[start:stop]
-            datas = []
-            for s in self.sets:
-                data = np.zeros((size, *s.shape), self._dtype)
-                data[:stop - start] = rows[:, s.offset:s.offset + s.size].reshape(stop - start, *s.shape)
-                datas.append(data)
+            if self.pinned is not None:
+                datas = (*blocks[start:stop], *(self._zero_row,) * (size - (stop - start)))
+            else:
+                rows = np.stack(blocks[start:stop])
+                datas = []
+                for s in self.sets:
+                    data = np.zeros((size, *s.shape), self._dtype)
+                    data[:stop - start] = rows[:, s.offset:s.offset + s.size].reshape(stop - start, *s.shape)
+                    datas.append(data)
             scatter = self._compiled.get(("scatter", size), self._scatter)
             caches, done = scatter(self._caches(), ids, shards, datas)
             for s, written in zip(self.sets, caches):
                 s.owner.kv_caches = written
-        if done is not None:
-            self._loads_done.put((started, done))
+        self._loads_done.put((started, done))
 
     def poll(self, link: TierLink, wait: bool = False) -> None:
         """Hands the save copies that landed (all of them with `wait`; the oldest beyond MAX_PENDING) to
-        the host pool, and completes finished disk IO."""
+        the host pool (pinned arrays as they are, else numpy rows), and completes finished disk IO."""
         pending = self._pending
         while pending and (wait or len(pending) > MAX_PENDING or all(b.is_ready() for b in pending[0][2])):
-            keys, shards, blocks = pending.popleft()
-            link.finish_saves(keys, self._host_rows(blocks, len(keys)), shards)
+            keys, shards, arrays = pending.popleft()
+            link.finish_saves(keys, arrays if self.pinned is not None else self._host_rows(arrays, len(keys)),
+                              shards)
         for tiers in self.shard_tiers:
             tiers.poll(wait=wait)
 
@@ -283,8 +385,9 @@ class KVTransfer:
             device_only = link.device_only()
             for start, stop, size in self._chunks(len(device_only)):
                 chunk = device_only[start:stop]
-                blocks = self._gathered([block_id for block_id, _, _ in chunk], [shard for _, _, shard in chunk], size)
-                for (_, key, shard), row in zip(chunk, self._host_rows(blocks, stop - start)):
+                gathered = self._gathered([block_id for block_id, _, _ in chunk], [shard for _, _, shard in chunk],
+                                          size)
+                for (_, key, shard), row in zip(chunk, self._host_rows(gathered, stop - start)):
                     self.shard_tiers[shard].write_to_disk(key, row)
             for tiers in self.shard_tiers:
                 tiers.flush()
@@ -319,10 +422,22 @@ def build(config: EngineConfig, runner) -> KVTransfer | None:
     if cache.disk_kv_path is not None:
         identity = model_identity(config, runner.cfg, shape, dtype,
                                   drafter.cfg if drafter is not None else None)
+    pinned = pinned_sharding(runner)
+    # (data-parallel replicas run in one process: their host tiers share XLA's one pinned pool)
+    tier_bytes = num_slots * shards * block_bytes * config.parallel.data
+    if pinned is not None and tier_bytes > PINNED_POOL_SHARE * pinned_pool_bytes():
+        logger.warning("cache.host_kv_gib=%s (x %d data-parallel replica(s)) is over %.0f%% of XLA's pinned host "
+                       "memory pool (%.0f GiB): the host tier keeps its blocks in pageable memory, where copies to "
+                       "and from the device are several times slower; lower host_kv_gib, or raise the pool with "
+                       "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", cache.host_kv_gib, config.parallel.data,
+                       100 * PINNED_POOL_SHARE, pinned_pool_bytes() / (1 << 30))
+        pinned = None
+    place = None if pinned is None else functools.partial(jax.device_put, device=pinned)  # (disk -> host)
     shard_tiers = []
     for _ in range(shards):
         disk = None
         if identity is not None:
             disk = DiskKVStore(cache.disk_kv_path, int(cache.disk_kv_gib * (1 << 30)), identity, dtype.name, shape)
-        shard_tiers.append(KVTiers(HostKVPool(num_slots, shape, dtype), disk, block_tokens=cache.block_size))
-    return KVTransfer(runner, shard_tiers)
+        shard_tiers.append(KVTiers(HostKVPool(num_slots, shape, dtype, place=place), disk,
+                                   block_tokens=cache.block_size))
+    return KVTransfer(runner, shard_tiers, pinned)

@@ -1,7 +1,11 @@
 """The host tier: a fixed pool of KV blocks in host memory, keyed by the prefix cache's block hash, LRU.
 
-    data [num_slots, *block_shape]: one slot per block (every layer's K and V, the device layout with the
-    block axis taken out), so one block is one contiguous slice (a disk file's payload as it is).
+    one block object per slot: a block's row (every layer's K and V of every cache set, the device layout
+    with the block axis taken out, flattened), a disk file's payload as it is; either a numpy array or,
+    with `place` (runner/kv_transfer.py on GPUs), a jax Array of its own in pinned host memory, so a block
+    moves to and from the device as one plain DMA copy. A slot's object is replaced by each write, never
+    written into: a reader holding one (a load in flight, a disk write) keeps valid data after the slot
+    is reused.
 
 A key is in one of three states:
     absent -- reserve() --> in transit (a slot is reserved, its data is being written) -- commit() --> present
@@ -15,21 +19,27 @@ in progress reads its slot) is never evicted.
 from __future__ import annotations
 
 import collections
+import math
 from collections.abc import Callable, Hashable
+from typing import Any
 
 import numpy as np
 
 
 class HostKVPool:
     def __init__(self, num_slots: int, block_shape: tuple[int, ...], dtype,
-                 on_evict: Callable[[Hashable, np.ndarray], None] | None = None):
-        """`on_evict(key, data)`: called with a present key's data (a view, valid during the call) just
-        before its slot is reused."""
+                 on_evict: Callable[[Hashable, np.ndarray], None] | None = None,
+                 place: Callable[[np.ndarray], Any] | None = None):
+        """`on_evict(key, data)`: called with a present key's block as numpy (never written into by the pool)
+        just before its slot is reused. `place(row)`: puts a numpy row into the memory the pool's blocks
+        live in (a pinned host jax Array); None: the pool keeps numpy rows."""
         if num_slots < 1:
             raise ValueError(f"a host KV pool needs at least one slot, got {num_slots}")
         self.num_slots = num_slots
         self.block_shape = tuple(block_shape)
-        self.data = np.zeros((num_slots, *self.block_shape), dtype)  # (pages are touched when first written)
+        self.dtype = np.dtype(dtype)
+        self.place = place
+        self._blocks: list[Any] = [None] * num_slots  # a slot's block object, None while it holds none
         self.on_evict = on_evict
         self._free = list(range(num_slots - 1, -1, -1))
         self._present: collections.OrderedDict[Hashable, int] = collections.OrderedDict()  # LRU first
@@ -39,7 +49,7 @@ class HostKVPool:
 
     @property
     def block_bytes(self) -> int:
-        return self.data[0].nbytes
+        return math.prod(self.block_shape) * self.dtype.itemsize
 
     @property
     def num_present(self) -> int:
@@ -85,7 +95,8 @@ class HostKVPool:
             slot = self._present.pop(victim)
             self.num_evictions += 1
             if self.on_evict is not None:
-                self.on_evict(victim, self.data[slot])
+                self.on_evict(victim, self.row(slot))
+            self._blocks[slot] = None
         self._in_transit[key] = slot
         return slot
 
@@ -95,13 +106,24 @@ class HostKVPool:
 
     def abort(self, key: Hashable) -> None:
         """In transit -> absent (the data never came): the slot is free again."""
-        self._free.append(self._in_transit.pop(key))
+        slot = self._in_transit.pop(key)
+        self._blocks[slot] = None
+        self._free.append(slot)
 
-    def write(self, key: Hashable, block: np.ndarray) -> None:
-        """Fills an in-transit key's slot."""
-        self.data[self._in_transit[key]] = block
+    def write(self, key: Hashable, block) -> None:
+        """Fills an in-transit key's slot with `block`: a numpy array (copied, or put into the pool's
+        memory by `place`) or a block object of the pool's memory (kept as it is; the caller never writes
+        into it)."""
+        if isinstance(block, np.ndarray):
+            row = np.array(block, self.dtype).reshape(self.block_shape)
+            if self.place is None:
+                row.flags.writeable = False
+                block = row
+            else:
+                block = self.place(row)
+        self._blocks[self._in_transit[key]] = block
 
-    def put(self, key: Hashable, block: np.ndarray) -> bool:
+    def put(self, key: Hashable, block) -> bool:
         """reserve + write + commit; False (nothing stored) when the key is here already or no slot is free."""
         if self.reserve(key) is None:
             return False
@@ -113,7 +135,9 @@ class HostKVPool:
         """Present (unpinned) -> absent: the slot is free again, its data dropped (not handed to on_evict)."""
         if self._pins[key]:
             raise RuntimeError(f"host KV block {key!r} is pinned; unpin it before discarding it")
-        self._free.append(self._present.pop(key))
+        slot = self._present.pop(key)
+        self._blocks[slot] = None
+        self._free.append(slot)
 
     def pin(self, key: Hashable) -> int:
         """Keeps a present key from eviction until unpin(); returns its slot."""
@@ -126,9 +150,19 @@ class HostKVPool:
         if self._pins[key] <= 0:
             del self._pins[key]
 
+    def row(self, slot: int) -> np.ndarray:
+        """A written slot's block as numpy (read-only; a pinned block is copied out)."""
+        return np.asarray(self._blocks[slot])
+
     def read(self, slots: list[int]) -> np.ndarray:
-        """[len(slots), *block_shape]: a copy of the slots' data (safe to hand to another thread or device)."""
-        return self.data[np.asarray(slots, np.int64)]
+        """[len(slots), *block_shape]: a copy of the written slots' data."""
+        return np.stack([self.row(slot) for slot in slots]) if slots else np.zeros((0, *self.block_shape),
+                                                                                 self.dtype)
+
+    def blocks(self, slots: list[int]) -> list[Any]:
+        """The written slots' block objects (numpy rows, or pinned arrays with `place`): safe to hand to
+        another thread or device, as the pool never writes into them."""
+        return [self._blocks[slot] for slot in slots]
 
     def keys(self) -> list[Hashable]:
         """Present keys, least recently used first."""
@@ -140,3 +174,5 @@ class HostKVPool:
         assert sorted(slots) == list(range(self.num_slots)), "a slot is lost or held twice"
         assert not set(self._present) & set(self._in_transit), "a key is present and in transit"
         assert all(k in self._present for k in self._pins), "a pinned key is not present"
+        assert all(self._blocks[slot] is None for slot in self._free), "a free slot holds a block"
+        assert all(self._blocks[slot] is not None for slot in self._present.values()), "a present slot is empty"

@@ -31,8 +31,6 @@ import dataclasses
 from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
-import numpy as np
-
 if TYPE_CHECKING:
     from jaxserve.core.block_pool import BlockPool, KVCacheBlock
     from jaxserve.core.kv_tiers.tiers import KVTiers
@@ -45,7 +43,9 @@ class Transfers:
     save_block_ids: list[int]
     save_keys: list[Hashable]
     load_block_ids: list[int]
-    load_data: np.ndarray | None  # [len(load_block_ids), *block_shape], a copy of the host slots
+    # The host slots' block objects, one per load (numpy rows, or pinned arrays: HostKVPool.blocks), which
+    # the pool never writes into; None without loads
+    load_data: list | None
     # The expert shard of each save and load (ShardedTierLink; empty: every block is shard 0's)
     save_shards: list[int] = dataclasses.field(default_factory=list)
     load_shards: list[int] = dataclasses.field(default_factory=list)
@@ -163,24 +163,25 @@ class TierLink:
         return blocks
 
     def take(self) -> Transfers:
-        """The saves and loads asked since the last take(); the loads' host data is copied out now."""
+        """The saves and loads asked since the last take(); the loads' host blocks are taken out now (a
+        slot freed here may be reused at once: its block object is not)."""
         saves, self._saves = self._saves, []
         loads, self._loads = sorted(self._loads.items()), {}
         host = self.tiers.host
         data = None
         if loads:
-            data = host.read([host.lookup(key) for _, key in loads])
+            data = host.blocks([host.lookup(key) for _, key in loads])
             for _, key in loads:
                 host.unpin(key)
                 if type(key) is SwapKey:
                     host.discard(key)
-            self.tiers.counters.host_bytes_out += data.nbytes
+            self.tiers.counters.host_bytes_out += len(data) * host.block_bytes
         return Transfers([block_id for block_id, _ in saves], [key for _, key in saves],
                          [block_id for block_id, _ in loads], data)
 
-    def finish_saves(self, keys: Sequence[Hashable], data: np.ndarray, shards: Sequence[int] = ()) -> None:
-        """The device -> host copies of `keys` landed: `data[i]` is keys[i]'s block (`shards`: unused, one
-        shard)."""
+    def finish_saves(self, keys: Sequence[Hashable], data: Sequence, shards: Sequence[int] = ()) -> None:
+        """The device -> host copies of `keys` landed: `data[i]` is keys[i]'s block, a numpy row or a pinned
+        array the pool keeps (`shards`: unused, one shard)."""
         host = self.tiers.host
         for key, block in zip(keys, data):
             if self._dropped and key in self._dropped:
@@ -264,17 +265,17 @@ class ShardedTierLink:
 
     def take(self) -> Transfers:
         moves = [link.take() for link in self.links]
-        data = [m.load_data for m in moves if m.load_data is not None]
+        data = [block for m in moves if m.load_data is not None for block in m.load_data]
         return Transfers([i for m in moves for i in m.save_block_ids], [k for m in moves for k in m.save_keys],
-                         [i for m in moves for i in m.load_block_ids], np.concatenate(data) if data else None,
+                         [i for m in moves for i in m.load_block_ids], data or None,
                          [shard for shard, m in enumerate(moves) for _ in m.save_block_ids],
                          [shard for shard, m in enumerate(moves) for _ in m.load_block_ids])
 
-    def finish_saves(self, keys: Sequence[Hashable], data: np.ndarray, shards: Sequence[int] = ()) -> None:
+    def finish_saves(self, keys: Sequence[Hashable], data: Sequence, shards: Sequence[int] = ()) -> None:
         for shard, link in enumerate(self.links):
             rows = [i for i, s in enumerate(shards) if s == shard]
             if rows:
-                link.finish_saves([keys[i] for i in rows], data[rows])
+                link.finish_saves([keys[i] for i in rows], [data[i] for i in rows])
 
     def device_only(self) -> list[tuple[int, Hashable, int]]:
         return [entry for shard, link in enumerate(self.links) for entry in link.device_only(shard)]

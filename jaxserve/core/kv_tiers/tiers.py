@@ -77,7 +77,7 @@ class KVTiers:
         previous = self._writes.get(key)
         if previous is not None and not previous.done():
             return  # its write is queued already
-        self._writes[key] = self._io.submit(self.disk.write, key, data.copy())  # (the slot is reused at once)
+        self._writes[key] = self._io.submit(self.disk.write, key, data)  # (the pool never writes into it)
 
     def locate(self, key: Hashable) -> str | None:
         """Where a block is: 'host' (present), 'moving' (in transit to the host), 'disk', or None."""
@@ -102,8 +102,9 @@ class KVTiers:
         return block, time.perf_counter() - asked
 
     def poll(self, wait: bool = False) -> None:
-        """Completes finished disk IO (every queued one with `wait`): a read block becomes present on host,
-        a failed read (absent, corrupt) leaves the key absent."""
+        """Completes finished disk IO (every queued one with `wait`): a read block becomes present on host
+        (in pinned host memory when the pool keeps its blocks there), a failed read (absent, corrupt)
+        leaves the key absent."""
         if wait and self._io is not None:
             concurrent.futures.wait(list(self._reads.values()) + list(self._writes.values()))
         for key, future in [(k, f) for k, f in self._reads.items() if f.done()]:
@@ -136,7 +137,8 @@ class KVTiers:
             self.counters.disk_evictions = self.disk.num_evictions
 
     def write_to_disk(self, key: Hashable, block: np.ndarray) -> None:
-        """Queues a disk write of `block` (a copy the caller gives up) under `key` (a prefix-cache key)."""
+        """Queues a disk write of `block` (numpy nobody writes into any more) under `key` (a prefix-cache
+        key)."""
         if key not in self._writes and not self.disk.contains(key):
             self._writes[key] = self._io.submit(self.disk.write, key, block)
 
@@ -146,7 +148,7 @@ class KVTiers:
         host = self.host
         for key in host.keys():
             if isinstance(key, bytes):
-                self.write_to_disk(key, host.data[host.lookup(key)].copy())
+                self.write_to_disk(key, host.row(host.lookup(key)))
         self.poll(wait=True)
 
     def usage(self) -> tuple[tuple[str, float], ...]:
