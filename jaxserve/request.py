@@ -42,7 +42,7 @@ class Request:
                  "priority", "cache_salt", "lora_id", "seed", "tenant", "status", "all_token_ids",
                  "num_computed_tokens", "num_pending", "row", "token_limit", "stop_ids", "min_stop_len",
                  "num_cached_tokens", "num_preemptions", "stop_reason", "draft_token_ids",
-                 "proposal")
+                 "proposal", "next_guesses")
 
     def __init__(
         self,
@@ -84,6 +84,8 @@ class Request:
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.draft_token_ids: list[int] = []  # guesses of its speculative step in flight ([]: none)
+        # the guesses of a device-guessed step scheduled right behind that one (0: none; Scheduler.schedule)
+        self.next_guesses = 0
         # A draft model's guesses from its last step: (the token index the first guess stands for, guesses)
         self.proposal: tuple[int, list[int]] | None = None
 

@@ -39,6 +39,7 @@ class _RunnerState:
     num_computed_tokens: int
     cache_salt: str | None
     last_guesses: int = 0  # guesses of the row's last verify step
+    drafts: list[int] = dataclasses.field(default_factory=list)  # a draft model's guesses from its last step
 
 
 class FakeRunner:
@@ -78,6 +79,7 @@ class FakeRunner:
         assert out.num_scheduled_tokens == sum(item.num_new_tokens for item in rows)
         steps = []
         deferred = set(out.deferred_decode)
+        device_guesses = {}  # index into steps -> a device-guessed row's guesses
         for index, item in enumerate(rows):
             request = self.scheduler.requests[item.request_id]
             assert item.row == request.row and 0 <= item.row < self.scheduler.config.max_num_seqs
@@ -94,11 +96,17 @@ class FakeRunner:
                 self.states[item.request_id] = state
             else:
                 assert item.new is None, f"{item.request_id}: `new` sent again without a preemption"
-                if index in deferred:  # decode rows lead: behind its verify step, at "none accepted"; the
-                    # runner adds the count that step kept (this runner ran it already)
+                if index in deferred or item.device_guesses:  # behind its verify step, at "none accepted";
+                    # the runner adds the count that step kept (this runner ran it already). (Deferred rows
+                    # are decode rows, which lead; a device-guessed row's guesses are that step's drafts.)
                     kept = state.num_computed_tokens - item.num_computed_tokens
-                    assert item.num_new_tokens == 1 and 0 <= kept <= state.last_guesses, (item, state)
-                    item = dataclasses.replace(item, num_computed_tokens=state.num_computed_tokens)
+                    assert 0 <= kept <= state.last_guesses, (item, state)
+                    assert item.num_new_tokens == 1 + item.device_guesses, item
+                    assert item.device_guesses <= len(state.drafts), (item, state)
+                    item = dataclasses.replace(item, num_computed_tokens=state.num_computed_tokens,
+                                               draft_token_ids=state.drafts[:item.device_guesses] or None)
+                    if item.device_guesses:
+                        device_guesses[len(steps)] = item.draft_token_ids
                 assert item.num_computed_tokens == state.num_computed_tokens, (
                     f"{item.request_id}: scheduled from position {item.num_computed_tokens}, runner is at "
                     f"{state.num_computed_tokens}")
@@ -133,7 +141,10 @@ class FakeRunner:
         def model(request_id, token_ids):
             return next(drawn) if drawn is not None else self.token_fn(request_id, token_ids)
 
-        for item, state, _, num_known in steps:
+        reported = {}  # sampling index -> a device-guessed row's guesses
+        for step_index, (item, state, _, num_known) in enumerate(steps):
+            if step_index in device_guesses:
+                reported[len(sampled)] = device_guesses[step_index]
             if item.draft_token_ids:  # greedy verification: guesses are kept while the model agrees
                 del state.token_ids[num_known:]
                 accepted = 0
@@ -159,7 +170,8 @@ class FakeRunner:
             sampled.append(token)
             num_accepted.append(accepted)
         spec = any(item.draft_token_ids for item, *_ in steps)
-        return RunnerOutput(request_ids, sampled, num_accepted=num_accepted if spec else None)
+        return RunnerOutput(request_ids, sampled, num_accepted=num_accepted if spec else None,
+                            device_guesses=reported or None)
 
 
 # ---------------------------------------------------------------- helpers

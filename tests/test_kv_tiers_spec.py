@@ -98,7 +98,7 @@ def test_swap_preemption_with_guesses_in_flight(swap_reference, method, monkeypa
     monkeypatch.setattr(scheduler_module, "_victim_key",
                         lambda r: (bool(r.draft_token_ids), r.priority, r.arrival_time))
     llm = make_llm(host_kv_gib=64 * BLOCK_GIB, preemption_mode="swap", async_scheduling=True,
-                   speculative_config={**SPECS[method], "num_speculative_tokens": 3}, **SMALL)
+                   speculative_config={**SPECS[method], "num_speculative_tokens": 3}, **{**SMALL, "num_blocks": 14})
     scheduler = llm.engine.scheduler
     in_flight = []
     preempt = scheduler._preempt

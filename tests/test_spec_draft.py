@@ -75,6 +75,7 @@ class DraftingRunner(FakeRunner):
                     self.slots[self._slot(state, position)] = ("draft", request_id, position)
                 sequence.append(cyclic(request_id, sequence) + (len(sequence) % 5 == 0))
             drafts.append(sequence[len(state.token_ids):])
+            state.drafts = drafts[-1]
         result.draft_token_ids = drafts
         return result
 
@@ -83,8 +84,9 @@ class DraftingRunner(FakeRunner):
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 def test_scheduler_keeps_drafts_and_their_slots(overlap):
     """Scheduler side alone: drafting rows get the lookahead's slots (writes past them would land in other
-    requests' blocks, which the harness catches), drafts become the next step's guesses (one token behind
-    under overlap), outputs equal decoding without them, with preemption and shared prefixes, nothing leaks."""
+    requests' blocks, which the harness catches), drafts become the next step's guesses (under overlap, the
+    step right behind a verify step takes them from the device), outputs equal decoding without them, with
+    preemption and shared prefixes, nothing leaks."""
     prompts = {f"r{i}": prompt(i % 2, 9 + 4 * (i % 3)) for i in range(6)}
     outputs = {}
     for speculative, num_blocks in [(None, 64), (DRAFT, 64), (DRAFT, 11)]:
@@ -100,6 +102,8 @@ def test_scheduler_keeps_drafts_and_their_slots(overlap):
         if speculative is not None:
             assert 0 < scheduler.num_accepted_tokens < scheduler.num_draft_tokens
             assert scheduler.num_preemptions > 0 or num_blocks == 64
+            # under overlap a row behind its verify step guesses from that step's drafts (device-guessed)
+            assert (scheduler.num_device_guessed > 0) == overlap
     assert outputs[DRAFT, 64] == outputs[DRAFT, 11] == outputs[None, 64]
 
 
@@ -138,6 +142,9 @@ def test_target_as_its_own_draft_is_accepted_with_preemption_and_prefix_caching(
     # The same network guesses: every guess is the target's own greedy token.
     assert scheduler.num_draft_tokens > 0
     assert scheduler.num_accepted_tokens >= 0.95 * scheduler.num_draft_tokens
+    # under overlap the greedy rows verify guesses every step: the step behind a verify step takes its
+    # token and guesses from that step's device outputs
+    assert (scheduler.num_device_guessed > 0) == async_scheduling
     assert_no_leaks(llm)
     # Requests that do not guess (sampling, penalties, logprobs, n > 1) and stops inside accepted runs.
     assert _summary(llm.generate(*_workload(), use_tqdm=False)) == _summary(reference["workload"])

@@ -277,9 +277,10 @@ class KVCacheManager:
                 self.pool.cache_full_block(state.blocks[i], state.block_hashes[i])
             state.num_cached_blocks = num_full_blocks
 
-    def trim(self, request: Request) -> int | None:
-        """Frees the request's blocks past those holding its request.num_computed_tokens tokens (the
-        slots of rejected speculative positions); returns the blocks kept, or None when none was freed.
+    def trim(self, request: Request, extra_slots: int = 0) -> int | None:
+        """Frees the request's blocks past those holding its request.num_computed_tokens tokens and
+        `extra_slots` more (the slots of rejected speculative positions); returns the blocks kept, or None
+        when none was freed.
 
         The freed blocks were never registered in the prefix cache: registration covers full blocks of
         known tokens only (allocate_slots and free() cap it at request.num_tokens), and every known
@@ -288,7 +289,7 @@ class KVCacheManager:
         state = self._requests.get(request.request_id)
         if state is None:
             return None
-        keep = -(-request.num_computed_tokens // self.block_size)
+        keep = -(-(request.num_computed_tokens + extra_slots) // self.block_size)
         if len(state.blocks) <= keep:
             return None
         if state.num_cached_blocks > keep:

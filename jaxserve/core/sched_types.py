@@ -62,6 +62,11 @@ class ScheduledRequest:
     # num_computed_tokens + 1 ..); num_new_tokens is 1 + len(draft_token_ids) and the row is scored at
     # every one of its positions. None: no guesses.
     draft_token_ids: list[int] | None = None
+    # A device-guessed row (a draft model's or EAGLE head's, right behind its own verify step, still in
+    # flight): its input token and its device_guesses guesses are that step's token and drafts, on device;
+    # num_computed_tokens is its position if that step keeps none of its guesses, moved on device by the
+    # count it keeps. num_new_tokens is 1 + device_guesses; draft_token_ids is None.
+    device_guesses: int = 0
 
 
 @dataclasses.dataclass
@@ -151,3 +156,6 @@ class RunnerOutput:
     # Per sampled request, the k tokens a draft model guesses for its next step (speculative.method draft_model
     # or eagle): after its new tokens of this step, the first stands for the token after them; None: no drafts.
     draft_token_ids: list[list[int]] | None = None
+    # sampling index -> the guesses a device-guessed row (ScheduledRequest.device_guesses) was scored on: the
+    # drafts of its previous step, which the host learns with that step's outputs.
+    device_guesses: dict[int, list[int]] | None = None

@@ -157,6 +157,7 @@ class Scheduler:
         self.num_accepted_tokens = 0
         self.accepted_per_position: list[int] = []
         self.num_deferred = 0  # plain tokens scheduled right behind their row's verify step (spec_schedule.may_defer)
+        self.num_device_guessed = 0  # device-guessed rows scheduled (spec_schedule.device_guesses)
         if config.preemption_mode == "swap" and not kv_cache.can_swap:
             raise ValueError("scheduler.preemption_mode=swap copies preempted requests' KV blocks to the host tier; "
                              "set cache.host_kv_gib > 0, or use preemption_mode auto or recompute")
@@ -196,6 +197,7 @@ class Scheduler:
             request.row = -1
         request.num_pending = 0
         request.draft_token_ids = []
+        request.next_guesses = 0
         request.proposal = None
         self._truncated.pop(request.request_id, None)
 
@@ -277,6 +279,7 @@ class Scheduler:
         drafting: set[str] = set()  # requests given the slots of a draft model's lookahead this step
         deferred: set[str] = set()  # decode rows right behind their own verify step (SchedulerOutput.deferred_decode)
         may_defer = self.speculative is not None and not self.speculative.uses_model
+        device_guessing = self.speculative is not None and self.speculative.uses_model  # (and lookahead is set)
         lookahead = self._lookahead
 
         # Running requests first, in order (over a copy: preemption takes requests out of `running`).
@@ -289,6 +292,12 @@ class Scheduler:
             if preempted and request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
             if request.draft_token_ids:  # its verify step is in flight: how many guesses it keeps is not known
+                if device_guessing and (item := spec_schedule.device_guessed_row(
+                        self, request, budget, self.config.max_num_seqs - len(running) - num_guesses, drafting)):
+                    scheduled.append((request, item))
+                    num_guesses += item.device_guesses
+                    budget -= item.num_new_tokens
+                    continue
                 if not (may_defer and spec_schedule.may_defer(request, self.max_model_len)):
                     continue
                 # One plain token right behind it, at the position of "none accepted" (the runner adds the
@@ -440,13 +449,14 @@ class Scheduler:
         step_guesses: dict[int, list[int]] = {}  # sampling index -> the row's guesses
         for request, item in scheduled:
             request.num_computed_tokens += item.num_new_tokens
-            # A row with guesses computes past its known tokens (the guesses) and always samples.
-            item.samples = (request.num_computed_tokens - len(item.draft_token_ids or ())
-                            == len(request.all_token_ids) + request.num_pending)
+            # A row with guesses computes past its known tokens (the guesses) and always samples; so does a
+            # device-guessed row (its count assumes every guess in flight kept).
+            item.samples = item.device_guesses > 0 or (request.num_computed_tokens - len(item.draft_token_ids or ())
+                                                       == len(request.all_token_ids) + request.num_pending)
             if item.samples:
                 request.num_pending += 1
-                if item.draft_token_ids:
-                    step_guesses[len(sampled)] = item.draft_token_ids
+                if item.draft_token_ids or item.device_guesses:  # (device guesses: the runner reports them)
+                    step_guesses[len(sampled)] = item.draft_token_ids or [-1] * item.device_guesses
                 sampled.append(request)
         decode_new_blocks = [(i, block_id) for i, block_ids in decode_blocks.values() for block_id in block_ids]
         finished, self._finished_ids = self._finished_ids, set()
@@ -531,12 +541,19 @@ class Scheduler:
                 if num_accepted is None:
                     raise ValueError(f"step {scheduler_output.step} scheduled guesses for {request.request_id!r} "
                                      f"but the runner returned no num_accepted")
-                run, status, stop_reason = spec_schedule.accept(request, step_guesses[i], token, num_accepted[i])
+                guesses = (runner_output.device_guesses or {}).get(i, step_guesses[i])
+                if len(guesses) != len(step_guesses[i]):
+                    raise ValueError(f"step {scheduler_output.step}: the runner reported {len(guesses)} device "
+                                     f"guesses for {request.request_id!r}, {len(step_guesses[i])} were scheduled")
+                step_guesses[i] = guesses
+                run, status, stop_reason = spec_schedule.accept(request, guesses, token, num_accepted[i])
                 self.num_drafts += 1
                 self.num_draft_tokens += len(step_guesses[i])
                 self.num_accepted_tokens += num_accepted[i]
                 spec_schedule.count_accepted(self.accepted_per_position, len(step_guesses[i]), num_accepted[i])
-                if status is None and (kept := self.kv_cache.trim(request)) is not None:
+                # (a device-guessed step in flight keeps the draft's lookahead slots past its tokens)
+                lookahead_slots = self.speculative.num_speculative_tokens if request.draft_token_ids else 0
+                if status is None and (kept := self.kv_cache.trim(request, lookahead_slots)) is not None:
                     self._truncated[request.request_id] = (request.row, kept)  # rejected guesses' blocks
                 if drafts is not None and i in drafting:
                     spec_schedule.keep_proposal(request, drafts[i])

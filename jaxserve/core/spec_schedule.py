@@ -17,15 +17,19 @@ by the count the verify step keeps (runner/step_program.py). (A draft model's ro
 A draft model (draft_model, eagle) guesses on the device instead, during a step, from the token that step
 samples: the scheduler gives such a row `lookahead` more KV slots (the draft writes the K/V of its k
 guesses), keeps the drafts that come back (`keep_proposal`: Request.proposal) and `propose` makes them the
-row's guesses in its next step. Under overlap a row's next step may be scheduled while the step that
-drafted for it is still in flight; it then goes on without guesses, and in the step after, the proposal is
-one token behind: its first guess stands for the token still in flight and is dropped, as the n-gram
+row's guesses in its next step. Under overlap a row's next step is scheduled while the step that drafted
+for it is still in flight. A greedy row (`device_guesses`) then takes that step as a device-guessed row:
+its token and guesses are the previous step's outputs, read on device, at the position that step's kept
+count gives, so every step of the row verifies guesses. Another row behind its verify step sits that step
+out; a row behind a plain step that drafted goes on without guesses, and in the step after the proposal
+is one token behind: its first guess stands for the token still in flight and is dropped, as the n-gram
 proposer does.
 """
 
 from __future__ import annotations
 
 from jaxserve.config import SpeculativeConfig
+from jaxserve.core.sched_types import ScheduledRequest
 from jaxserve.request import Request, RequestStatus
 from jaxserve.spec_decode.ngram import propose_sequences
 
@@ -52,6 +56,45 @@ def may_defer(request: Request, max_model_len: int) -> bool:
     """A row whose verify step is in flight may take one plain token right behind it (Scheduler.schedule:
     its position is known only on device) when the token has room if every guess is kept."""
     return request.num_computed_tokens + 1 <= max_model_len and request.num_pending == 1
+
+
+def device_guesses(request: Request, spec: SpeculativeConfig, max_model_len: int) -> int:
+    """How many guesses a draft model's row takes right behind its own verify step, still in flight (a
+    device-guessed row: its token and guesses are that step's outputs on device), 0 when it sits the step
+    out: only a greedy row without penalties, min_tokens bans or logprobs (its sampling then needs nothing
+    the host does not know yet), one step in flight, at most k guesses and, if every guess in flight is
+    kept, within its token limit and max_model_len."""
+    params = request.sampling_params
+    if (request.num_pending != 1 or params.temperature != 0.0 or params.logprobs is not None
+            or params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+            or len(request.all_token_ids) + 1 - request.num_prompt_tokens < params.min_tokens):
+        return 0
+    most = len(request.all_token_ids) + request.num_pending + len(request.draft_token_ids)  # all kept
+    return max(0, min(spec.num_speculative_tokens, request.token_limit - most - 1,
+                      max_model_len - request.num_computed_tokens - 1))
+
+
+def device_guessed_row(scheduler, request: Request, budget: int, guess_rows: int,
+                       drafting: set[str]) -> ScheduledRequest | None:
+    """Scheduler.schedule's device-guessed row for `request` (its verify step in flight), or None when it
+    sits the step out (not eligible, no budget, no logits rows or no KV room). Its tokens are placed at
+    the position of "none kept" (the runner moves them on device by the count kept), with slots for
+    "all kept" and the draft's lookahead; accept() of the verify step rolls num_computed_tokens back past
+    its rejected guesses, this step's tokens included."""
+    guess = min(device_guesses(request, scheduler.speculative, scheduler.max_model_len), budget - 1, guess_rows)
+    if guess <= 0:
+        return None
+    computed = request.num_computed_tokens
+    extra = scheduler._lookahead(request, computed + 1 + guess)
+    new_blocks = scheduler.kv_cache.allocate_slots(request, 1 + guess + extra)
+    if new_blocks is None:
+        return None
+    if extra:
+        drafting.add(request.request_id)
+    request.next_guesses = guess
+    scheduler.num_device_guessed += 1
+    return ScheduledRequest(request.request_id, request.row, computed - len(request.draft_token_ids), 1 + guess,
+                            new_blocks, device_guesses=guess)
 
 
 def propose(running: list[Request], spec: SpeculativeConfig) -> dict[str, list[int]]:
@@ -143,8 +186,11 @@ def accept(request: Request, guesses: list[int], token: int,
            accepted: int) -> tuple[list[int], RequestStatus | None, int | None]:
     """A row's verified step: its first `accepted` guesses, then `token`, appended one by one with the
     stop checks of Scheduler.update_from_output (a stop inside the run ends it exactly there); the
-    rejected positions leave num_computed_tokens. -> (new tokens, finish status or None, stop reason)."""
-    request.draft_token_ids = []  # (a request's step with guesses is its last one in flight)
+    rejected positions leave num_computed_tokens. -> (new tokens, finish status or None, stop reason).
+    A device-guessed step scheduled behind it becomes the row's step with guesses in flight (its guesses
+    are the drafts on device: placeholders here, the runner reports them with its outputs)."""
+    request.draft_token_ids = [-1] * request.next_guesses
+    request.next_guesses = 0
     if not 0 <= accepted <= len(guesses):
         raise ValueError(f"{request.request_id!r}: the runner accepted {accepted} of {len(guesses)} guesses")
     request.num_computed_tokens -= len(guesses) - accepted

@@ -43,7 +43,7 @@ from safetensors import safe_open
 from jaxserve.models import eagle_head, layers, llama, llama_hf, loader
 from jaxserve.models.eagle_head import _replicated, embed
 from jaxserve.models.layers import ModelBatch
-from jaxserve.spec_decode.draft_model import decode_batch, first_rows
+from jaxserve.spec_decode.draft_model import decode_batch, first_rows, stack_drafts
 
 LAYER_TENSORS = {  # HF name in the layer -> (our leaf, transposed)
     "self_attn.q_proj.weight": ("wq", True), "self_attn.k_proj.weight": ("wk", True),
@@ -251,7 +251,8 @@ fill = jax.jit(_fill, static_argnames=("cfg", "attention_backend", "tp"), donate
 def _propose(params, target_params, batch_tables, hidden, kv_caches, tokens, num_accepted, rows, *, cfg, k: int,
              block_size: int, attention_backend: str, tp):
     """eagle_head._propose with the head's own lm head over the draft vocabulary, mapped through d2t; each step
-    after the first reads the previous one's pre-norm output -> (caches, drafts [R, k] of target ids)."""
+    after the first reads the previous one's pre-norm output -> (caches, drafts [M, k] of target ids, zero past R)."""
+    num_rows = tokens.shape[0]
     hidden, tokens, num_accepted, rows = first_rows(batch_tables.shape[0], hidden, tokens, num_accepted, rows)
     batch_row, base, capacity = rows[0], rows[1], rows[2]
     block_tables = batch_tables[batch_row]
@@ -265,7 +266,7 @@ def _propose(params, target_params, batch_tables, hidden, kv_caches, tokens, num
         tokens = params["d2t"][jnp.argmax(logits(params, normed), axis=-1)]
         drafts.append(tokens)
         positions = positions + 1
-    return [kv_cache], jnp.stack(drafts, axis=1)
+    return [kv_cache], stack_drafts(drafts, num_rows)
 
 
 propose = jax.jit(_propose, static_argnames=("cfg", "k", "block_size", "attention_backend", "tp"),

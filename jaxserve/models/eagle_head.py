@@ -24,7 +24,7 @@ The head's paged KV cache (one layer) is indexed by the target's block tables. E
     propose(head, target params, block tables, those features, caches, tokens, num_accepted, rows)
         step 0 at each sampling row's last accepted position (its K/V now written with the step's real next
         token), step j > 0 one position further, reading the head's own output of step j - 1 -> drafts
-        [R, k] (greedy), as draft_model.propose.
+        [M, k] (greedy), as draft_model.propose.
 
 NOTE: a prefix-cache hit's last block holds head K/V computed with the next token of the request that wrote
 it, which another request sharing the block may not have: its guesses may be worse, never its outputs.
@@ -44,7 +44,7 @@ from safetensors import safe_open
 
 from jaxserve.models import llama, llama_hf, loader, registry
 from jaxserve.models.layers import ModelBatch
-from jaxserve.spec_decode.draft_model import decode_batch, first_rows
+from jaxserve.spec_decode.draft_model import decode_batch, first_rows, stack_drafts
 
 LAYER_TENSORS = {  # HF name in layer 0 -> (our leaf, transposed)
     "self_attn.q_proj.weight": ("wq", True), "self_attn.k_proj.weight": ("wk", True),
@@ -205,8 +205,9 @@ fill = jax.jit(_fill, static_argnames=("cfg", "attention_backend", "tp"), donate
 
 def _propose(params, target_params, batch_tables, features, kv_caches, tokens, num_accepted, rows, *, cfg,
              target_cfg, k: int, block_size: int, attention_backend: str, tp):
-    """features [M, D] (fill's), rows [4, M] (runner/draft_runner.DraftRunner.rows) -> (caches, drafts [R, k]),
+    """features [M, D] (fill's), rows [4, M] (runner/draft_runner.DraftRunner.rows) -> (caches, drafts [M, k]),
     as draft_model.propose."""
+    num_rows = tokens.shape[0]
     features, tokens, num_accepted, rows = first_rows(batch_tables.shape[0], features, tokens, num_accepted, rows)
     batch_row, base, capacity = rows[0], rows[1], rows[2]
     block_tables = batch_tables[batch_row]
@@ -221,7 +222,7 @@ def _propose(params, target_params, batch_tables, features, kv_caches, tokens, n
         tokens = jnp.argmax(head_logits(target_params, target_cfg, features), axis=-1).astype(jnp.int32)
         drafts.append(tokens)
         positions = positions + 1
-    return [kv_cache], jnp.stack(drafts, axis=1)
+    return [kv_cache], stack_drafts(drafts, num_rows)
 
 
 propose = jax.jit(_propose, static_argnames=("cfg", "target_cfg", "k", "block_size", "attention_backend", "tp"),

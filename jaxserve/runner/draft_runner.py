@@ -6,7 +6,7 @@ its KV cache, and its part of every step (the programs are in spec_decode/draft_
     ModelRunner.dispatch  run(runner, step, handle, forward outputs) after the target's step (forward,
                           sampler, verification) is enqueued: fill the draft's K/V over the step's staged
                           batch; when the step samples, propose k drafts per sampling row from its next
-                          token -> drafts [R, k] (R: the step's request bucket), copying to the host with
+                          token -> drafts [max_rows, k] (zero past the step's request bucket), copying to the host with
                           the step's tokens
     ModelRunner._collect  read(handle, num_rows) -> each sampling row's k drafts (RunnerOutput.draft_token_ids)
     ModelRunner.precompile  precompile_jobs(runner): a fill per step shape, a propose per request bucket
@@ -57,6 +57,15 @@ def make(config: EngineConfig, tp: TensorParallel | None, target, max_model_len:
         from jaxserve.runner.eagle_runner import Eagle3Runner
         return Eagle3Runner(config, tp, target, max_model_len)
     return None
+
+
+def _moved_rows(rows: jax.Array, moved_by: jax.Array, prev_accepted: jax.Array) -> jax.Array:
+    """DraftRunner.rows with device-guessed rows' positions moved by the count their previous step kept
+    (moved_by [M]: that step's sampling row, -1 for the others)."""
+    return rows.at[1].add(jnp.where(moved_by >= 0, prev_accepted[jnp.maximum(moved_by, 0)], 0))
+
+
+moved_rows = jax.jit(_moved_rows)
 
 
 class DraftRunner:
@@ -157,15 +166,18 @@ class DraftRunner:
         the caches alone."""
         return None
 
-    def run(self, runner, step, handle, forward_outputs: list) -> jax.Array | None:
+    def run(self, runner, step, handle, forward_outputs: list, prev_accepted: jax.Array) -> jax.Array | None:
         """The draft's part of a dispatched step (`forward_outputs`: the target forward's outputs after its
-        logits and tokens, the hidden states [T, D] last when needs_hidden) -> drafts [R, k] int32 (copying
+        logits and tokens, the hidden states [T, D] last when needs_hidden) -> drafts [max_rows, k] int32 (copying
         to the host), or None when the step samples nothing."""
         hidden = forward_outputs[-1] if self.needs_hidden else None
         t_pad, r_pad = step.batch.token_ids.shape[-1], step.batch.seq_lens.shape[-1]
         staged = runner._staged[(t_pad, r_pad)]
         sampling = step.sampling is not None
         rows = jax.device_put(self.rows(runner, step), self.on_device) if sampling else self._no_rows
+        if sampling and step.guesses is not None and step.guesses.device:  # positions moved on device
+            moved_by = jax.device_put(step.guesses.row_moved_by, self.on_device)
+            rows = (runner._compiled.get(("draft_moved_rows",)) or moved_rows)(rows, moved_by, prev_accepted)
         num_accepted = handle.num_accepted if handle.num_accepted is not None else self._no_guesses
         fill = runner._compiled.get(("draft_fill", t_pad, r_pad))
         args = self._fill_args(runner, step, staged, hidden, num_accepted, rows)
@@ -208,5 +220,6 @@ class DraftRunner:
             return self.propose_program.lower(*args, **self._propose_static()).compile()
 
         jobs = {("draft_fill", t_pad, r_pad): (fill, (t_pad, r_pad)) for t_pad, r_pad in runner._step_shapes}
+        jobs[("draft_moved_rows",)] = (lambda: moved_rows.lower(rows, tokens, tokens).compile(), ())
         jobs.update({("draft_propose", r_pad): (propose, (r_pad,)) for r_pad in {r for _, r in runner._step_shapes}})
         return jobs

@@ -107,7 +107,7 @@ class StepHandle:
     expert_load: jax.Array | None = None  # the expert load accumulated up to this step (ep_runner.py)
     guesses: spec_verify.Guesses | None = None  # HostStep.guesses
     num_accepted: jax.Array | None = None  # [max_rows] guesses accepted per sampling row (with `guesses`)
-    drafts: jax.Array | None = None  # [R, k] the draft model's guesses for each sampling row's next step
+    drafts: jax.Array | None = None  # [max_rows, k] the draft model's guesses for each sampling row's next step
 
 
 class ModelRunner:
@@ -199,8 +199,11 @@ class ModelRunner:
         # from the device with one compiled shape.
         self.max_rows = self.buckets.request_buckets[-1] * self.num_shards
         self._no_accepted = self._zeros((self.max_rows,), jnp.int32)  # a step's prev_accepted after a plain step
+        self._no_drafts = None  # a step's prev_drafts after one that drafted nothing (with a drafter)
+        self.row_drafts: dict[int, list[int]] = {}  # row -> the drafts of its last collected step that drafted
         if self.drafter is not None:
             self.drafter.init_caches(self.num_blocks, self.max_rows, self.on_device)
+            self._no_drafts = self._zeros((self.max_rows, self.drafter.k), jnp.int32)
         # A prompt-logprob step of T tokens pads its requests to the largest bucket T pairs with.
         self._prompt_requests = {t: max(r for t2, r in self.buckets.precompile_plan() if t2 == t)
                                  for t in self.buckets.token_buckets} if self.supports_prompt_logprobs else {}
@@ -217,10 +220,9 @@ class ModelRunner:
                                      self.drafter.aux_layers if self.drafter is not None else ())
         self.use_twins = platform == "gpu"  # (only XLA:GPU replays graphs; see _run_forward)
         self.speculative = config.speculative.enabled  # steps may carry guesses (spec_verify.py)
-        # The staging program's block size where a row may follow its own verify step (n-gram guesses:
-        # step_program._stage_step shifts such rows on device), None where none can.
-        self.stage_block_size = (self.block_size if self.speculative and not config.speculative.uses_model
-                                 else None)
+        # The staging program's block size where a row may follow its own verify step (step_program._stage_step
+        # moves such rows on device), None where none can.
+        self.stage_block_size = self.block_size if self.speculative else None
         # The bench's synthetic acceptance (spec_verify.py): a step input, changed between runs without a compile
         self.synthetic_acceptance = config.speculative.synthetic_acceptance
 
@@ -353,7 +355,9 @@ class ModelRunner:
             if prompt is not None:  # the variant: compiled for this T with its largest request bucket
                 r_pad, decode_only = self._prompt_requests[t_pad], False
         sample_rows = rows[layout.sample_index]
-        guesses = spec_verify.step_guesses(out, layout, self.max_rows) if self.speculative else None
+        guesses = (spec_verify.step_guesses(out, layout, self.max_rows, self.row_prev_index,
+                                            self.drafter.k if self.drafter is not None else 0)
+                   if self.speculative else None)
         if guesses is not None:  # a logits row per position of a row with guesses
             r_pad = max(r_pad, self.buckets.pad_requests(len(guesses.logits_rows)))
         batch, prev_index = self.fill_batch(layout, t_pad, r_pad,
@@ -363,6 +367,11 @@ class ModelRunner:
             # it was collected already, before the scheduler took its update: the position is still none-kept)
             deferred = np.asarray(out.deferred_decode)
             prev_index[deferred] = self.row_prev_index[layout.rows[deferred]] + self.max_rows
+        for k, item in enumerate(items):
+            if item.device_guesses:  # its token and guesses: the previous step's token and drafts of the row
+                start = int(layout.ends[num_decode + k] - counts[num_decode + k])
+                kinds = 1 + np.arange(1 + item.device_guesses)
+                prev_index[start: start + len(kinds)] = self.row_prev_index[item.row] + self.max_rows * kinds
         request_ids = out.decode_ids + [item.request_id for item in items if item.samples]
         if guesses is None:
             sampling = self._sampling_metadata(sample_rows, r_pad) if len(sample_rows) else None
@@ -417,12 +426,15 @@ class ModelRunner:
                 if not self.row_greedy[rows].all() or self.row_min_tokens[rows].any():
                     self._collect(self._last)
         step = self.prepare(out)
-        prev_tokens = self._last.tokens if self._last is not None else self._zeros((self.max_rows,), jnp.int32)
+        last = self._last
+        prev_tokens = last.tokens if last is not None else self._zeros((self.max_rows,), jnp.int32)
+        prev_accepted = last.num_accepted if last is not None and last.num_accepted is not None else self._no_accepted
+        prev_drafts = last.drafts if last is not None and last.drafts is not None else self._no_drafts
         # A step that samples nothing marks its readiness with its logits: they must not be donated later.
         logits, greedy_tokens, *prompt_arrays = self._run_forward(
             step.batch, prev_tokens, step.prev_index, step.decode_only, keep_logits=step.sampling is not None,
-            prompt=step.prompt, twins=step.decode_only or step.guesses is not None,
-            prev_accepted=self._last.num_accepted if self._last is not None else None)
+            prompt=step.prompt, twins=step.decode_only or step.guesses is not None, prev_accepted=prev_accepted,
+            prev_drafts=prev_drafts)
         prompt = None
         if step.prompt is not None:
             for array in prompt_arrays[0]:
@@ -445,19 +457,19 @@ class ModelRunner:
                 synthetic = (None if self.synthetic_acceptance is None else
                              spec_verify.synthetic_inputs(md, self.synthetic_acceptance, self.max_rows))
                 tokens, num_accepted = spec_verify.run(self._compiled, result.token_ids, step.guesses,
-                                                       self.on_device, synthetic)
+                                                       self.on_device, synthetic, (prev_drafts, prev_accepted))
             tokens.copy_to_host_async()
             handle = StepHandle(step.request_ids, step.rows, step.generations, tokens, result.logprobs,
                                 tokens, prompt=prompt, index=step.index, guesses=step.guesses,
                                 num_accepted=num_accepted)
         if self.drafter is not None:
-            handle.drafts = self.drafter.run(self, step, handle, prompt_arrays)
+            handle.drafts = self.drafter.run(self, step, handle, prompt_arrays, prev_accepted)
         self._last = handle
         return handle
 
     def _run_forward(self, batch: ModelBatch, prev_tokens, prev_index, decode_only: bool = False,
                      keep_logits: bool = True, prompt: prompt_logprobs.PromptRows | None = None,
-                     twins: bool = False, prev_accepted=None):
+                     twins: bool = False, prev_accepted=None, prev_drafts=None):
         """Stage the step's inputs, run the forward -> (logits, greedy tokens of a decode-only step or
         None), plus prompt_logprobs.compute's arrays when `prompt` is given. Every device buffer the
         forward reads or writes is the same each time a shape recurs (staged inputs, caches, logits: all
@@ -467,7 +479,8 @@ class ModelRunner:
         whose logits are its readiness marker. `twins`: a step that recurs back to back (decode-only
         steps, verify steps of speculative decoding) alternates between twin executables of its shape.
         `prev_accepted`: the previous step's accepted guesses per sampling row when it verified guesses
-        (step_program._stage_step: rows right behind their verify step), else None."""
+        (step_program._stage_step: rows right behind their verify step), else None; `prev_drafts`: its
+        drafts [max_rows, k] with a drafter (device-guessed rows' guesses), else None."""
         t_pad, r_pad = batch.token_ids.shape[-1], batch.seq_lens.shape[-1]  # (per shard: [n, T] under EP)
         staged = self._staged.get((t_pad, r_pad))
         if staged is None:  # (precompile made those of every bucket)
@@ -480,7 +493,7 @@ class ModelRunner:
         if prev_accepted is None:
             prev_accepted = self._no_accepted
         staged = self._staged[(t_pad, r_pad)] = stage(staged, pack_step(batch, prev_index), prev_tokens,
-                                                      prev_accepted)
+                                                      prev_accepted, prev_drafts)
         logits_buffer = self._logits.pop(r_pad, None) if keep_logits else None
         if logits_buffer is None:
             logits_buffer = zeros((r_pad * self.num_shards, self.cfg.vocab_size), jnp.float32, self.logits_sharding)
@@ -538,8 +551,12 @@ class ModelRunner:
         # does not take the stale token; the scheduler drops it too.
         live = rows[self.row_generation[rows] == handle.generations]
         live_tokens = tokens[self.row_generation[rows] == handle.generations]
-        num_accepted = None
+        num_accepted = device_guesses = None
         if handle.guesses is not None:  # accepted guesses go in before the sampled token
+            if handle.guesses.device:  # a device-guessed row's: its previous step's drafts (collected before)
+                device_guesses = {i: self.row_drafts.get(int(rows[i]), [])[:count]
+                                  for i, count in handle.guesses.device.items()}
+                handle.guesses.drafts.update(device_guesses)
             num_accepted = spec_verify.append_accepted(handle, self.token_buf, self.row_num_tokens,
                                                        self.row_generation)
         self.token_buf[live, self.row_num_tokens[live]] = live_tokens
@@ -552,8 +569,12 @@ class ModelRunner:
         prompt = None
         if handle.prompt is not None:
             prompt = prompt_logprobs.chunks(*handle.prompt, self.row_generation, self.row_data, self.cfg.vocab_size)
+        drafts = draft_runner.DraftRunner.read(handle, len(rows))
+        if drafts is not None:
+            self.row_drafts.update(zip(live.tolist(), (d for d, ok in zip(drafts, self.row_generation[rows]
+                                                                           == handle.generations) if ok)))
         handle.output = RunnerOutput(handle.request_ids, tokens.tolist(), logprobs, prompt, num_accepted,
-                                     guess_logprobs, draft_runner.DraftRunner.read(handle, len(rows)))
+                                     guess_logprobs, drafts, device_guesses)
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """One step without overlap: dispatch, then wait for its tokens."""

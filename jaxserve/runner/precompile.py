@@ -59,7 +59,8 @@ def precompile(runner, progress: bool = True) -> int:
     def stage(t_pad: int, r_pad: int):
         batch = runner._host_batch(t_pad, r_pad)
         packed = pack_step(batch, np.full(batch.token_ids.shape, -1, np.int32))
-        return runner.stage_fn.lower(device_batch(t_pad, r_pad), packed, prev_tokens, prev_tokens,
+        drafts = runner._no_drafts
+        return runner.stage_fn.lower(device_batch(t_pad, r_pad), packed, prev_tokens, prev_tokens, drafts,
                                      block_size=runner.stage_block_size).compile()
 
     def sample(rows: int, all_greedy: bool, use_penalties: bool, num_logprobs: int):
@@ -84,7 +85,8 @@ def precompile(runner, progress: bool = True) -> int:
     jobs.update({("sample", r_pad * runner.num_shards, *variant): (sample, (r_pad * runner.num_shards, *variant))
                  for r_pad in runner.buckets.request_buckets for variant in variants})
     if runner.speculative:
-        jobs.update(spec_verify.compile_jobs(runner.max_rows, on_device, runner.synthetic_acceptance is not None))
+        jobs.update(spec_verify.compile_jobs(runner.max_rows, on_device, runner.synthetic_acceptance is not None,
+                                             runner.drafter.k if runner.drafter is not None else 0))
     # The draft's programs compile after the others, one at a time and without the persistent cache:
     # XLA:CPU crashed now and then serializing them into it (or reading them back).
     draft_jobs = runner.drafter.precompile_jobs(runner) if runner.drafter is not None else {}

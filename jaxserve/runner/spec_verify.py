@@ -61,7 +61,15 @@ class Guesses(NamedTuple):
     offsets: np.ndarray  # [L] each logits row's position in its request: it samples output token s + offset
     checks: np.ndarray  # [max_rows] i32: the guess each logits row checks; -1 for none
     first: np.ndarray  # [max_rows] i32: each sampling request's first logits row
-    drafts: dict[int, list[int]]  # sampling index -> the request's guesses
+    drafts: dict[int, list[int]]  # sampling index -> the request's guesses (a device-guessed row's: at collect)
+    # Device-guessed rows (ScheduledRequest.device_guesses), whose guesses are the previous step's drafts on
+    # device and whose positions move by the count that step kept: sampling index -> its number of guesses;
+    # per logits row, the index into the previous step's drafts [M, k] of the guess it checks (else -1) and
+    # the previous step's sampling row whose kept count moves it (else -1); per sampling request, the same.
+    device: dict[int, int] | None = None
+    check_src: np.ndarray | None = None  # [max_rows] i32
+    moved_by: np.ndarray | None = None  # [max_rows] i32, per logits row
+    row_moved_by: np.ndarray | None = None  # [max_rows] i32, per sampling request
 
 
 def layout_guesses(num_guesses: np.ndarray, drafts: dict[int, list[int]], last_token: np.ndarray, max_rows: int) -> Guesses:
@@ -80,18 +88,33 @@ def layout_guesses(num_guesses: np.ndarray, drafts: dict[int, list[int]], last_t
     return Guesses(logits_rows, row_of, offset, checks, padded_first, drafts)
 
 
-def step_guesses(out, layout, max_rows: int) -> Guesses | None:
-    """A SchedulerOutput and its model_runner.StepRows -> the step's Guesses; None when no row has any."""
+def step_guesses(out, layout, max_rows: int, row_prev_index: np.ndarray | None = None,
+                 k: int = 0) -> Guesses | None:
+    """A SchedulerOutput and its model_runner.StepRows -> the step's Guesses; None when no row has any.
+    `row_prev_index` (each row's sampling index in the previous step) and `k` (the drafts' width) place
+    device-guessed rows' guesses."""
     items, num_decode = out.scheduled, layout.num_decode
-    if not any(item.draft_token_ids for item in items):
+    if not any(item.draft_token_ids or item.device_guesses for item in items):
         return None
     num_guesses = np.zeros(len(layout.rows), np.int64)
-    num_guesses[num_decode:] = [len(item.draft_token_ids or ()) for item in items]
+    num_guesses[num_decode:] = [len(item.draft_token_ids or ()) or item.device_guesses for item in items]
     position = np.empty(len(layout.rows), np.int64)  # each row's index in the sampling order
     position[layout.sample_index] = np.arange(len(layout.sample_index))
     drafts = {int(position[num_decode + k]): item.draft_token_ids for k, item in enumerate(items)
               if item.draft_token_ids}
-    return layout_guesses(num_guesses[layout.sample_index], drafts, layout.ends[layout.sample_index] - 1, max_rows)
+    guesses = layout_guesses(num_guesses[layout.sample_index], drafts, layout.ends[layout.sample_index] - 1,
+                             max_rows)
+    device = {int(position[num_decode + j]): item for j, item in enumerate(items) if item.device_guesses}
+    if not device:
+        return guesses
+    check_src, moved_by, row_moved_by = (np.full(max_rows, -1, np.int32) for _ in range(3))
+    for index, item in device.items():
+        source, first, count = int(row_prev_index[item.row]), int(guesses.first[index]), item.device_guesses
+        check_src[first: first + count] = source * k + np.arange(count)
+        moved_by[first: first + 1 + count] = source
+        row_moved_by[index] = source
+    return guesses._replace(device={index: item.device_guesses for index, item in device.items()},
+                            check_src=check_src, moved_by=moved_by, row_moved_by=row_moved_by)
 
 
 def append_accepted(handle, token_buf: np.ndarray, row_num_tokens: np.ndarray,
@@ -178,11 +201,25 @@ def synthetic_inputs(md, acceptance: float, max_rows: int) -> tuple[np.ndarray, 
     return seeds, steps, np.asarray(acceptance, np.float32)
 
 
-def compile_jobs(max_rows: int, on_device, synthetic: bool) -> dict[tuple, tuple]:
-    """The runner's precompile jobs (key -> (function, args)) of verification, and of the synthetic
-    variant when the bench asked for it."""
+def _resolve(checks, steps, check_src, moved_by, prev_drafts, prev_accepted):
+    """Device-guessed rows' checks (the previous step's drafts at check_src) and output indices (moved by the
+    count the previous step kept) filled in on device; the other rows' as given."""
+    checks = jnp.where(check_src >= 0, prev_drafts.reshape(-1)[jnp.maximum(check_src, 0)], checks)
+    steps = steps + jnp.where(moved_by >= 0, prev_accepted[jnp.maximum(moved_by, 0)], 0)
+    return checks, steps
+
+
+resolve = jax.jit(_resolve)
+
+
+def compile_jobs(max_rows: int, on_device, synthetic: bool, k: int = 0) -> dict[tuple, tuple]:
+    """The runner's precompile jobs (key -> (function, args)) of verification, of the synthetic variant
+    when the bench asked for it, and of device-guessed rows' checks (`k`: the drafts' width; 0: none)."""
     rows = jax.ShapeDtypeStruct((max_rows,), jnp.int32, sharding=on_device)
     jobs = {("verify",): (lambda: verify.lower(rows, rows, rows).compile(), ())}
+    if k:
+        drafts = jax.ShapeDtypeStruct((max_rows, k), jnp.int32, sharding=on_device)
+        jobs[("resolve",)] = (lambda: resolve.lower(rows, rows, rows, rows, drafts, rows).compile(), ())
     if synthetic:
         seeds = jax.ShapeDtypeStruct((max_rows, 2), jnp.uint32, sharding=on_device)
         acceptance = jax.ShapeDtypeStruct((), jnp.float32, sharding=on_device)
@@ -192,15 +229,27 @@ def compile_jobs(max_rows: int, on_device, synthetic: bool) -> dict[tuple, tuple
 
 
 def run(compiled: dict, sampled: jax.Array, guesses: Guesses, on_device,
-        synthetic: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> tuple[jax.Array, jax.Array]:
+        synthetic: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+        prev: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, jax.Array]:
     """The step's verification (`compiled`: the runner's precompiled executables, by key) on the sampler's
     tokens -> (tokens, num_accepted), both copying to the host. `synthetic`: synthetic_inputs(...), for the
-    bench's synthetic acceptance."""
-    if synthetic is None:
-        checks, first = jax.device_put((guesses.checks, guesses.first), on_device)  # one transfer
-        tokens, num_accepted = (compiled.get(("verify",)) or verify)(sampled, checks, first)
+    bench's synthetic acceptance. `prev`: the previous step's (drafts, num_accepted) on device, read by
+    device-guessed rows (guesses.device)."""
+    host = (guesses.checks, guesses.first)
+    if synthetic is not None:
+        host += synthetic  # (seeds, steps, acceptance)
+    if guesses.device:
+        if synthetic is None:
+            host += (None, np.zeros(len(guesses.checks), np.int32), None)
+        arrays = list(jax.device_put((*host, guesses.check_src, guesses.moved_by), on_device))  # one transfer
+        *arrays, check_src, moved_by = arrays
+        arrays[0], arrays[3] = (compiled.get(("resolve",)) or resolve)(arrays[0], arrays[3], check_src, moved_by,
+                                                                       *prev)
     else:
-        arrays = jax.device_put((guesses.checks, guesses.first, *synthetic), on_device)  # one transfer
+        arrays = jax.device_put(host, on_device)  # one transfer
+    if synthetic is None:
+        tokens, num_accepted = (compiled.get(("verify",)) or verify)(sampled, *arrays[:2])
+    else:
         tokens, num_accepted = (compiled.get(("verify_synthetic",)) or verify_synthetic)(sampled, *arrays)
     num_accepted.copy_to_host_async()
     return tokens, num_accepted

@@ -20,40 +20,49 @@ def pack_step(batch: ModelBatch, prev_index: np.ndarray) -> np.ndarray:
     return np.concatenate([a.reshape(-1) for a in (*batch, prev_index)])
 
 
-def _stage_step(staged: ModelBatch, packed, prev_tokens, prev_accepted, *, block_size: int | None) -> ModelBatch:
+def _stage_step(staged: ModelBatch, packed, prev_tokens, prev_accepted, prev_drafts=None, *,
+                block_size: int | None) -> ModelBatch:
     """The step's inputs (`pack_step`) copied into `staged` (donated: the same device buffers every
     step), with the tokens sampled by the previous step still on device fed in where prev_index >= 0
     (overlap scheduling: their values never went through the host).
 
-    With `block_size` (an engine whose verify steps may have a row right behind them: n-gram speculative
-    decoding), prev_index >= max_rows (= prev_tokens' length) marks such a decode row, its verify step still
-    in flight when this step was prepared: its token is the previous step's at prev_index - max_rows, and
-    its position, sequence length and KV slot were filled as if that step accepted none of the row's
-    guesses; the number it accepted (prev_accepted at the same index) is added here. Such rows are decode
-    rows, which lead the batch: token r is request r's. Without it (None) nothing is shifted and
-    prev_accepted is not read."""
+    With `block_size` (a speculating engine, whose rows may follow their own verify step still in flight)
+    prev_index = i + M * kind (M = max_rows = prev_tokens' length, i a sampling row of the previous step)
+    also marks such rows' tokens: kind 1 is the previous step's token i (a decode row behind it, or a
+    device-guessed row's input token), kind 1 + j its draft j of row i (prev_drafts [M, k]: a device-guessed
+    row's guess j). Their positions, KV slots and their request's sequence length were filled as if that
+    step kept none of its guesses; the number it kept (prev_accepted[i]) is added here, the slot recomputed
+    from the request's block table. Without it (None) nothing is shifted and prev_accepted is not read."""
     fields, offset = [], 0
     for like in (*staged, staged.token_ids):  # the batch's fields, then prev_index
         fields.append(packed[offset: offset + like.size].reshape(like.shape))
         offset += like.size
     *fields, prev_index = fields
     batch = ModelBatch(*fields)
-    max_rows = prev_tokens.shape[-1]
-    deferred = prev_index >= max_rows
-    index = jnp.where(deferred, prev_index - max_rows, prev_index) if block_size is not None else prev_index
-    from_prev = prev_tokens[jnp.maximum(index, 0)]
-    batch = batch._replace(token_ids=jnp.where(index >= 0, from_prev, batch.token_ids))
-    if block_size is not None:
-        shift = jnp.where(deferred, prev_accepted[jnp.maximum(index, 0)], 0)  # [.., T]
+    if block_size is None:
+        from_prev = prev_tokens[jnp.maximum(prev_index, 0)]
+        batch = batch._replace(token_ids=jnp.where(prev_index >= 0, from_prev, batch.token_ids))
+    else:
+        max_rows = prev_tokens.shape[-1]
+        kind = jnp.where(prev_index >= 0, prev_index // max_rows, -1)
+        index = jnp.maximum(prev_index, 0) % max_rows
+        from_prev = prev_tokens[index]
+        if prev_drafts is not None:
+            guess = prev_drafts[index, jnp.clip(kind - 2, 0, prev_drafts.shape[-1] - 1)]
+            from_prev = jnp.where(kind >= 2, guess, from_prev)
+        moved = kind >= 1
+        shift = jnp.where(moved, prev_accepted[index], 0)
         positions = batch.positions + shift
-        rows = min(batch.positions.shape[-1], batch.seq_lens.shape[-1])  # tokens that are also requests
-        pos = positions[..., :rows]
-        table = batch.block_tables[..., :rows, :]
-        block = jnp.take_along_axis(table, (pos // block_size)[..., None], axis=-1)[..., 0]
-        slots = batch.slot_mapping.at[..., :rows].set(
-            jnp.where(deferred[..., :rows], block * block_size + pos % block_size, batch.slot_mapping[..., :rows]))
-        seq_lens = batch.seq_lens.at[..., :rows].add(shift[..., :rows])
-        batch = batch._replace(positions=positions, slot_mapping=slots, seq_lens=seq_lens)
+        num_tokens = positions.shape[-1]
+        request = jnp.clip(jnp.searchsorted(batch.query_start_loc, jnp.arange(num_tokens), side="right") - 1,
+                           0, batch.seq_lens.shape[-1] - 1)
+        max_blocks = batch.block_tables.shape[-1]
+        page = jnp.clip(positions // block_size, 0, max_blocks - 1)
+        block = batch.block_tables.reshape(-1)[request * max_blocks + page]
+        batch = batch._replace(
+            token_ids=jnp.where(prev_index >= 0, from_prev, batch.token_ids), positions=positions,
+            slot_mapping=jnp.where(moved, block * block_size + positions % block_size, batch.slot_mapping),
+            seq_lens=batch.seq_lens.at[request].add(jnp.where(kind == 1, shift, 0)))
     # Written into the donated arrays (returning `batch` itself would hand back its fresh buffers).
     return jax.tree.map(lambda dst, src: jax.lax.dynamic_update_slice(dst, src, (0,) * src.ndim), staged, batch)
 

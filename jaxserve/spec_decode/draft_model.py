@@ -11,7 +11,7 @@ count in the KV budget. Each engine step runs, after the target's forward, sampl
         k greedy decode steps of the draft, one query token per row of the step's request bucket R:
         step 0 feeds each row's next token (the step's sampled or corrected token, still on device) at
         position base + num_accepted, step j the draft's own argmax of step j - 1 one position further;
-        -> drafts [R, k]. The K/V of those positions is written into the row's own slots (the scheduler
+        -> drafts [M, k] (zero past R). The K/V of those positions is written into the row's own slots (the scheduler
         allocated them: positions up to the step's last + k) and rewritten by a later step's fill before
         any step reads it as context, since every position a request computes is filled in the step that
         computes it.
@@ -63,14 +63,22 @@ def first_rows(num_rows: int, *arrays):
     return (*(a[:num_rows] for a in arrays), rows[:, :num_rows])
 
 
+def stack_drafts(drafts: list[jax.Array], num_rows: int) -> jax.Array:
+    """The k guess arrays [R] of a propose program -> drafts [num_rows, k], zero past R: one shape for every
+    step, which the next step's staging reads (a device-guessed row's guesses)."""
+    stacked = jnp.stack(drafts, axis=1)
+    return jnp.pad(stacked, ((0, num_rows - stacked.shape[0]), (0, 0)))
+
+
 def _propose(params, batch_tables: jax.Array, kv_caches, tokens: jax.Array, num_accepted: jax.Array,
              rows: jax.Array, *, cfg, k: int, block_size: int, attention_backend: str, tp):
     """batch_tables [R, max_blocks] (the step's staged block tables, in batch order), tokens [M] (each
     sampling row's next token), num_accepted [M], rows [4, M] int32 (DraftRunner.rows: each sampling row's
     batch row, the position its next token takes with no guess accepted, its capacity) -> (caches, drafts
-    [R, k]): the first R rows guess (`first_rows`). The k steps are unrolled (k is small): each is the family's
-    decode-only forward."""
+    [M, k], zero past R): the first R rows guess (`first_rows`). The k steps are unrolled (k is small): each is
+    the family's decode-only forward."""
     forward = registry.family_of(cfg).forward
+    num_rows = tokens.shape[0]
     tokens, num_accepted, rows = first_rows(batch_tables.shape[0], tokens, num_accepted, rows)
     batch_row, base, capacity = rows[0], rows[1], rows[2]  # (rows[3]: the EAGLE head's)
     block_tables = batch_tables[batch_row]
@@ -83,7 +91,7 @@ def _propose(params, batch_tables: jax.Array, kv_caches, tokens: jax.Array, num_
         tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         drafts.append(tokens)
         positions = positions + 1
-    return kv_caches, jnp.stack(drafts, axis=1)
+    return kv_caches, stack_drafts(drafts, num_rows)
 
 
 propose = jax.jit(_propose, static_argnames=("cfg", "k", "block_size", "attention_backend", "tp"),
