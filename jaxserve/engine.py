@@ -119,7 +119,8 @@ class Engine:
                      for shard in range(shards)]
         schedulers = [Scheduler(config.scheduler, kv_cache, self.max_model_len,
                                 max_prompt_logprob_rows=self.runner.max_prompt_logprob_rows,
-                                first_row=shard * config.scheduler.max_num_seqs, speculative=config.speculative)
+                                first_row=shard * config.scheduler.max_num_seqs, speculative=config.speculative,
+                                device_guesses=getattr(self.runner, "ngram", None) is not None)
                       for shard, kv_cache in enumerate(kv_caches)]
         self.kv_cache = kv_caches[0] if shards == 1 else ShardedKVCache(kv_caches)
         # The tiers' link(s) to the KV managers, as one for the mover (None without tiers)

@@ -36,8 +36,9 @@ def test_greedy_tokens_identical_with_preemption_and_prefix_caching(reference, a
     assert token_ids(outputs) == token_ids(reference["greedy"])
     scheduler = llm.engine.scheduler
     assert scheduler.num_accepted_tokens > 0 and scheduler.num_preemptions > 0
-    # Under overlap greedy rows take a token right behind their verify step (its position moved on device).
-    assert (scheduler.num_deferred > 0) == async_scheduling
+    # Under overlap greedy rows verify guesses right behind their verify step: n-grams proposed on device
+    # from that step's tokens, its position moved on device.
+    assert (scheduler.num_device_guessed > 0) == async_scheduling
     stats = llm.engine.stats()
     assert (stats.spec_draft_tokens, stats.spec_accepted_tokens) == (scheduler.num_draft_tokens,
                                                                      scheduler.num_accepted_tokens)

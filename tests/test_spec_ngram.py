@@ -79,6 +79,24 @@ def test_batch_matches_the_loop_on_random_sequences():
     assert 0 < some < B  # both matched and unmatched rows were exercised
 
 
+@pytest.mark.parametrize("k,min_n,max_n", [(4, 1, 4), (3, 2, 5), (1, 1, 1)])
+def test_device_lookup_matches_the_host_one(k, min_n, max_n):
+    """The device proposer (spec_decode/ngram_device.py) gives propose_batch's drafts row by row, padding
+    past each row's length ignored, rows of length 0 and 1 included."""
+    import jax.numpy as jnp
+
+    from jaxserve.spec_decode import ngram_device
+    rng = np.random.default_rng(k + min_n)
+    B, L = 120, 33
+    lengths = rng.integers(0, L + 1, size=B)
+    tokens = rng.integers(0, 4, size=(B, L)).astype(np.int32)
+    tokens[np.arange(L)[None, :] >= lengths[:, None]] = 77
+    expected, num = propose_batch(tokens, lengths, k, min_n, max_n)
+    got = ngram_device.propose(jnp.asarray(tokens), jnp.asarray(lengths, jnp.int32), k=k, min_n=min_n, max_n=max_n)
+    np.testing.assert_array_equal(np.asarray(got), expected)
+    assert 0 < (num > 0).sum() < B
+
+
 def test_propose_sequences_takes_ragged_lists():
     from jaxserve.spec_decode.ngram import propose_sequences
 

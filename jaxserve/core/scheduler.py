@@ -116,13 +116,15 @@ class WaitingQueue:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int,
                  max_prompt_logprob_rows: int = MAX_PROMPT_LOGPROB_ROWS, first_row: int = 0,
-                 speculative: SpeculativeConfig | None = None, preemption_cost: PreemptionCost | None = None):
+                 speculative: SpeculativeConfig | None = None, preemption_cost: PreemptionCost | None = None,
+                 device_guesses: bool = False):
         """`max_prompt_logprob_rows`: prompt positions one step may score for prompt_logprobs (the
         runner's bound); prefill chunks of requests asking for them are shortened to fit. The runner rows
         it assigns are first_row .. first_row + max_num_seqs - 1 (several schedulers feeding one runner,
         core/sharded_scheduler.py, each get their own). `speculative` (enabled): decode rows carry n-gram
-        or draft-model guesses (sched_types: draft_token_ids). `preemption_cost`: the rates preemption_mode
-        auto compares."""
+        or draft-model guesses (sched_types: draft_token_ids); rows behind a verify step take guesses made
+        on device with a draft model, and with n-grams when `device_guesses` (the runner proposes them on
+        device too). `preemption_cost`: the rates preemption_mode auto compares."""
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({config.max_num_batched_tokens}) is smaller than max_model_len "
@@ -145,6 +147,7 @@ class Scheduler:
         self.step_count = 0
         self.num_preemptions = 0
         self.speculative = speculative if speculative is not None and speculative.enabled else None
+        self.device_guessing = self.speculative is not None and (self.speculative.uses_model or device_guesses)
         # a draft model guesses during each step: rows it drafts for get its KV slots (spec_schedule.lookahead)
         self._lookahead = (functools.partial(spec_schedule.lookahead, spec=speculative, max_model_len=max_model_len)
                            if self.speculative is not None and speculative.uses_model else None)
@@ -279,7 +282,6 @@ class Scheduler:
         drafting: set[str] = set()  # requests given the slots of a draft model's lookahead this step
         deferred: set[str] = set()  # decode rows right behind their own verify step (SchedulerOutput.deferred_decode)
         may_defer = self.speculative is not None and not self.speculative.uses_model
-        device_guessing = self.speculative is not None and self.speculative.uses_model  # (and lookahead is set)
         lookahead = self._lookahead
 
         # Running requests first, in order (over a copy: preemption takes requests out of `running`).
@@ -292,7 +294,7 @@ class Scheduler:
             if preempted and request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
             if request.draft_token_ids:  # its verify step is in flight: how many guesses it keeps is not known
-                if device_guessing and (item := spec_schedule.device_guessed_row(
+                if self.device_guessing and (item := spec_schedule.device_guessed_row(
                         self, request, budget, self.config.max_num_seqs - len(running) - num_guesses, drafting)):
                     scheduled.append((request, item))
                     num_guesses += item.device_guesses
@@ -449,8 +451,8 @@ class Scheduler:
         step_guesses: dict[int, list[int]] = {}  # sampling index -> the row's guesses
         for request, item in scheduled:
             request.num_computed_tokens += item.num_new_tokens
-            # A row with guesses computes past its known tokens (the guesses) and always samples; so does a
-            # device-guessed row (its count assumes every guess in flight kept).
+            # A row with guesses computes past its known tokens (the guesses) and always samples (so does a
+            # device-guessed row, whose count assumes every guess in flight kept).
             item.samples = item.device_guesses > 0 or (request.num_computed_tokens - len(item.draft_token_ids or ())
                                                        == len(request.all_token_ids) + request.num_pending)
             if item.samples:
@@ -541,18 +543,16 @@ class Scheduler:
                 if num_accepted is None:
                     raise ValueError(f"step {scheduler_output.step} scheduled guesses for {request.request_id!r} "
                                      f"but the runner returned no num_accepted")
-                guesses = (runner_output.device_guesses or {}).get(i, step_guesses[i])
-                if len(guesses) != len(step_guesses[i]):
-                    raise ValueError(f"step {scheduler_output.step}: the runner reported {len(guesses)} device "
-                                     f"guesses for {request.request_id!r}, {len(step_guesses[i])} were scheduled")
-                step_guesses[i] = guesses
+                # (a device-guessed row's: the runner reports them, at most those scheduled; accept() checks)
+                guesses = (runner_output.device_guesses or {}).get(i, step_guesses[i])[:len(step_guesses[i])]
                 run, status, stop_reason = spec_schedule.accept(request, guesses, token, num_accepted[i])
-                self.num_drafts += 1
-                self.num_draft_tokens += len(step_guesses[i])
+                self.num_drafts += bool(guesses)
+                self.num_draft_tokens += len(guesses)
                 self.num_accepted_tokens += num_accepted[i]
-                spec_schedule.count_accepted(self.accepted_per_position, len(step_guesses[i]), num_accepted[i])
-                # (a device-guessed step in flight keeps the draft's lookahead slots past its tokens)
-                lookahead_slots = self.speculative.num_speculative_tokens if request.draft_token_ids else 0
+                spec_schedule.count_accepted(self.accepted_per_position, len(guesses), num_accepted[i])
+                # (a device-guessed step in flight keeps a draft model's lookahead slots past its tokens)
+                lookahead_slots = (self.speculative.num_speculative_tokens
+                                   if request.draft_token_ids and self._lookahead is not None else 0)
                 if status is None and (kept := self.kv_cache.trim(request, lookahead_slots)) is not None:
                     self._truncated[request.request_id] = (request.row, kept)  # rejected guesses' blocks
                 if drafts is not None and i in drafting:

@@ -85,7 +85,7 @@ def device_guessed_row(scheduler, request: Request, budget: int, guess_rows: int
     if guess <= 0:
         return None
     computed = request.num_computed_tokens
-    extra = scheduler._lookahead(request, computed + 1 + guess)
+    extra = scheduler._lookahead(request, computed + 1 + guess) if scheduler._lookahead is not None else 0
     new_blocks = scheduler.kv_cache.allocate_slots(request, 1 + guess + extra)
     if new_blocks is None:
         return None

@@ -45,7 +45,7 @@ from jaxserve.core.sched_types import (MAX_PROMPT_LOGPROB_ROWS, NewRequestData, 
 from jaxserve.models import registry
 from jaxserve.models.layers import ModelBatch
 from jaxserve.models.loader import LoadedModel
-from jaxserve.runner import draft_runner, prompt_logprobs, sampler, spec_verify
+from jaxserve.runner import draft_runner, ngram_runner, prompt_logprobs, sampler, spec_verify
 from jaxserve.runner.device_setup import (enable_compilation_cache, kv_cache_dtype, kv_cache_num_blocks,
                                          load_model, resolve_attention_backend, resolve_max_model_len,
                                          setup_all_reduce, with_kv_scales)
@@ -199,18 +199,21 @@ class ModelRunner:
         # from the device with one compiled shape.
         self.max_rows = self.buckets.request_buckets[-1] * self.num_shards
         self._no_accepted = self._zeros((self.max_rows,), jnp.int32)  # a step's prev_accepted after a plain step
-        self._no_drafts = None  # a step's prev_drafts after one that drafted nothing (with a drafter)
+        self._no_drafts = None  # a step's prev_drafts after one that drafted nothing (with a proposer)
         self.row_drafts: dict[int, list[int]] = {}  # row -> the drafts of its last collected step that drafted
+        self._compiled: dict[tuple, jax.stages.Compiled] = {}
+        self.ngram = ngram_runner.make(config, rows, max_model_len, self.max_rows, self.on_device, self._compiled)
+        self.proposer = self.drafter or self.ngram  # what makes each step's drafts on device, if anything
         if self.drafter is not None:
             self.drafter.init_caches(self.num_blocks, self.max_rows, self.on_device)
-            self._no_drafts = self._zeros((self.max_rows, self.drafter.k), jnp.int32)
+        if self.proposer is not None:
+            self._no_drafts = self._zeros((self.max_rows, self.proposer.k), jnp.int32)
         # A prompt-logprob step of T tokens pads its requests to the largest bucket T pairs with.
         self._prompt_requests = {t: max(r for t2, r in self.buckets.precompile_plan() if t2 == t)
                                  for t in self.buckets.token_buckets} if self.supports_prompt_logprobs else {}
         self._last: StepHandle | None = None  # the last dispatched step
         # Ahead-of-time executables by ("forward", T, R, decode_only, twin) / ("forward_prompt", T, R) /
-        # ("stage", T, R) / ("sample", logits rows, variant...), from precompile().
-        self._compiled: dict[tuple, jax.stages.Compiled] = {}
+        # ("stage", T, R) / ("sample", logits rows, variant...), from precompile() (self._compiled, above).
         # Device buffers reused by donation (_run_forward): staged inputs by (T, R), logits by R.
         self._staged: dict[tuple[int, int], ModelBatch] = {}
         self._logits: dict[int, jax.Array] = {}
@@ -265,6 +268,8 @@ class ModelRunner:
         self.row_logprobs[row] = params.logprobs is not None
         self.row_prompt_logprobs[row] = params.prompt_logprobs is not None
         self.row_min_tokens[row] = params.min_tokens
+        if self.ngram is not None:
+            self.ngram.reset(row, data.all_token_ids)
 
     def _append_blocks(self, row: int, block_ids: list[int]) -> None:
         start = self.row_num_blocks[row]
@@ -356,7 +361,7 @@ class ModelRunner:
                 r_pad, decode_only = self._prompt_requests[t_pad], False
         sample_rows = rows[layout.sample_index]
         guesses = (spec_verify.step_guesses(out, layout, self.max_rows, self.row_prev_index,
-                                            self.drafter.k if self.drafter is not None else 0)
+                                            self.proposer.k if self.proposer is not None else 0)
                    if self.speculative else None)
         if guesses is not None:  # a logits row per position of a row with guesses
             r_pad = max(r_pad, self.buckets.pad_requests(len(guesses.logits_rows)))
@@ -464,6 +469,8 @@ class ModelRunner:
                                 num_accepted=num_accepted)
         if self.drafter is not None:
             handle.drafts = self.drafter.run(self, step, handle, prompt_arrays, prev_accepted)
+        elif self.ngram is not None:
+            handle.drafts = self.ngram.run(self, step, handle, prev_accepted)
         self._last = handle
         return handle
 
@@ -553,8 +560,9 @@ class ModelRunner:
         live_tokens = tokens[self.row_generation[rows] == handle.generations]
         num_accepted = device_guesses = None
         if handle.guesses is not None:  # accepted guesses go in before the sampled token
-            if handle.guesses.device:  # a device-guessed row's: its previous step's drafts (collected before)
-                device_guesses = {i: self.row_drafts.get(int(rows[i]), [])[:count]
+            if handle.guesses.device:  # a device-guessed row's: its previous step's drafts (collected before),
+                # up to the first -1 (no guess there: never accepted)
+                device_guesses = {i: spec_verify.cut_guesses(self.row_drafts.get(int(rows[i]), []), count)
                                   for i, count in handle.guesses.device.items()}
                 handle.guesses.drafts.update(device_guesses)
             num_accepted = spec_verify.append_accepted(handle, self.token_buf, self.row_num_tokens,

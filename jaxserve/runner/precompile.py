@@ -86,7 +86,9 @@ def precompile(runner, progress: bool = True) -> int:
                  for r_pad in runner.buckets.request_buckets for variant in variants})
     if runner.speculative:
         jobs.update(spec_verify.compile_jobs(runner.max_rows, on_device, runner.synthetic_acceptance is not None,
-                                             runner.drafter.k if runner.drafter is not None else 0))
+                                             runner.proposer.k if runner.proposer is not None else 0))
+    if runner.ngram is not None:
+        jobs.update(runner.ngram.precompile_jobs(runner))
     # The draft's programs compile after the others, one at a time and without the persistent cache:
     # XLA:CPU crashed now and then serializing them into it (or reading them back).
     draft_jobs = runner.drafter.precompile_jobs(runner) if runner.drafter is not None else {}

@@ -117,6 +117,13 @@ def step_guesses(out, layout, max_rows: int, row_prev_index: np.ndarray | None =
                             check_src=check_src, moved_by=moved_by, row_moved_by=row_moved_by)
 
 
+def cut_guesses(drafts: list[int], count: int) -> list[int]:
+    """A device-guessed row's guesses: its first `count` drafts, cut at the first -1 (a proposer's "no
+    guess", never accepted)."""
+    guesses = drafts[:count]
+    return guesses[:guesses.index(-1)] if -1 in guesses else guesses
+
+
 def append_accepted(handle, token_buf: np.ndarray, row_num_tokens: np.ndarray,
                     row_generation: np.ndarray) -> list[int]:
     """A collected step's accepted guesses appended to the runner's rows (those not reset since the
