@@ -81,7 +81,9 @@ def device_guessed_row(scheduler, request: Request, budget: int, guess_rows: int
     the position of "none kept" (the runner moves them on device by the count kept), with slots for
     "all kept" and the draft's lookahead; accept() of the verify step rolls num_computed_tokens back past
     its rejected guesses, this step's tokens included."""
-    guess = min(device_guesses(request, scheduler.speculative, scheduler.max_model_len), budget - 1, guess_rows)
+    threshold = scheduler.config.long_prefill_token_threshold  # (a step's tokens per request, when set)
+    guess = min(device_guesses(request, scheduler.speculative, scheduler.max_model_len), budget - 1, guess_rows,
+                (threshold or budget) - 1)
     if guess <= 0:
         return None
     computed = request.num_computed_tokens
