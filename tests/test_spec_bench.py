@@ -82,9 +82,9 @@ def test_engine_accepted_lengths_and_no_compiles_across_acceptances(engine, monk
     drafts = []
     accept = spec_schedule.accept
 
-    def spy(request, guesses, token, accepted):
+    def spy(request, guesses, token, accepted, scheduled=None):
         drafts.append((len(guesses), accepted))
-        return accept(request, guesses, token, accepted)
+        return accept(request, guesses, token, accepted, scheduled)
 
     monkeypatch.setattr(spec_schedule, "accept", spy)
     # 16 rows at a time: each guess takes a logits row that no running request holds (64 in all).

@@ -545,7 +545,8 @@ class Scheduler:
                                      f"but the runner returned no num_accepted")
                 # (a device-guessed row's: the runner reports them, at most those scheduled; accept() checks)
                 guesses = (runner_output.device_guesses or {}).get(i, step_guesses[i])[:len(step_guesses[i])]
-                run, status, stop_reason = spec_schedule.accept(request, guesses, token, num_accepted[i])
+                run, status, stop_reason = spec_schedule.accept(request, guesses, token, num_accepted[i],
+                                                                len(step_guesses[i]))
                 self.num_drafts += bool(guesses)
                 self.num_draft_tokens += len(guesses)
                 self.num_accepted_tokens += num_accepted[i]

@@ -184,18 +184,20 @@ def count_accepted(per_position: list[int], num_guesses: int, accepted: int) -> 
         per_position[j] += 1
 
 
-def accept(request: Request, guesses: list[int], token: int,
-           accepted: int) -> tuple[list[int], RequestStatus | None, int | None]:
+def accept(request: Request, guesses: list[int], token: int, accepted: int,
+           scheduled: int | None = None) -> tuple[list[int], RequestStatus | None, int | None]:
     """A row's verified step: its first `accepted` guesses, then `token`, appended one by one with the
     stop checks of Scheduler.update_from_output (a stop inside the run ends it exactly there); the
-    rejected positions leave num_computed_tokens. -> (new tokens, finish status or None, stop reason).
+    rejected positions (of `scheduled` guessed positions, default len(guesses): a device-guessed row's
+    guesses may be fewer, cut at a proposer's "no guess") leave num_computed_tokens. -> (new tokens,
+    finish status or None, stop reason).
     A device-guessed step scheduled behind it becomes the row's step with guesses in flight (its guesses
     are the drafts on device: placeholders here, the runner reports them with its outputs)."""
     request.draft_token_ids = [-1] * request.next_guesses
     request.next_guesses = 0
     if not 0 <= accepted <= len(guesses):
         raise ValueError(f"{request.request_id!r}: the runner accepted {accepted} of {len(guesses)} guesses")
-    request.num_computed_tokens -= len(guesses) - accepted
+    request.num_computed_tokens -= (len(guesses) if scheduled is None else scheduled) - accepted
     all_tokens = request.all_token_ids
     run = []
     for new_token in guesses[:accepted] + [token]:
