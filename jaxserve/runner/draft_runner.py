@@ -25,6 +25,7 @@ import numpy as np
 
 from jaxserve.config import EngineConfig
 from jaxserve.models import loader, registry
+from jaxserve.runner import spec_verify
 from jaxserve.runner.device_setup import kv_block_bytes, resolve_attention_backend
 from jaxserve.spec_decode import draft_model
 from sharding import TENSOR_PARALLEL, AxisRules, TensorParallel
@@ -140,17 +141,12 @@ class DraftRunner:
         the position after its input token (its next token's when no guess is accepted), its allocated slots
         (0: padding), and its input token's index in the step's tokens."""
         batch, num_rows = step.batch, len(step.rows)
-        if step.guesses is None:
-            last = batch.logits_indices[:num_rows]
-            num_guesses = np.zeros(num_rows, np.int64)
-        else:  # a request's logits rows: its input position, then one per guess
-            num_guesses = np.bincount(step.guesses.row_of, minlength=num_rows)[:num_rows] - 1
-            last = step.guesses.logits_rows[step.guesses.first[:num_rows] + num_guesses]
+        first = spec_verify.input_tokens(batch, step.guesses, num_rows)
         out = np.zeros((4, runner.max_rows), np.int32)
-        out[0, :num_rows] = np.searchsorted(batch.query_start_loc, last, side="right") - 1
-        out[1, :num_rows] = batch.positions[last] - num_guesses + 1
+        out[0, :num_rows] = np.searchsorted(batch.query_start_loc, first, side="right") - 1
+        out[1, :num_rows] = batch.positions[first] + 1
         out[2, :num_rows] = runner.row_num_blocks[step.rows] * self.block_size
-        out[3, :num_rows] = last - num_guesses
+        out[3, :num_rows] = first
         return out
 
     def _fill_args(self, runner, step, staged, hidden, num_accepted, rows) -> tuple:

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import EngineConfig
+from jaxserve.runner import spec_verify
 from jaxserve.spec_decode import ngram_device
 from sharding.tensor_parallel import zeros
 
@@ -67,14 +68,10 @@ class NgramProposer:
         request_rows[:len(layout.rows)] = layout.rows
         sample_rows, base, moved_by = (np.full(self.max_rows, -1, np.int32) for _ in range(3))
         sample_rows[:num_rows] = step.rows
-        if step.guesses is None:
-            last, num_guesses = batch.logits_indices[:num_rows], np.zeros(num_rows, np.int64)
-        else:  # a request's logits rows: its input position, then one per guess
-            num_guesses = np.bincount(step.guesses.row_of, minlength=num_rows)[:num_rows] - 1
-            last = step.guesses.logits_rows[step.guesses.first[:num_rows] + num_guesses]
-            if step.guesses.device:
-                moved_by = step.guesses.row_moved_by.astype(np.int32)
-        base[:num_rows] = batch.positions[last] - num_guesses + 1
+        first = spec_verify.input_tokens(batch, step.guesses, num_rows)
+        if step.guesses is not None and step.guesses.device:
+            moved_by = step.guesses.row_moved_by.astype(np.int32)
+        base[:num_rows] = batch.positions[first] + 1
         return request_rows, sample_rows, base, moved_by
 
     def run(self, runner, step, handle, prev_accepted: jax.Array) -> jax.Array | None:

@@ -117,6 +117,14 @@ def step_guesses(out, layout, max_rows: int, row_prev_index: np.ndarray | None =
                             check_src=check_src, moved_by=moved_by, row_moved_by=row_moved_by)
 
 
+def input_tokens(batch, guesses: Guesses | None, num_rows: int) -> np.ndarray:
+    """The index in the step's tokens of each of its first `num_rows` sampling rows' input token (with
+    guesses: a request's first logits row, its input position)."""
+    if guesses is None:
+        return batch.logits_indices[:num_rows]
+    return guesses.logits_rows[guesses.first[:num_rows]]
+
+
 def cut_guesses(drafts: list[int], count: int) -> list[int]:
     """A device-guessed row's guesses: its first `count` drafts, cut at the first -1 (a proposer's "no
     guess", never accepted)."""
