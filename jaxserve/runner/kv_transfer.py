@@ -13,6 +13,11 @@ Where the host tier's blocks live (`pinned_sharding`):
         memory; a load is one batched device_put of the blocks' pinned arrays to the device, their rows
         then fed to the scatter. Both are plain DMA copies. (One pinned pool array would not do: XLA
         updates it in place only as host compute over the whole pool, and gathers from it slowly.)
+        A device_put to pinned memory returns only once its source is computed, which for a save is the
+        gather behind the step in flight, so the saves' device_puts run on a copier thread of their own:
+        the engine's loop never waits for the device there. XLA's pinned pool grows by pinning fresh
+        memory (cudaHostAlloc), seconds per few GiB, so build() pins the host tier's bytes once when
+        the engine starts (reserve_pinned) instead of in the middle of serving.
     numpy (CPU; caches over several devices: a tensor-parallel block is sharded over its heads, which a
         flat host row does not follow; a host tier too big for XLA's pinned pool, see build()): the
         gather's blocks [n, L, *block] per set are copied to host with copy_to_host_async() and joined
@@ -41,6 +46,7 @@ import functools
 import hashlib
 import logging
 import math
+import concurrent.futures
 import os
 import queue
 import threading
@@ -203,6 +209,21 @@ def pinned_sharding(runner):
     return replicated.with_memory_kind("pinned_host")
 
 
+def reserve_pinned(nbytes: int, pinned, chunk_bytes: int = 1 << 30) -> None:
+    """Grows XLA's pinned host pool by `nbytes` now: chunks of zeros copied to `pinned` memory, held
+    together, then dropped. The pool keeps the memory it pinned, so the host tier's blocks later come out
+    of it without pinning more."""
+    chunk_bytes = min(chunk_bytes, nbytes)
+    if chunk_bytes <= 0:
+        return
+    started = time.perf_counter()
+    zeros = jax.jit(lambda: jnp.zeros((chunk_bytes,), jnp.uint8), out_shardings=pinned.with_memory_kind("device"))()
+    held = [jax.device_put(zeros, pinned) for _ in range(-(-nbytes // chunk_bytes))]
+    jax.block_until_ready(held)
+    logger.info("pinned %.1f GiB of host memory for the KV host tier in %.1f s", nbytes / (1 << 30),
+                time.perf_counter() - started)
+
+
 class CacheSet:
     """One set of per-layer caches that shares the block ids (the target's, a proposer's): `owner` holds
     them as `.kv_caches` (replaced by each program that writes them); a block of the set on host is
@@ -266,8 +287,12 @@ class KVTransfer:
                                     out_shardings=(shardings, scalar))
             self._zero_row = jax.device_put(np.zeros(self.row_size, self._dtype), self._on_device)  # (padding)
         self._compiled: dict[tuple[str, int], jax.stages.Compiled] = {}
-        # (keys, shards, the save's arrays: gathered blocks on their way to numpy, or pinned rows)
-        self._pending: collections.deque[tuple[list, list, list[jax.Array]]] = collections.deque()
+        # (keys, shards, the save's arrays: gathered blocks on their way to numpy; or, pinned, the copier's
+        # future of the pinned rows)
+        self._pending: collections.deque[tuple[list, list, list[jax.Array] | concurrent.futures.Future]] = \
+            collections.deque()
+        self._copier = None if pinned is None else concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="jaxserve-kv-saves")
         # Load latency (TierCounters.host_load_seconds): a watcher thread waits for each step's loads (all
         # shards' together: counted in the first shard's counters).
         self._loads_done: queue.SimpleQueue = queue.SimpleQueue()
@@ -339,9 +364,10 @@ class KVTransfer:
                     b.copy_to_host_async()
                 self._pending.append((keys, shards, list(blocks)))
         elif saves:
-            landed = iter(jax.device_put([row for keys, _, rows in saves for row in rows[:len(keys)]], self.pinned))
-            for keys, shards, _ in saves:
-                self._pending.append((keys, shards, [next(landed) for _ in keys]))
+            rows = [row for keys, _, rows in saves for row in rows[:len(keys)]]
+            self._pending.append(([key for keys, _, _ in saves for key in keys],
+                                  [shard for _, shards, _ in saves for shard in shards],
+                                  self._copier.submit(jax.device_put, rows, self.pinned)))
         if not moves.load_block_ids:
             return
         started, done = time.perf_counter(), None
@@ -370,9 +396,13 @@ class KVTransfer:
         """Hands the save copies that landed (all of them with `wait`; the oldest beyond MAX_PENDING) to
         the host pool (pinned arrays as they are, else numpy rows), and completes finished disk IO."""
         pending = self._pending
-        while pending and (wait or len(pending) > MAX_PENDING or all(b.is_ready() for b in pending[0][2])):
+
+        def landed(arrays) -> bool:
+            return arrays.done() if self.pinned is not None else all(b.is_ready() for b in arrays)
+
+        while pending and (wait or len(pending) > MAX_PENDING or landed(pending[0][2])):
             keys, shards, arrays = pending.popleft()
-            link.finish_saves(keys, arrays if self.pinned is not None else self._host_rows(arrays, len(keys)),
+            link.finish_saves(keys, arrays.result() if self.pinned is not None else self._host_rows(arrays, len(keys)),
                               shards)
         for tiers in self.shard_tiers:
             tiers.poll(wait=wait)
@@ -393,6 +423,8 @@ class KVTransfer:
                 tiers.flush()
         self._loads_done.put(None)
         self._watcher.join()
+        if self._copier is not None:
+            self._copier.shutdown()
         for tiers in self.shard_tiers:
             tiers.close()
 
@@ -432,6 +464,8 @@ def build(config: EngineConfig, runner) -> KVTransfer | None:
                        "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", cache.host_kv_gib, config.parallel.data,
                        100 * PINNED_POOL_SHARE, pinned_pool_bytes() / (1 << 30))
         pinned = None
+    if pinned is not None:
+        reserve_pinned(tier_bytes // config.parallel.data, pinned)
     place = None if pinned is None else functools.partial(jax.device_put, device=pinned)  # (disk -> host)
     shard_tiers = []
     for _ in range(shards):
