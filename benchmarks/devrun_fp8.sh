@@ -95,7 +95,7 @@ long)
   kvbf16_ctx8k 160 280; kvfp8_ctx8k 160 170; ttft_32k 150 30; ttft_128k 200 5
   ;;
 kernel)
-  run fp8_mgpu_tests 120 300 $PY -m pytest -q -m gpu benchmarks/experimental/tests/test_fp8_gemm_mgpu.py
+  run fp8_mgpu_tests 120 300 $PY -m pytest -q -m gpu tests/test_fp8_gemm_mosaic.py
   fp8_mgpu 200 200
   fp8_gemm 200 5
   ;;

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.experimental.decode_gemm import fp8_mosaic_gpu as mgpu
+from pallas_kernels.fp8_gemm import mosaic_gpu as mgpu
 from pallas_kernels.fp8_gemm import gpu as triton_fp8
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (K, N)

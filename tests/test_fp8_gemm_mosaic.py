@@ -17,7 +17,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from benchmarks.experimental.decode_gemm.fp8_mosaic_gpu import (
+from pallas_kernels.fp8_gemm.mosaic_gpu import (
     FP8, Fp8GemvConfig, fp8_gemv, fp8_gemv_quantized, padded_rows, quantize_rows)
 
 
