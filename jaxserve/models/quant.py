@@ -118,9 +118,9 @@ def shape(w) -> tuple[int, ...]:
     return tuple(w.shape)
 
 
-def _expand(scale: jax.Array, q_shape: tuple[int, ...], block: tuple[int, ...]) -> jax.Array:
-    """scale repeated up to q's shape along its blocked axes (size-1 axes are left to broadcast)."""
-    for axis, (n, count) in enumerate(zip(q_shape, scale.shape)):
+def _expand(scale: jax.Array, shape: tuple[int, ...], block: tuple[int, ...]) -> jax.Array:
+    """scale repeated up to the weight's shape along its blocked axes (size-1 axes are left to broadcast)."""
+    for axis, (n, count) in enumerate(zip(shape, scale.shape)):
         if count not in (1, n):
             scale = jax.lax.slice_in_dim(jnp.repeat(scale, block[axis], axis=axis), 0, n, axis=axis)
     return scale
@@ -207,7 +207,8 @@ def w8a8(x: jax.Array, q: jax.Array, w_scale: jax.Array, *, transposed: bool = F
     as it is held."""
     from pallas_kernels.fp8_gemm.mosaic_gpu import quantize_rows  # noqa: PLC0415
     xq, x_scale = quantize_rows(x, x.shape[0])
-    y = jax.lax.dot_general(xq, q, (((1,), (1 if transposed else 0,)), ((), ())), preferred_element_type=jnp.float32)
+    contract = ((1,), (1 if transposed else 0,))
+    y = jax.lax.dot_general(xq, q, (contract, ((), ())), preferred_element_type=jnp.float32)
     return (y * x_scale[:, None] * w_scale.astype(jnp.float32)[None, :]).astype(x.dtype)
 
 
@@ -238,31 +239,6 @@ def merge_leading(w, count: int):
         raise ValueError(f"cannot merge weight axes with blocks {w.block[:count]} and scale {lead}")
     return Fp8Weight(q, w.scale.reshape(merged, *w.scale.shape[count:]), (block, *w.block[count:]),
                      shape if w.transposed else None)
-
-
-def _input_size(w: Fp8Weight) -> int | None:
-    """K, the size of w's input axes flattened, where w has one scale per output channel: for some j >= 1,
-    block (*shape[:j], 1, ...) and scale (1,) * j + shape[j:] (e.g. wo [N, H, D]: j = 2); None for block
-    scales."""
-    shape, scale = w.shape, tuple(w.scale.shape)
-    for j in range(1, len(shape)):
-        if w.block == (*shape[:j], *(1,) * (len(shape) - j)) and scale == (*(1,) * j, *shape[j:]):
-            return math.prod(shape[:j])
-    return None
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _transpose(q: jax.Array, k: int) -> jax.Array:
-    return q.reshape(k, -1).T
-
-
-def hold_transposed(w):
-    """An Fp8Weight with per-output-channel scales -> the same weight with q held as [N, K] (K contiguous),
-    the transpose of its matrix form [K, N], made by one jitted transpose where q lives; anything else (a
-    plain array, block scales, a weight held so already) as it is."""
-    if not isinstance(w, Fp8Weight) or w.transposed or (k := _input_size(w)) is None:
-        return w
-    return Fp8Weight(_transpose(w.q, k), w.scale, w.block, w.shape)
 
 
 # --------------------------------------------------------------------------------------- representation
@@ -334,3 +310,28 @@ def dummy(key: jax.Array, like: Fp8Weight, std: float) -> Fp8Weight:
     """Random FP8 weights laid out as `like` whose values are about normal * std (dummy weights)."""
     q = jnp.clip(jax.random.normal(key, like.q.shape, jnp.float32) * (FP8_MAX / 8), -FP8_MAX, FP8_MAX)
     return Fp8Weight(q.astype(FP8_DTYPE), jnp.full(like.scale.shape, std * 8 / FP8_MAX, jnp.float32), like.block)
+
+
+def _input_size(w: Fp8Weight) -> int | None:
+    """K, the size of w's input axes flattened, where w has one scale per output channel: for some j >= 1,
+    block (*shape[:j], 1, ...) and scale (1,) * j + shape[j:] (e.g. wo [N, H, D]: j = 2); None for block
+    scales."""
+    shape, scale = w.shape, tuple(w.scale.shape)
+    for j in range(1, len(shape)):
+        if w.block == (*shape[:j], *(1,) * (len(shape) - j)) and scale == (*(1,) * j, *shape[j:]):
+            return math.prod(shape[:j])
+    return None
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _transpose(q: jax.Array, k: int) -> jax.Array:
+    return q.reshape(k, -1).T
+
+
+def hold_transposed(w):
+    """An Fp8Weight with per-output-channel scales -> the same weight with q held as [N, K] (K contiguous),
+    the transpose of its matrix form [K, N], made by one jitted transpose where q lives; anything else (a
+    plain array, block scales, a weight held so already) as it is."""
+    if not isinstance(w, Fp8Weight) or w.transposed or (k := _input_size(w)) is None:
+        return w
+    return Fp8Weight(_transpose(w.q, k), w.scale, w.block, w.shape)
