@@ -22,11 +22,14 @@
 #   ttft_128k   one 131000-token prompt (reported, no target), if time is left
 #   tput_bf16, tput_fp8   (f) offline throughput, `jaxserve bench throughput` of 1000 prompts of 1024 in / 256
 #               out (--precompile true: elapsed_s excludes compiling), bf16 then --quantization fp8 (decode
-#               steps on the FP8 GEMM kernel, prefill steps W8A8 on the tensor cores)
+#               steps on the W8A8 Mosaic GPU kernel over weights held [N, K], prefill steps W8A8 through XLA)
 # Modes: all (every step, in the order above; a step that does not fit is skipped and named "not run"),
 # weights (a, b, d), long (c, e) and throughput (f): for separate calls when one did not finish; kernel: the
-# experimental W8A8 Mosaic GPU kernel's GPU tests and benchmarks/fp8_gemm_mgpu.py, then benchmarks/fp8_gemm.py (the FP8 decode GEMM kernel against XLA's bf16 dot and its dequantizing fp8 dot at the 8B weight
-# shapes, rows 1/16/64, over a small sweep of the kernel's tuning; its lines are printed as it runs). Then the table
+# FP8 decode GEMMs' GPU tests (the W8A8 Mosaic GPU kernel, quant.linear over weights held [N, K]) and
+# benchmarks/fp8_gemm_mgpu.py (that kernel against XLA's bf16 dot and the Triton kernel), then
+# benchmarks/fp8_gemm.py (the weight-only Triton kernel, a tensor-parallel engine's, against XLA's bf16 dot and
+# its dequantizing fp8 dot at the 8B weight shapes, rows 1/16/64, over a small sweep of the kernel's tuning;
+# its lines are printed as it runs). Then the table
 # (benchmarks/fp8_summary.py) to stdout and $OUT/summary.txt, $OUT/summary.json, and every log and report in
 # $OUT/fp8_logs.tar.gz.
 set -o pipefail
@@ -95,7 +98,7 @@ long)
   kvbf16_ctx8k 160 280; kvfp8_ctx8k 160 170; ttft_32k 150 30; ttft_128k 200 5
   ;;
 kernel)
-  run fp8_mgpu_tests 120 300 $PY -m pytest -q -m gpu benchmarks/experimental/tests/test_fp8_gemm_mgpu.py
+  run fp8_mgpu_tests 120 300 $PY -m pytest -q -m gpu tests/test_fp8_gemm_mosaic.py tests/test_fp8_gemm.py
   fp8_mgpu 200 200
   fp8_gemm 200 5
   ;;

@@ -1,6 +1,7 @@
-"""The W8A8 fp8 decode GEMM on TMA + wgmma (benchmarks/experimental/decode_gemm/fp8_mosaic_gpu.py) on one
-H100/H200 at the Llama-3-8B decode step's weight shapes, beside XLA's plain bf16 dot (the bf16 engine's
-matmul) and the engine's weight-only fp8 Triton kernel (pallas_kernels/fp8_gemm/gpu.py, default tuning).
+"""The W8A8 fp8 decode GEMM on TMA + wgmma (pallas_kernels/fp8_gemm/mosaic_gpu.py: a single-device engine's
+decode path) on one H100/H200 at the Llama-3-8B decode step's weight shapes, beside XLA's plain bf16 dot (the
+bf16 engine's matmul) and the weight-only fp8 Triton kernel (pallas_kernels/fp8_gemm/gpu.py, default tuning:
+a tensor-parallel engine's decode path).
 
     python3 benchmarks/fp8_gemm_mgpu.py [--rows 1,16,64] [--shapes qkv o ...] [--configs BK,STAGES,SPLITS ...]
                                         [--budget-s 90] [--json OUT]
@@ -13,10 +14,10 @@ far below the plain dot's bandwidth). GB/s = the variant's weight bytes / time (
 bf16: 2); the share is of 4.3 TB/s; "x bf16" is the bf16 dot's time over the variant's.
 
 The Mosaic kernel is timed over a small sweep (block_k, stages, splits; splits "auto" = enough K splits
-for about one CTA per SM) with the activation quantization (one XLA fusion before the kernel) included,
-and its best configuration once more without it ("kernel only": x already quantized, as it would be if
-the op producing x fused the quantization). Its weights are [N, K] (K contiguous); the Triton kernel's and
-XLA's are [K, N]. Each variant is checked first: Mosaic against the same W8A8 math in f32, Triton and
+for about one CTA per SM; the first configuration is the engine's, mosaic_gpu.choose_config) with the
+activation quantization (one XLA fusion before the kernel) included, and its best configuration once more
+without it ("kernel only": x already quantized). Its weights are [N, K] (K contiguous); the Triton
+kernel's and XLA's are [K, N]. Each variant is checked first: Mosaic against the same W8A8 math in f32, Triton and
 XLA against an f32 product with the dequantized weights. Past --budget-s seconds, the sweep shrinks to
 its first configuration so the whole run stays short.
 """
@@ -32,23 +33,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.experimental.decode_gemm import fp8_mosaic_gpu as mgpu
+from pallas_kernels.fp8_gemm import mosaic_gpu as mgpu
 from pallas_kernels.fp8_gemm import gpu as triton_fp8
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (K, N)
 SMOKE_SHAPES = {"tiny": (512, 128)}
 PEAK_BYTES_PER_S = 4.3e12
-NUM_SMS = 132  # H200
 SWEEP = ((256, 4, 0), (128, 6, 0), (256, 4, 1), (128, 6, 1))  # (block_k, stages, splits; 0 = auto)
-
-
-def auto_splits(k: int, n: int, block_k: int) -> int:
-    """The fewest K splits that give about one CTA per SM (N / 64 CTAs per split), dividing K's blocks."""
-    ctas, blocks = n // mgpu.TILE_N, k // block_k
-    splits = min(blocks, max(1, -(-NUM_SMS // ctas)))
-    while blocks % splits:
-        splits += 1
-    return splits
 
 
 def _time(fn, x, ws, reps: int, runs: int):
@@ -116,7 +107,7 @@ def run(rows_list, shapes, sweep, smoke: bool, budget_s: float) -> list[dict]:
                 x, w[0], w[1], config=triton_fp8.TuningConfig(block_k=128, num_cores=4) if smoke else None,
                 interpret=smoke), triton, exact, k * n)
             sweep_now = sweep if time.perf_counter() - start < budget_s else sweep[:1]
-            configs = dict.fromkeys(mgpu.Fp8GemvConfig(bk, st, sp or auto_splits(k, n, bk))
+            configs = dict.fromkeys(mgpu.Fp8GemvConfig(bk, st, sp or mgpu.auto_splits(k, n, bk))
                                     for bk, st, sp in sweep_now if k % bk == 0)  # in order, deduplicated
             row["mosaic"] = []
             for config in configs:

@@ -1,11 +1,14 @@
 """FP8 weights (models/quant.py): pre-quantized checkpoints (compressed-tensors per channel, block-wise fp8)
 against a dequantized reference computed here from the safetensors bytes; online quantization against the
-float path; the embedded adder's accuracy; tensor parallelism; and every refusal naming its field."""
+float path; the embedded adder's accuracy; tensor parallelism; weights held [N, K] (a single-device Hopper
+engine's layout) against the weights' own; and every refusal naming its field."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
+from types import SimpleNamespace
 
 import jax
 import ml_dtypes
@@ -16,6 +19,9 @@ from safetensors.numpy import save_file
 from jaxserve import LLM, SamplingParams
 from jaxserve.models import llama, loader, quant
 from jaxserve.models.family import UnsupportedModelError
+from jaxserve.runner import device_setup
+from pallas_kernels.fp8_gemm import mosaic_gpu
+from sharding import TensorParallel, make_mesh
 from jaxserve.tokenizer import Tokenizer
 from scripts.make_fp8_fixtures import save as save_raw
 from tests import reference_generate
@@ -137,7 +143,7 @@ def test_embedded_adder_with_fp8_weights(w8a8, monkeypatch, request):
     to fp8 per token)."""
     if w8a8:  # (traced anew: the programs jitted without the patch are dropped before and after)
         calls = []
-        monkeypatch.setattr(quant, "tensor_cores_apply", lambda num_rows: calls.append(num_rows) or True)
+        monkeypatch.setattr(quant, "tensor_cores_apply", lambda num_rows, _w: calls.append(num_rows) or True)
         jax.clear_caches()
         request.addfinalizer(jax.clear_caches)
     model = loader.load_model(TINY_MODEL, quantization="fp8")
@@ -154,14 +160,21 @@ def test_embedded_adder_with_fp8_weights(w8a8, monkeypatch, request):
     assert not w8a8 or calls  # the W8A8 path ran
 
 
-def _generate(path, tp: int, **options) -> list[list[int]]:
-    llm = LLM(model=str(path), dtype="float32", skip_tokenizer_init=True, max_model_len=64, block_size=4,
-              num_blocks=64, max_num_batched_tokens=32, max_num_seqs=4, token_buckets=[32], request_buckets=[4],
-              precompile=False, progress=False, tensor_parallel_size=tp, **options)
+def _llm(path, tp: int, **options) -> LLM:
+    return LLM(model=str(path), dtype="float32", skip_tokenizer_init=True, max_model_len=64, block_size=4,
+               num_blocks=64, max_num_batched_tokens=32, max_num_seqs=4, token_buckets=[32], request_buckets=[4],
+               precompile=False, progress=False, tensor_parallel_size=tp, **options)
+
+
+def _greedy(llm: LLM) -> list[list[int]]:
     prompts = [[3, 5, 7, 9, 11], [100, 90, 80, 70, 60, 50, 40, 30, 20], [1, 2]]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     return [out.outputs[0].token_ids for out in outs]
+
+
+def _generate(path, tp: int, **options) -> list[list[int]]:
+    return _greedy(_llm(path, tp, **options))
 
 
 @pytest.mark.parametrize("path,options", [(HF_FIXTURES / "llama3_gqa4_tied", {"quantization": "fp8"}), (BLOCK, {})],
@@ -170,6 +183,43 @@ def test_tensor_parallel_fp8_gives_the_same_tokens(path, options):
     if len(jax.devices()) < 2:
         pytest.skip("needs 2 devices")
     assert _generate(path, 2, **options) == _generate(path, 1, **options)
+
+
+def test_weights_held_transposed_give_the_same_tokens(monkeypatch, request):
+    """An engine whose per-channel FP8 weights are held [N, K] (what device_setup.holds_fp8_transposed picks
+    on one Hopper GPU, forced here) generates the tokens of one holding them in their own layout, every
+    matmul as W8A8 (a GPU's path besides the decode kernel: tests/test_fp8_gemm.py runs that one). Block-
+    scaled weights keep their layout."""
+    monkeypatch.setattr(quant, "tensor_cores_apply", lambda num_rows, w: True)
+    jax.clear_caches()  # (traced anew: the programs jitted without the patch are dropped before and after)
+    request.addfinalizer(jax.clear_caches)
+    path = HF_FIXTURES / "llama3_gqa4_tied"
+    want = _generate(path, 1, quantization="fp8")
+    monkeypatch.setattr(device_setup, "holds_fp8_transposed", lambda cfg, tp: True)
+    llm = _llm(path, 1, quantization="fp8")
+    layer = llm.engine.runner.model.params["layers"][0]
+    assert all(layer[name].transposed for name in llama.QUANTIZED)
+    assert layer["wo"].q.shape == (layer["wo"].shape[2], layer["wo"].shape[0] * layer["wo"].shape[1])
+    assert _greedy(llm) == want
+    block = loader.load_model(BLOCK, dtype="float32").params["layers"][0]["wq"]
+    assert not device_setup.hold_fp8_transposed({"wq": block})["wq"].transposed
+
+
+def test_which_engines_hold_fp8_weights_transposed(monkeypatch):
+    """One Hopper GPU (a data-parallel replica's one-device mesh too) with a bfloat16 model's FP8 weights;
+    not tensor parallelism, other devices, other model dtypes or float weights."""
+    gpu = SimpleNamespace(platform="gpu", compute_capability="9.0")
+    assert mosaic_gpu.runs_on(gpu) and not mosaic_gpu.runs_on(jax.devices()[0])
+    assert not any(mosaic_gpu.runs_on(SimpleNamespace(platform="gpu", compute_capability=cc)) for cc in ("8.9", "10.0"))
+    cfg, _ = loader.load_config(HF_FIXTURES / "llama3_gqa4_tied", "bfloat16", "fp8")
+    assert not device_setup.holds_fp8_transposed(cfg, None)  # a CPU
+    monkeypatch.setattr(mosaic_gpu, "runs_on", lambda device: True)
+    assert device_setup.holds_fp8_transposed(cfg, None)
+    assert device_setup.holds_fp8_transposed(cfg, TensorParallel(make_mesh(1, 1)))
+    if len(jax.devices()) > 1:
+        assert not device_setup.holds_fp8_transposed(cfg, TensorParallel(make_mesh(1, 2)))
+    assert not device_setup.holds_fp8_transposed(dataclasses.replace(cfg, dtype="float32"), None)
+    assert not device_setup.holds_fp8_transposed(dataclasses.replace(cfg, quantization=None), None)
 
 
 def _edit_ct(tmp_path, **changes):

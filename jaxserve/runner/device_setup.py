@@ -1,7 +1,7 @@
-"""What a ModelRunner sets up before its first step: the model (loaded and placed), the tensor-parallel
-all-reduce kernel and its workspace, the persistent compilation cache, the attention backend, and how
-many KV-cache blocks fit on the device (from XLA's allocator statistics, or from the driver when the
-allocator keeps none)."""
+"""What a ModelRunner sets up before its first step: the model (loaded and placed; on one Hopper GPU its
+per-channel FP8 weights held [N, K] for the decode kernel), the tensor-parallel all-reduce kernel and its
+workspace, the persistent compilation cache, the attention backend, and how many KV-cache blocks fit on the
+device (from XLA's allocator statistics, or from the driver when the allocator keeps none)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import EngineConfig
-from jaxserve.models import kv_scales, loader, registry
+from jaxserve.models import kv_scales, loader, quant, registry
 from jaxserve.models.family import ModelConfig
 from jaxserve.models.loader import LoadedModel
 from jaxserve.private_dir import private_directory
@@ -27,10 +27,44 @@ logger = logging.getLogger(__name__)
 
 def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> LoadedModel:
     """The model of config.model, each tensor placed straight into its sharding on `tp`'s mesh (by its
-    family's param_placer), or on the default device without `tp`."""
+    family's param_placer), or on the default device without `tp`; its FP8 weights then held [N, K]
+    where `holds_fp8_transposed` says so."""
     model = config.model
-    return loader.load_model(model.path, dtype=model.dtype, load_format=model.load_format, tp=tp,
-                             quantization=model.quantization)
+    loaded = loader.load_model(model.path, dtype=model.dtype, load_format=model.load_format, tp=tp,
+                               quantization=model.quantization)
+    if holds_fp8_transposed(loaded.config, tp):
+        loaded = dataclasses.replace(loaded, params=hold_fp8_transposed(loaded.params))
+    return loaded
+
+
+def holds_fp8_transposed(cfg: ModelConfig, tp: TensorParallel | None) -> bool:
+    """Whether an engine holds its per-channel FP8 weights as [N, K] (K contiguous) for the W8A8 Mosaic GPU
+    decode kernel (models/quant.py): FP8 weights of a bfloat16 model (the kernel writes bfloat16) on one
+    device (no tensor or expert parallelism: their shards keep the weights' own layout) of a Hopper GPU."""
+    if getattr(cfg, "quantization", None) is None or getattr(cfg, "dtype", None) != "bfloat16":
+        return False
+    if tp is not None and (tp.mesh.size > 1 or tp.expert is not None):
+        return False
+    from pallas_kernels.fp8_gemm import mosaic_gpu  # noqa: PLC0415 - Mosaic GPU loads where it may run
+    return mosaic_gpu.runs_on(jax.devices()[0] if tp is None else tp.mesh.devices.flat[0])
+
+
+def hold_fp8_transposed(params):
+    """params with every FP8 weight with per-channel scales held [N, K] (quant.hold_transposed); block-scaled
+    weights, and everything else, as they are. Consumes `params`: each weight's [K, N] q is freed once its
+    transpose is made, so the load's peak is one weight above the model's.
+
+    NOTE: the weights are transposed here, on the device after loading, rather than in the loader: every
+    way weights arrive (an FP8 checkpoint, online quantization, dummy weights) passes through here, the
+    loader and the tensor-parallel placement keep one layout, and a device transposes at its memory
+    bandwidth, far faster than the host reads a checkpoint."""
+    def hold(w):
+        held = quant.hold_transposed(w)
+        if held is not w and isinstance(w.q, jax.Array):
+            held.q.block_until_ready()
+            w.q.delete()
+        return held
+    return jax.tree.map(hold, params, is_leaf=lambda node: isinstance(node, quant.Fp8Weight))
 
 
 def resolve_max_model_len(config: EngineConfig, model_config) -> int:

@@ -26,7 +26,8 @@ import numpy as np
 from jaxserve.config import EngineConfig
 from jaxserve.models import loader, registry
 from jaxserve.runner import spec_verify
-from jaxserve.runner.device_setup import kv_block_bytes, resolve_attention_backend
+from jaxserve.runner.device_setup import (hold_fp8_transposed, holds_fp8_transposed, kv_block_bytes,
+                                         resolve_attention_backend)
 from jaxserve.spec_decode import draft_model
 from sharding import TENSOR_PARALLEL, AxisRules, TensorParallel
 from sharding.tensor_parallel import zeros
@@ -93,8 +94,9 @@ class DraftRunner:
         return draft_parallel(config, tp)
 
     def _load(self, path: str, target, max_model_len: int):
-        """-> (the draft's model config, its params placed on self.tp's mesh). With model.load_format dummy
-        (benchmarks) the draft's weights are random too, from its config.json alone."""
+        """-> (the draft's model config, its params placed on self.tp's mesh, FP8 weights held
+        [N, K] where device_setup.holds_fp8_transposed says so). With model.load_format dummy (benchmarks) the
+        draft's weights are random too, from its config.json alone."""
         try:
             cfg, _ = loader.load_config(path, target.dtype)
         except loader.CheckpointError as err:
@@ -107,7 +109,8 @@ class DraftRunner:
             raise ValueError(f"speculative.model {path!r} takes {cfg.max_position_embeddings} positions but "
                              f"max_model_len is {max_model_len}; lower model.max_model_len or choose a draft with "
                              f"a longer context")
-        return cfg, loader.load_model(path, dtype=target.dtype, load_format=self.load_format, tp=self.tp).params
+        params = loader.load_model(path, dtype=target.dtype, load_format=self.load_format, tp=self.tp).params
+        return cfg, hold_fp8_transposed(params) if holds_fp8_transposed(cfg, self.tp) else params
 
     def memory(self, buckets) -> tuple[int, int]:
         """(bytes of the draft's step outputs and temporaries at the largest shapes, bytes of its K/V per KV

@@ -1,10 +1,11 @@
-"""benchmarks/experimental/decode_gemm/fp8_mosaic_gpu.py: the W8A8 fp8 decode GEMM (TMA + fp8 wgmma).
+"""pallas_kernels/fp8_gemm/mosaic_gpu.py: the W8A8 fp8 decode GEMM (TMA + fp8 wgmma) a single-device engine
+runs for decode steps (models/quant.py).
 
 CPU tier: GPU interpret mode at tiny shapes against a numpy reference of the same W8A8 math (x quantized
 per row to float8_e4m3fn, both operands dequantized, an f32 product), a looser check against the
-unquantized product, the activation quantization itself, and the lowering for CUDA at the Llama-3-8B
-decode shapes (the fp8 x fp8 wgmma instruction in the module). GPU tier (`-m gpu`): the compiled kernel
-at those shapes against the same reference.
+unquantized product, the activation quantization itself, the engine's tuning choice, and the lowering for
+CUDA at Llama-3-8B decode shapes with that tuning (the fp8 x fp8 wgmma instruction in the module). GPU tier
+(`-m gpu`): the compiled kernel at those shapes against the same reference.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from benchmarks.experimental.decode_gemm.fp8_mosaic_gpu import (
-    FP8, Fp8GemvConfig, fp8_gemv, fp8_gemv_quantized, padded_rows, quantize_rows)
+from pallas_kernels.fp8_gemm.mosaic_gpu import (
+    FP8, Fp8GemvConfig, choose_config, fp8_gemv, fp8_gemv_quantized, padded_rows, quantize_rows)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -67,11 +68,9 @@ def _assert_close(out, ref):
 
 
 @pytest.mark.parametrize("m,k,n,config", [
-    (1, 256, 128, Fp8GemvConfig(block_k=128, stages=2)),
-    (8, 256, 128, Fp8GemvConfig(block_k=128, stages=3)),
-    (16, 256, 128, Fp8GemvConfig(block_k=256, stages=2)),
+    (1, 256, 128, Fp8GemvConfig(block_k=128, stages=3)),
     (5, 512, 64, Fp8GemvConfig(block_k=128, stages=2, splits=2)),
-], ids=["rows1", "rows8", "rows16_bk256", "rows5_splits2"])
+], ids=["rows1", "rows5_splits2"])
 def test_matches_w8a8_reference(m, k, n, config):
     rng = np.random.default_rng(m)
     x = _x(rng, m, k)
@@ -109,12 +108,21 @@ def test_quantize_rows():
     assert [padded_rows(m) for m in (1, 8, 9, 64)] == [8, 8, 16, 64]
 
 
-@pytest.mark.parametrize("m,k,n,config", [
-    (1, 4096, 6144, Fp8GemvConfig(block_k=256, stages=4)),
-    (16, 4096, 4096, Fp8GemvConfig(block_k=128, stages=6, splits=2)),
-    (64, 14336, 4096, Fp8GemvConfig(block_k=256, stages=4, splits=4)),
-])
-def test_lowers_for_cuda_with_fp8_wgmma(m, k, n, config):
+def test_choose_config():
+    """The engine's tuning: block_k 256 and 4 stages, K split until the N / 64 CTAs about fill 132 SMs
+    (dividing K's blocks); None where the kernel does not take the shape."""
+    assert choose_config(1, 4096, 28672) == Fp8GemvConfig(block_k=256, stages=4, splits=1)  # gate_up: 448 CTAs
+    assert choose_config(64, 14336, 4096) == Fp8GemvConfig(block_k=256, stages=4, splits=4)  # down: 56 blocks
+    assert choose_config(1, 4096, 1024).splits == 16  # wk, wv: 16 CTAs per split
+    assert choose_config(3, 384, 128) == Fp8GemvConfig(block_k=128, stages=4, splits=3)
+    assert choose_config(1, 4096, 100) is None and choose_config(1, 4000, 128) is None
+    assert choose_config(0, 256, 128) is None and choose_config(257, 256, 128) is None
+    assert choose_config(256, 4096, 4096) is None  # 256 rows at block_k 256: past the SMEM
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 4096, 6144), (64, 14336, 4096)])
+def test_lowers_for_cuda_with_fp8_wgmma(m, k, n):
+    config = choose_config(m, k, n)
     x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
     q = jax.ShapeDtypeStruct((n, k), FP8)
     s = jax.ShapeDtypeStruct((n,), jnp.float32)
@@ -147,8 +155,9 @@ gpu_only = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GP
 @pytest.mark.parametrize("m,k,n,config", [
     (1, 4096, 6144, Fp8GemvConfig()),
     (16, 4096, 4096, Fp8GemvConfig(block_k=128, stages=6, splits=2)),
-    (64, 14336, 4096, Fp8GemvConfig(block_k=256, stages=4, splits=4)),
+    (64, 14336, 4096, choose_config(64, 14336, 4096)),
     (13, 4096, 28672, Fp8GemvConfig(block_k=128, stages=4)),
+    (1, 4096, 1024, choose_config(1, 4096, 1024)),
 ])
 def test_gpu_matches_w8a8_reference(m, k, n, config):
     rng = np.random.default_rng(m)

@@ -8,8 +8,8 @@ wgmma multiplies float8_e4m3fn operands only when both are fp8, so the decode ro
 (an all-zero row: scale 1, xq 0). The multiplier form makes the rounding reproducible: a bf16 row gives
 many exact ties, which an f32 multiply keeps exact on every backend. `quantize_rows` does this in one
 small XLA fusion before the kernel, padding the rows to Mp (a multiple of 8, wgmma's N granularity) with
-zeros; in the engine it would fuse into the op that produces x. (Inside the kernel it would cost every
-CTA a pass over all of x for the row maxima before its first product.)
+zeros. (Inside the kernel it would cost every CTA a pass over all of x for the row maxima before its
+first product.)
 
 The kernel (`fp8_gemv_quantized`): grid (N / 64, splits), 2 warpgroups per CTA. The weight is wgmma's A
 operand (64 output features per CTA), the padded rows its N. The producer TMA-loads [64, BK] weight
@@ -20,16 +20,16 @@ flight across the next step's wait and releases a slot one step later. The epilo
 w_scale[n] * x_scale[m]: with one split it writes bf16 [M, N] (the real rows only); with K splits it
 writes f32 partials [splits, N, Mp] (already scaled), summed, transposed and cast by XLA after the call.
 
-Weight layout: [N, K] (K contiguous), the transpose of the engine's [K, N] `x @ W` storage
-(pallas_kernels/fp8_gemm/gpu.py). Wiring this kernel into the engine means storing fp8 weights
-transposed at load time.
+Weight layout: [N, K] (K contiguous), the transpose of the `x @ W` matrix form: a single-device engine holds
+its per-channel fp8 weights this way (models/quant.py `Fp8Weight.transposed_shape`) and quant.linear calls
+`fp8_gemv` for decode-sized steps, with the tuning `choose_config` picks for the shape.
 
 Numerics: wgmma's fp8 products are exact and summed in f32 on the GPU (Hopper's fp8 accumulation keeps
 fewer mantissa bits than a full f32 add, so long K differs slightly from `reference`, an f32 matmul).
-`interpret=True` runs the kernel in GPU interpret mode on a CPU (benchmarks/experimental/tests/
-test_fp8_gemm_mgpu.py); `benchmarks/fp8_gemm_mgpu.py` times it.
+`interpret=True` runs the kernel in GPU interpret mode on a CPU (tests/test_fp8_gemm_mosaic.py);
+`benchmarks/fp8_gemm_mgpu.py` times it.
 
-NOTE: sm_90a only (wgmma). Not wired into the engine.
+NOTE: sm_90a only (wgmma): `runs_on` says whether a device takes it.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 TILE_N = 64  # wgmma's M: output features per CTA
 MAX_ROWS = 256  # wgmma's largest N; decode steps use 1..64
 SMEM_BYTES = 227 * 1024  # an H100/H200 CTA's shared memory
+NUM_SMS = 132  # an H100 SXM's or H200's SMs: the CTAs `auto_splits` aims to fill
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +56,32 @@ class Fp8GemvConfig:
     block_k: int = 256  # K per ring slot: a multiple of 128 (one 128-byte swizzle row of fp8)
     stages: int = 4  # ring slots
     splits: int = 1  # K splits: more CTAs for a short, wide weight; partials summed by XLA
+
+
+def runs_on(device) -> bool:
+    """Whether `device` takes the kernel: a Hopper GPU (sm_90a, the only target with wgmma)."""
+    capability = str(getattr(device, "compute_capability", ""))
+    return getattr(device, "platform", None) == "gpu" and capability.startswith("9.")
+
+
+def auto_splits(k: int, n: int, block_k: int, num_sms: int = NUM_SMS) -> int:
+    """The fewest K splits that give about one CTA per SM (N / 64 CTAs per split), dividing K's blocks."""
+    ctas, blocks = n // TILE_N, k // block_k
+    splits = min(blocks, max(1, -(-num_sms // ctas)))
+    while blocks % splits:
+        splits += 1
+    return splits
+
+
+def choose_config(m: int, k: int, n: int, num_sms: int = NUM_SMS) -> Fp8GemvConfig | None:
+    """The tuning for x [m, K] times q [N, K]: block_k 256 (128 where K is no multiple of 256), 4 stages
+    (the fastest at the Llama-3-8B decode shapes: benchmarks/fp8_gemm_mgpu.py) and `auto_splits`; None
+    where the kernel does not take the shape (N off 64, K off 128, m past MAX_ROWS or SMEM)."""
+    if n % TILE_N or k % 128 or not 1 <= m <= MAX_ROWS:
+        return None
+    block_k = 256 if k % 256 == 0 else 128
+    config = Fp8GemvConfig(block_k=block_k, stages=4, splits=auto_splits(k, n, block_k, num_sms))
+    return config if smem_bytes(padded_rows(m), config) <= SMEM_BYTES else None
 
 
 def padded_rows(m: int) -> int:
