@@ -59,10 +59,11 @@ class NgramProposer:
         row_index, padded = jax.device_put((np.asarray(row, np.int32), padded), self.on_device)
         self.history = (self._compiled.get(("ngram_set_row",)) or ngram_device.set_row)(self.history, row_index, padded)
 
-    def _host_inputs(self, runner, step) -> tuple[np.ndarray, ...]:
-        """(request_rows [R], sample_rows [M], base [M], moved_by [M]) of a step: each batch request's row,
-        each sampling row's row (-1 past them), the position its output token takes with no guess kept, and
-        the previous step's sampling row that moves it (device-guessed rows; -1 for the others)."""
+    def _host_inputs(self, runner, step) -> np.ndarray:
+        """request_rows [R], sample_rows [M], base [M] and moved_by [M] of a step, joined (ngram_device.step's
+        `rows`): each batch request's row, each sampling row's row (-1 past them), the position its output
+        token takes with no guess kept, and the previous step's sampling row that moves it (device-guessed
+        rows; -1 for the others)."""
         batch, layout, num_rows = step.batch, step.layout, len(step.rows)
         request_rows = np.zeros(batch.seq_lens.shape[-1], np.int32)
         request_rows[:len(layout.rows)] = layout.rows
@@ -72,7 +73,7 @@ class NgramProposer:
         if step.guesses is not None and step.guesses.device:
             moved_by = step.guesses.row_moved_by.astype(np.int32)
         base[:num_rows] = batch.positions[first] + 1
-        return request_rows, sample_rows, base, moved_by
+        return np.concatenate([request_rows, sample_rows, base, moved_by])
 
     def run(self, runner, step, handle, prev_accepted: jax.Array) -> jax.Array | None:
         """The proposer's part of a dispatched step -> drafts [max_rows, k] int32 (copying to the host), or
@@ -82,10 +83,10 @@ class NgramProposer:
         batch = step.batch
         t_pad, r_pad = batch.token_ids.shape[-1], batch.seq_lens.shape[-1]
         staged = runner._staged[(t_pad, r_pad)]
-        request_rows, sample_rows, base, moved_by = jax.device_put(self._host_inputs(runner, step), self.on_device)
+        rows = jax.device_put(self._host_inputs(runner, step), self.on_device)  # (one transfer)
         num_accepted = handle.num_accepted if handle.num_accepted is not None else runner._no_accepted
-        args = (self.history, staged.token_ids, staged.positions, staged.query_start_loc, request_rows, sample_rows,
-                base, moved_by, prev_accepted, handle.tokens, num_accepted)
+        args = (self.history, staged.token_ids, staged.positions, staged.query_start_loc, rows, prev_accepted,
+                handle.tokens, num_accepted)
         compiled = self._compiled.get(("ngram_step", t_pad, r_pad))
         self.history, drafts = compiled(*args) if compiled is not None else ngram_device.step(*args, **self._static())
         drafts.copy_to_host_async()
@@ -100,11 +101,10 @@ class NgramProposer:
 
         def step_program(t_pad: int, r_pad: int):
             batch = runner._host_batch(t_pad, r_pad)
-            requests = jax.ShapeDtypeStruct((r_pad,), jnp.int32, sharding=self.on_device)
+            inputs = jax.ShapeDtypeStruct((r_pad + 3 * self.max_rows,), jnp.int32, sharding=self.on_device)
             return ngram_device.step.lower(
                 self.history, abstract(batch.token_ids.shape), abstract(batch.positions.shape),
-                abstract(batch.query_start_loc.shape), requests, rows, rows, rows, rows, rows, rows,
-                **self._static()).compile()
+                abstract(batch.query_start_loc.shape), inputs, rows, rows, rows, **self._static()).compile()
 
         def set_row_program():
             row = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.on_device)

@@ -170,7 +170,7 @@ def read_logprobs(handle, index: np.ndarray, num_accepted: list[int] | None, row
     return logprobs, guess_logprobs or None
 
 
-def _verify(tokens: jax.Array, checks: jax.Array, first: jax.Array) -> tuple[jax.Array, jax.Array]:
+def verify(tokens: jax.Array, checks: jax.Array, first: jax.Array) -> tuple[jax.Array, jax.Array]:
     """tokens [N] (the sampler's token of every logits row), checks [N], first [N] -> (the token after each
     request's accepted guesses [N], num_accepted [N]). A row without a guess always 'mismatches', so the
     first mismatch at or after a request's first row lies within the request."""
@@ -182,15 +182,13 @@ def _verify(tokens: jax.Array, checks: jax.Array, first: jax.Array) -> tuple[jax
     return tokens[stop], (stop - first).astype(jnp.int32)
 
 
-verify = jax.jit(_verify)
-
 # The counter of the acceptance draw in the sampling noise's hash (sampler.row_uniform): above any vocabulary.
 SYNTHETIC_STREAM = 0xFFFFFFFF
 
 
-def _verify_synthetic(tokens: jax.Array, checks: jax.Array, first: jax.Array, seeds: jax.Array, steps: jax.Array,
-                      acceptance: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The bench's synthetic acceptance (SpeculativeConfig.synthetic_acceptance): _verify with "the row's
+def verify_synthetic(tokens: jax.Array, checks: jax.Array, first: jax.Array, seeds: jax.Array, steps: jax.Array,
+                     acceptance: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The bench's synthetic acceptance (SpeculativeConfig.synthetic_acceptance): verify with "the row's
     token equals its guess" replaced by a draw u < acceptance, u uniform from the row's sampling key (seed,
     output index; seeds [N, 2], steps [N]). A request thus accepts guess j with probability `acceptance`
     while it accepted those before, and emits the sampler's token at its first rejected row. Each output
@@ -203,8 +201,6 @@ def _verify_synthetic(tokens: jax.Array, checks: jax.Array, first: jax.Array, se
     stop = jnp.minimum(first_mismatch[first], n - 1)
     return tokens[stop], (stop - first).astype(jnp.int32)
 
-
-verify_synthetic = jax.jit(_verify_synthetic)
 
 
 def synthetic_inputs(md, acceptance: float, max_rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -224,47 +220,72 @@ def _resolve(checks, steps, check_src, moved_by, prev_drafts, prev_accepted):
     return checks, steps
 
 
-resolve = jax.jit(_resolve)
+# The rows of verify_step's one host input [PACKED_FIELDS, max_rows] int32: checks, first (every step);
+# check_src, moved_by (device-guessed rows); the synthetic acceptance's seeds (two uint32 rows, bit for bit),
+# steps, and the acceptance (a float32, bit for bit, in the last row's first entry).
+PACKED_FIELDS = 8
+
+
+def _verify_step(sampled, packed, *prev, device: bool, synthetic: bool):
+    """A step's verification in one program: _resolve (`device`: the step has device-guessed rows; `prev`:
+    the previous step's drafts and accepted counts, none without `device`), then verify or, `synthetic`,
+    verify_synthetic, reading every host input from `packed`."""
+    checks, first, check_src, moved_by = packed[0], packed[1], packed[2], packed[3]
+    steps = packed[6]
+    if device:
+        checks, steps = _resolve(checks, steps, check_src, moved_by, *prev)
+    if not synthetic:
+        return verify(sampled, checks, first)
+    seeds = jax.lax.bitcast_convert_type(packed[4:6].T, jnp.uint32)
+    acceptance = jax.lax.bitcast_convert_type(packed[7, 0], jnp.float32)
+    return verify_synthetic(sampled, checks, first, seeds, steps, acceptance)
+
+
+verify_step = jax.jit(_verify_step, static_argnames=("device", "synthetic"))
 
 
 def compile_jobs(max_rows: int, on_device, synthetic: bool, k: int = 0) -> dict[tuple, tuple]:
-    """The runner's precompile jobs (key -> (function, args)) of verification, of the synthetic variant
-    when the bench asked for it, and of device-guessed rows' checks (`k`: the drafts' width; 0: none)."""
+    """The runner's precompile jobs (key -> (function, args)) of verify_step: without device-guessed rows,
+    with them when the proposer drafts on device (`k`: the drafts' width; 0: none), and of each the
+    synthetic variant when the bench asked for it."""
     rows = jax.ShapeDtypeStruct((max_rows,), jnp.int32, sharding=on_device)
-    jobs = {("verify",): (lambda: verify.lower(rows, rows, rows).compile(), ())}
-    if k:
-        drafts = jax.ShapeDtypeStruct((max_rows, k), jnp.int32, sharding=on_device)
-        jobs[("resolve",)] = (lambda: resolve.lower(rows, rows, rows, rows, drafts, rows).compile(), ())
-    if synthetic:
-        seeds = jax.ShapeDtypeStruct((max_rows, 2), jnp.uint32, sharding=on_device)
-        acceptance = jax.ShapeDtypeStruct((), jnp.float32, sharding=on_device)
-        jobs[("verify_synthetic",)] = (
-            lambda: verify_synthetic.lower(rows, rows, rows, seeds, rows, acceptance).compile(), ())
+    packed = jax.ShapeDtypeStruct((PACKED_FIELDS, max_rows), jnp.int32, sharding=on_device)
+    drafts = jax.ShapeDtypeStruct((max_rows, max(k, 1)), jnp.int32, sharding=on_device)
+    jobs = {}
+    for device in (False, True) if k else (False,):
+        for synth in (False, True) if synthetic else (False,):
+            jobs[("verify", device, synth)] = (
+                lambda device=device, synth=synth: verify_step.lower(
+                    rows, packed, *((drafts, rows) if device else ()), device=device, synthetic=synth).compile(), ())
     return jobs
+
+
+def pack(guesses: Guesses, max_rows: int, synthetic: tuple[np.ndarray, np.ndarray, np.ndarray] | None) -> np.ndarray:
+    """verify_step's host input (PACKED_FIELDS)."""
+    packed = np.zeros((PACKED_FIELDS, max_rows), np.int32)
+    packed[0], packed[1] = guesses.checks, guesses.first
+    if guesses.device:
+        packed[2], packed[3] = guesses.check_src, guesses.moved_by
+    if synthetic is not None:
+        seeds, steps, acceptance = synthetic
+        packed[4:6] = seeds.T.view(np.int32)
+        packed[6] = steps
+        packed[7, 0] = np.asarray(acceptance, np.float32).view(np.int32)
+    return packed
 
 
 def run(compiled: dict, sampled: jax.Array, guesses: Guesses, on_device,
         synthetic: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
         prev: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, jax.Array]:
     """The step's verification (`compiled`: the runner's precompiled executables, by key) on the sampler's
-    tokens -> (tokens, num_accepted), both copying to the host. `synthetic`: synthetic_inputs(...), for the
-    bench's synthetic acceptance. `prev`: the previous step's (drafts, num_accepted) on device, read by
-    device-guessed rows (guesses.device)."""
-    host = (guesses.checks, guesses.first)
-    if synthetic is not None:
-        host += synthetic  # (seeds, steps, acceptance)
-    if guesses.device:
-        if synthetic is None:
-            host += (None, np.zeros(len(guesses.checks), np.int32), None)
-        arrays = list(jax.device_put((*host, guesses.check_src, guesses.moved_by), on_device))  # one transfer
-        *arrays, check_src, moved_by = arrays
-        arrays[0], arrays[3] = (compiled.get(("resolve",)) or resolve)(arrays[0], arrays[3], check_src, moved_by,
-                                                                       *prev)
-    else:
-        arrays = jax.device_put(host, on_device)  # one transfer
-    if synthetic is None:
-        tokens, num_accepted = (compiled.get(("verify",)) or verify)(sampled, *arrays[:2])
-    else:
-        tokens, num_accepted = (compiled.get(("verify_synthetic",)) or verify_synthetic)(sampled, *arrays)
+    tokens -> (tokens, num_accepted), both copying to the host: one transfer of its host inputs and one
+    program. `synthetic`: synthetic_inputs(...), for the bench's synthetic acceptance. `prev`: the previous
+    step's (drafts, num_accepted) on device, read by device-guessed rows (guesses.device)."""
+    device, synth = bool(guesses.device), synthetic is not None
+    packed = jax.device_put(pack(guesses, len(guesses.checks), synthetic), on_device)
+    args = (sampled, packed, *(prev if device else ()))
+    program = compiled.get(("verify", device, synth))
+    tokens, num_accepted = (program(*args) if program is not None
+                            else verify_step(*args, device=device, synthetic=synth))
     num_accepted.copy_to_host_async()
     return tokens, num_accepted

@@ -50,16 +50,20 @@ def _set_row(history: jax.Array, row: jax.Array, tokens: jax.Array) -> jax.Array
 set_row = jax.jit(_set_row, donate_argnums=0)
 
 
-def _step(history, token_ids, positions, query_start_loc, request_rows, sample_rows, base, moved_by,
-          prev_accepted, out_tokens, num_accepted, *, k: int, min_n: int, max_n: int, fill: int):
-    """One step's part -> (history, drafts [M, k]). The step's input tokens (token_ids, positions [T]; the
-    staged batch's, moved on device) go into their requests' rows (request_rows [R]: each batch request's
-    history row); then each sampling row's output token (out_tokens [M]) at the position after its kept
+def _step(history, token_ids, positions, query_start_loc, rows, prev_accepted, out_tokens, num_accepted, *,
+          k: int, min_n: int, max_n: int, fill: int):
+    """One step's part -> (history, drafts [M, k]). `rows`: the step's host inputs in one int32 array, request_rows
+    [R] (R = the batch's requests, len(query_start_loc) - 1), then sample_rows, base and moved_by [M] each (M =
+    len(prev_accepted)). The step's input tokens (token_ids, positions [T]; the staged batch's, moved on device)
+    go into their requests' rows (request_rows: each batch request's history row); then each sampling row's output token (out_tokens [M]) at the position after its kept
     guesses (base [M]: its position with none kept, moved by prev_accepted for rows moved_by an earlier
     step, plus num_accepted [M]); then each sampling row (sample_rows [M], -1 padding) proposes from its
     history up to that token. `fill` >= 0 replaces -1 (no guess) in the drafts (the bench's synthetic
     acceptance needs a guess at every position)."""
     num_rows, length = history.shape
+    r, m = query_start_loc.shape[0] - 1, prev_accepted.shape[0]
+    request_rows, sample_rows, base, moved_by = (rows[:r], rows[r:r + m], rows[r + m:r + 2 * m],
+                                                 rows[r + 2 * m:r + 3 * m])
     token = jnp.arange(token_ids.shape[-1])
     real = token < query_start_loc[-1]
     request = jnp.clip(jnp.searchsorted(query_start_loc, token, side="right") - 1, 0, request_rows.shape[0] - 1)
