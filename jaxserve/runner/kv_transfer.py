@@ -18,6 +18,9 @@ Where the host tier's blocks live (`pinned_sharding`):
         the engine's loop never waits for the device there. XLA's pinned pool grows by pinning fresh
         memory (cudaHostAlloc), seconds per few GiB, so build() pins the host tier's bytes once when
         the engine starts (reserve_pinned) instead of in the middle of serving.
+        Prefetch (kv_tiers/link.py): a waiting request's host blocks are copied to device memory of this
+        mover's own (at most PREFETCH_BYTES) while the steps run, on a thread of their own (a device_put
+        from pinned memory may wait for its copy); a load of a block with such a copy scatters the copy.
     numpy (CPU; caches over several devices: a tensor-parallel block is sharded over its heads, which a
         flat host row does not follow; a host tier too big for XLA's pinned pool, see build()): the
         gather's blocks [n, L, *block] per set are copied to host with copy_to_host_async() and joined
@@ -70,6 +73,7 @@ logger = logging.getLogger(__name__)
 
 MOVE_BYTES = 64 << 20  # the device memory one move program's blocks take at most
 MAX_PENDING = 8  # save copies in flight before the oldest is waited for
+PREFETCH_BYTES = 512 << 20  # device memory the prefetched copies of host blocks take at most
 # The share of XLA's pinned host pool that host tiers may take (XLA stages host -> device copies there too)
 PINNED_POOL_SHARE = 0.9
 
@@ -291,8 +295,15 @@ class KVTransfer:
         # future of the pinned rows)
         self._pending: collections.deque[tuple[list, list, list[jax.Array] | concurrent.futures.Future]] = \
             collections.deque()
-        self._copier = None if pinned is None else concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="jaxserve-kv-saves")
+        self._copier = self._fetcher = None
+        # Prefetched device copies of host blocks, by key, and those on their way (keys, the copy's future)
+        self._copies: dict = {}
+        self._fetches: collections.deque[tuple[list, concurrent.futures.Future]] = collections.deque()
+        self.prefetch_blocks = 0  # (TierLink.prefetch_blocks)
+        if pinned is not None:
+            self._copier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxserve-kv-saves")
+            self._fetcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxserve-kv-prefetch")
+            self.prefetch_blocks = max(1, PREFETCH_BYTES // block_bytes) if not self.sharded else 0
         # Load latency (TierCounters.host_load_seconds): a watcher thread waits for each step's loads (all
         # shards' together: counted in the first shard's counters).
         self._loads_done: queue.SimpleQueue = queue.SimpleQueue()
@@ -368,12 +379,17 @@ class KVTransfer:
             self._pending.append(([key for keys, _, _ in saves for key in keys],
                                   [shard for _, shards, _ in saves for shard in shards],
                                   self._copier.submit(jax.device_put, rows, self.pinned)))
+        for key in moves.drop_keys:
+            self._copies.pop(key, None)
+        if moves.prefetch_keys:
+            self._fetches.append((list(moves.prefetch_keys),
+                                  self._fetcher.submit(jax.device_put, list(moves.prefetch_data), self._on_device)))
         if not moves.load_block_ids:
             return
         started, done = time.perf_counter(), None
         blocks = moves.load_data
         if self.pinned is not None:
-            blocks = jax.device_put(list(blocks), self._on_device)
+            blocks = self._device_rows(moves.load_keys, blocks)
         for start, stop, size in self._chunks(len(moves.load_block_ids)):
             ids = self._ids(moves.load_block_ids[start:stop], size)
             shards = self._ids(moves.load_shards[start:stop], size)
@@ -392,6 +408,16 @@ class KVTransfer:
                 s.owner.kv_caches = written
         self._loads_done.put((started, done))
 
+    def _device_rows(self, keys: list, blocks: list) -> list[jax.Array]:
+        """The loads' rows on the device: a prefetched copy where one exists (taken), else the host block,
+        copied (one batched device_put)."""
+        rows = [self._copies.pop(key, None) for key in keys] if keys else [None] * len(blocks)
+        missing = [i for i, row in enumerate(rows) if row is None]
+        if missing:
+            for i, row in zip(missing, jax.device_put([blocks[i] for i in missing], self._on_device)):
+                rows[i] = row
+        return rows
+
     def poll(self, link: TierLink, wait: bool = False) -> None:
         """Hands the save copies that landed (all of them with `wait`; the oldest beyond MAX_PENDING) to
         the host pool (pinned arrays as they are, else numpy rows), and completes finished disk IO."""
@@ -404,6 +430,11 @@ class KVTransfer:
             keys, shards, arrays = pending.popleft()
             link.finish_saves(keys, arrays.result() if self.pinned is not None else self._host_rows(arrays, len(keys)),
                               shards)
+        fetches = self._fetches
+        while fetches and (wait or (fetches[0][1].done() and all(r.is_ready() for r in fetches[0][1].result()))):
+            keys, future = fetches.popleft()
+            self._copies.update(zip(keys, future.result()))
+            link.finish_prefetch(keys)
         for tiers in self.shard_tiers:
             tiers.poll(wait=wait)
 
@@ -425,6 +456,7 @@ class KVTransfer:
         self._watcher.join()
         if self._copier is not None:
             self._copier.shutdown()
+            self._fetcher.shutdown()
         for tiers in self.shard_tiers:
             tiers.close()
 
