@@ -16,8 +16,10 @@ $(STAMP): pyproject.toml
 demo: venv
 	$(VENV)/bin/jaxserve generate --prompt "12+34=" --prompt "999+1=" --prompt "505+250=" --prompt "7+8="
 
+# Two workers (one per core of the CI machine); a test file stays in one worker, so its module fixtures
+# (engines) are built once and its compiled programs are released when it ends.
 test: venv
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 # Regenerate the Hugging Face reference fixtures (needs PyTorch + transformers; see tests/fixtures/hf/README.md).
 fixtures:

@@ -19,6 +19,9 @@ BLOCK_GIB = 8192 / (1 << 30)  # one block of the embedded model: 4 layers x K,V 
 # Prompts of two or three full blocks, several sharing openings; each round evicts the last one's blocks.
 PROMPTS = [f"{a}+{b}=" for a, b in [(12345, 678), (12345, 999), (4321, 87654), (99, 12), (5555, 4444),
                                     (12345, 678), (31415, 9265), (271, 82818), (4321, 87654)]]
+# The tiered engines: a device pool of one max-length request, and one step shape (the rounds send one
+# prompt at a time), so that precompiling them is quick and they all share its programs.
+TIERED = dict(num_blocks=9, max_num_seqs=4, max_num_batched_tokens=16, token_buckets=[16], request_buckets=[4])
 
 
 def make_llm(**overrides) -> LLM:
@@ -31,7 +34,7 @@ def texts(outputs) -> list[str]:
 
 @pytest.fixture(scope="module")
 def reference() -> list[str]:
-    llm = make_llm()
+    llm = make_llm(precompile=False)  # (its own pool's shapes: only the few it runs compile)
     return texts(llm.generate(PROMPTS * 2, GREEDY, use_tqdm=False))
 
 
@@ -41,7 +44,7 @@ def run_rounds(llm: LLM) -> list[str]:
 
 
 def test_host_tier_outputs_match_an_unconstrained_engine(reference):
-    llm = make_llm(num_blocks=9, host_kv_gib=64 * BLOCK_GIB, prefix_hash_seed=1)
+    llm = make_llm(**TIERED, host_kv_gib=64 * BLOCK_GIB, prefix_hash_seed=1)
     assert texts(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)) == reference[:1]  # (compiles the sampler)
     with jax.no_tracing():  # the block moves were compiled at start-up with the steps
         assert run_rounds(llm) == reference
@@ -55,7 +58,7 @@ def test_host_tier_outputs_match_an_unconstrained_engine(reference):
 
 def test_disk_tier_is_shared_between_engines_with_one_seed(reference, tmp_path):
     disk = dict(host_kv_gib=2 * BLOCK_GIB, disk_kv_path=str(tmp_path / "kv"), disk_kv_gib=0.01, prefix_hash_seed=7)
-    first = make_llm(num_blocks=9, **disk)
+    first = make_llm(**TIERED, **disk)
     assert run_rounds(first) == reference
     tiers = first.engine.kv_transfer.tiers
     tiers.poll(wait=True)
@@ -63,7 +66,7 @@ def test_disk_tier_is_shared_between_engines_with_one_seed(reference, tmp_path):
     files = list((tmp_path / "kv").rglob("*.kv"))
     assert files and all(f.stat().st_mode & 0o777 == 0o600 for f in files)
     # another engine (as another process would: its own host tier, the same seed) reads them
-    second = make_llm(num_blocks=9, **disk)
+    second = make_llm(**TIERED, **disk)
     assert texts(second.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference[:len(PROMPTS)]
     assert second.engine.kv_cache.stats.disk_hits > 0
 
@@ -76,7 +79,7 @@ def test_pinned_host_tier_round_trips_blocks_through_host_and_disk(reference, tm
     from jaxserve.runner import kv_transfer
 
     monkeypatch.setattr(kv_transfer, "uses_pinned_host", lambda device: True)
-    llm = make_llm(num_blocks=9, host_kv_gib=4 * BLOCK_GIB, disk_kv_path=str(tmp_path / "kv"), disk_kv_gib=0.01,
+    llm = make_llm(**TIERED, host_kv_gib=4 * BLOCK_GIB, disk_kv_path=str(tmp_path / "kv"), disk_kv_gib=0.01,
                    prefix_hash_seed=3)
     transfer = llm.engine.kv_transfer
     assert transfer.pinned is not None and transfer.pinned.memory_kind == "pinned_host"
@@ -99,7 +102,7 @@ def test_a_host_tier_over_the_pinned_pool_keeps_numpy_blocks(monkeypatch, caplog
 
     monkeypatch.setattr(kv_transfer, "uses_pinned_host", lambda device: True)
     monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "0")
-    llm = make_llm(num_blocks=9, host_kv_gib=4 * BLOCK_GIB, precompile=False)
+    llm = make_llm(**TIERED, host_kv_gib=4 * BLOCK_GIB, precompile=False)
     assert llm.engine.kv_transfer.pinned is None and llm.engine.kv_transfer.tiers.host.place is None
     assert "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB" in caplog.text
 
@@ -146,7 +149,7 @@ def test_a_dropped_engine_is_collected_with_its_caches():
     import threading
     import weakref
 
-    llm = make_llm(num_blocks=9, host_kv_gib=64 * BLOCK_GIB, prefix_hash_seed=1)
+    llm = make_llm(**TIERED, host_kv_gib=64 * BLOCK_GIB, prefix_hash_seed=1)
     llm.generate(["1+2="], use_tqdm=False)
     runner = weakref.ref(llm.engine.runner)
     watchers = {t for t in threading.enumerate() if t.name == "jaxserve-kv-loads"}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import socket
 import struct
 import subprocess
@@ -75,7 +76,9 @@ def test_two_processes_match_one(speculative):
     """Greedy tokens over two processes equal transformers'; with n-gram speculation too (the guesses travel
     in the broadcast SchedulerOutput, and every process verifies them)."""
     port = _free_port()
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS}",
+    # each process its share of the fake devices; the suite's other XLA flags kept
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
+    env = dict(os.environ, XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={DEVICES_PER_PROCESS}".strip(),
                JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     procs = [subprocess.Popen([sys.executable, __file__, str(i), str(port), str(int(speculative))], cwd=ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -201,6 +201,9 @@ def _reserve(info: dict, transfer_id: str, prompt_ids: list[int]) -> str:
     return proto.request(info["kv_transfer_address"], KEY, message, 5.0)["type"]
 
 
+FILLERS = 2  # threads keeping each decode instance's pool full
+
+
 def _fill_with_reservations(url: str) -> int:
     """Reserves the decode instance's pool until it refuses (the reservations expire after TIMEOUT_S)."""
     info, tokens = _info(url), [1] * 28  # 6 usable blocks each
@@ -218,17 +221,22 @@ def test_decode_pool_full_goes_elsewhere_then_waits_never_drops(pd):
     assert _completion(urls["router"], LONG) == expected[LONG]  # decode0 refuses; decode1 takes it
     assert state()["transfer_refused"] == refused + 1
     assert _fill_with_reservations(urls["decode1"]) > 0
-    # Both full, kept full (reservations expire after TIMEOUT_S) until the router was refused again: it
-    # waits, then gets through once the reservations expire.
+    # Both full, kept full until the router was refused again: it waits, then gets through once the
+    # reservations expire. Reservations expire after TIMEOUT_S (decode0's first ones may have by now, on a
+    # loaded machine), a few at a time: reserves kept queued on each instance take the freed blocks back
+    # at its next step, and the client starts once both instances refused one.
     stop, result = threading.Event(), {}
 
-    def keep_full():
+    def keep_full(info: dict) -> None:
         while not stop.is_set():
-            _fill_with_reservations(urls["decode0"])
-            _fill_with_reservations(urls["decode1"])
-    filler = threading.Thread(target=keep_full)
-    filler.start()
+            _reserve(info, proto.new_transfer_id(), [1] * 28)
+    fillers = [threading.Thread(target=keep_full, args=(_info(urls[name]),))
+               for name in ("decode0", "decode1") for _ in range(FILLERS)]
+    for filler in fillers:
+        filler.start()
     try:
+        _fill_with_reservations(urls["decode0"])
+        _fill_with_reservations(urls["decode1"])
         client = threading.Thread(target=lambda: result.update(answer=_completion(urls["router"], LONG)))
         client.start()
         deadline = time.monotonic() + 60
@@ -236,7 +244,8 @@ def test_decode_pool_full_goes_elsewhere_then_waits_never_drops(pd):
             time.sleep(0.05)
     finally:
         stop.set()
-        filler.join()
+        for filler in fillers:
+            filler.join()
     client.join(60)
     assert state()["transfer_refused"] >= refused + 3
     assert result["answer"] == expected[LONG]

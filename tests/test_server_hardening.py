@@ -44,8 +44,11 @@ def long_token_tokenizer(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(long_token_tokenizer):
+    # Precompiled (a step that compiled while the watchers watch would be a stall), with one step shape: the
+    # model only ever runs one short stream at a time here.
     with serve_process("--tokenizer", str(long_token_tokenizer), "--keep-alive-timeout-s", str(KEEP_ALIVE_S),
-                       "--read-timeout-s", str(READ_TIMEOUT_S)) as process:
+                       "--read-timeout-s", str(READ_TIMEOUT_S), "--max-num-seqs", "4", "--max-num-batched-tokens",
+                       "16", "--token-buckets", "[16]", "--request-buckets", "[4]") as process:
         process.port = int(process.url.rsplit(":", 1)[1])
         yield process
 

@@ -72,8 +72,10 @@ def test_synthetic_verify_accepts_a_geometric_prefix():
 
 @pytest.fixture(scope="module")
 def engine():
-    config = spec.apply(load_config(TINY_CONFIG, speculative_config=SPEC),
-                        argparse.Namespace(spec_synthetic_acceptance=[0.5]))
+    # One request bucket (64 logits rows: 16 requests and their guesses) and the token buckets the batch
+    # runs, each precompiled (fewer programs to compile than the default ladder's).
+    config = load_config(TINY_CONFIG, speculative_config=SPEC, token_buckets=[64, 256], request_buckets=[64])
+    config = spec.apply(config, argparse.Namespace(spec_synthetic_acceptance=[0.5]))
     engine, _ = common.make_engine(config, progress=False)  # (every bucket precompiled)
     return engine
 
