@@ -45,11 +45,11 @@ most `max_move` blocks (powers of two, padded with the null block), all compiled
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import functools
 import hashlib
 import logging
 import math
-import concurrent.futures
 import os
 import queue
 import threading
