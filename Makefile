@@ -17,9 +17,10 @@ demo: venv
 	$(VENV)/bin/jaxserve generate --prompt "12+34=" --prompt "999+1=" --prompt "505+250=" --prompt "7+8="
 
 # Two workers (one per core of the CI machine); a test file stays in one worker, so its module fixtures
-# (engines) are built once and its compiled programs are released when it ends.
+# (engines) are built once and its compiled programs are released when it ends. The 15 slowest tests are
+# listed at the end (the suite's budget is about 5 minutes on 2 cores).
 test: venv
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 
 # Regenerate the Hugging Face reference fixtures (needs PyTorch + transformers; see tests/fixtures/hf/README.md).
 fixtures:

@@ -18,7 +18,7 @@ from jaxserve.runner import device_setup
 from pallas_kernels.paged_attention import fp8, gpu, layout, reference
 from tests import reference_generate
 from tests.conftest import ROOT, TINY_MODEL
-from tests.test_paged_attention_gpu import SPLIT_OFF, SPLIT_ON, Case, make_batch
+from tests.test_paged_attention_gpu import SPLIT_OFF, SPLIT_ON, Case, make_batch, reference_attention
 from tools.train_tiny import held_out_problems
 
 TINY_CONFIG = ROOT / "configs" / "tiny.yaml"
@@ -67,9 +67,9 @@ def test_reference_dequantizes_by_scale():
     case = Case(8, 2, 32, 16)
     q, kv8, scales, qsl, seq_lens, block_tables = _fp8_batch(case, 0)
     ref_kv = layout.to_reference_layout(kv8)
-    got = reference.ragged_paged_attention(q, ref_kv, qsl, seq_lens, block_tables, sm_scale=0.2, kv_scale=scales)
+    got = reference_attention(q, ref_kv, qsl, seq_lens, block_tables, sm_scale=0.2, kv_scale=scales)
     dequant = ref_kv.astype(jnp.float32) * scales[:, None, None, :, None]
-    want = reference.ragged_paged_attention(q, dequant, qsl, seq_lens, block_tables, sm_scale=0.2)
+    want = reference_attention(q, dequant, qsl, seq_lens, block_tables, sm_scale=0.2)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
     assert not np.isnan(np.asarray(got)).any()
 
@@ -85,8 +85,8 @@ def test_gpu_kernels_read_fp8_like_the_reference(case, config, fast_path):
         out = gpu.ragged_paged_attention(q, kv8, qsl, seq_lens, block_tables, sm_scale=sm_scale, interpret=True,
                                          config=config, decode_only=fast_path, kv_scale=scales)
         with jax.default_matmul_precision("highest"):
-            ref = reference.ragged_paged_attention(q, layout.to_reference_layout(kv8), qsl, seq_lens, block_tables,
-                                                   sm_scale=sm_scale, kv_scale=scales)
+            ref = reference_attention(q, layout.to_reference_layout(kv8), qsl, seq_lens, block_tables,
+                                      sm_scale=sm_scale, kv_scale=scales)
         out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
         assert not np.isnan(out).any(), f"seed {seed}: NaN leaked into the output"
         np.testing.assert_allclose(out, ref, atol=3e-2, rtol=2e-2, err_msg=f"seed {seed}")  # bf16 output ulps

@@ -18,6 +18,8 @@ import pytest
 from pallas_kernels.paged_attention import gpu, layout, reference
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
+# The reference as one program per shape (run op by op, each of its ops would compile on its own).
+reference_attention = jax.jit(reference.ragged_paged_attention, static_argnames=("sm_scale", "sliding_window"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +89,7 @@ def check(case: Case, seeds, *, atol, sliding_window=None, config=None, interpre
                                          sliding_window=sliding_window, interpret=interpret,
                                          config=config, decode_only=fast_path)
         with jax.default_matmul_precision("highest"):  # exact float32, also on a GPU
-            ref = reference.ragged_paged_attention(
+            ref = reference_attention(
                 q.astype(jnp.float32), layout.to_reference_layout(kv).astype(jnp.float32), qsl,
                 seq_lens, block_tables, sm_scale=sm_scale, sliding_window=sliding_window)
         out, ref = np.asarray(out, np.float32), np.asarray(ref)

@@ -268,6 +268,7 @@ def penalised(i: int) -> SamplingParams:
 
 
 PENALISED = [penalised(i) for i in range(len(PROMPTS))]
+# Both engines' step shapes: 16 requests at a time, two token buckets (fewer programs for the precompiled one).
 LADDER = dict(max_num_seqs=16, max_num_batched_tokens=64, token_buckets=[16, 64], request_buckets=[4, 16])
 
 
