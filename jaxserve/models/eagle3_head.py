@@ -43,7 +43,7 @@ from safetensors import safe_open
 from jaxserve.models import eagle_head, layers, llama, llama_hf, loader
 from jaxserve.models.eagle_head import _replicated, embed
 from jaxserve.models.layers import ModelBatch
-from jaxserve.spec_decode.draft_model import FRESH_INPUTS, decode_batch, first_rows, stack_drafts
+from jaxserve.spec_decode.draft_model import decode_batch, first_rows, stack_drafts
 
 LAYER_TENSORS = {  # HF name in the layer -> (our leaf, transposed)
     "self_attn.q_proj.weight": ("wq", True), "self_attn.k_proj.weight": ("wk", True),
@@ -245,8 +245,7 @@ def _fill(params, target_params, batch: ModelBatch, aux, kv_caches, next_tokens,
         rows[3] + num_accepted]
 
 
-fill = jax.jit(_fill, static_argnames=("cfg", "attention_backend", "tp"), donate_argnames=("kv_caches",),
-               compiler_options=FRESH_INPUTS)  # (draft_model.FRESH_INPUTS: fresh buffers every step)
+fill = jax.jit(_fill, static_argnames=("cfg", "attention_backend", "tp"), donate_argnames=("kv_caches",))
 
 
 def _propose(params, target_params, batch_tables, hidden, kv_caches, tokens, num_accepted, rows, *, cfg, k: int,
@@ -271,4 +270,4 @@ def _propose(params, target_params, batch_tables, hidden, kv_caches, tokens, num
 
 
 propose = jax.jit(_propose, static_argnames=("cfg", "k", "block_size", "attention_backend", "tp"),
-                  donate_argnames=("kv_caches",), compiler_options=FRESH_INPUTS)
+                  donate_argnames=("kv_caches",))

@@ -44,7 +44,7 @@ from safetensors import safe_open
 
 from jaxserve.models import llama, llama_hf, loader, registry
 from jaxserve.models.layers import ModelBatch
-from jaxserve.spec_decode.draft_model import FRESH_INPUTS, decode_batch, first_rows, stack_drafts
+from jaxserve.spec_decode.draft_model import decode_batch, first_rows, stack_drafts
 
 LAYER_TENSORS = {  # HF name in layer 0 -> (our leaf, transposed)
     "self_attn.q_proj.weight": ("wq", True), "self_attn.k_proj.weight": ("wk", True),
@@ -200,8 +200,7 @@ def _fill(params, target_params, batch: ModelBatch, hidden, kv_caches, next_toke
     return [step(params, embeds, hidden, batch, kv_caches[0])], hidden[rows[3] + num_accepted]
 
 
-fill = jax.jit(_fill, static_argnames=("cfg", "attention_backend", "tp"), donate_argnames=("kv_caches",),
-               compiler_options=FRESH_INPUTS)  # (draft_model.FRESH_INPUTS: fresh buffers every step)
+fill = jax.jit(_fill, static_argnames=("cfg", "attention_backend", "tp"), donate_argnames=("kv_caches",))
 
 
 def _propose(params, target_params, batch_tables, features, kv_caches, tokens, num_accepted, rows, *, cfg,
@@ -227,4 +226,4 @@ def _propose(params, target_params, batch_tables, features, kv_caches, tokens, n
 
 
 propose = jax.jit(_propose, static_argnames=("cfg", "target_cfg", "k", "block_size", "attention_backend", "tp"),
-                  donate_argnames=("kv_caches",), compiler_options=FRESH_INPUTS)
+                  donate_argnames=("kv_caches",))

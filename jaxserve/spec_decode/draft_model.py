@@ -39,15 +39,7 @@ def _fill(params, batch: ModelBatch, kv_caches, *, cfg, attention_backend: str, 
     return kv_caches
 
 
-# XLA:GPU runs a program's kernels as a CUDA graph (command buffers), recorded once and updated whenever the
-# program's buffers move. The proposers' programs read buffers made fresh each step (the step's rows, tokens
-# and accepted counts), so each call would update a graph of every kernel of the draft's layers times k: they
-# launch their kernels directly instead. (The target's step keeps its graphs: its buffers are stable,
-# step_program.py.) Harmless off GPUs.
-FRESH_INPUTS = {"xla_gpu_enable_command_buffer": ""}
-
-fill = jax.jit(_fill, static_argnames=("cfg", "attention_backend", "tp"), donate_argnames=("kv_caches",),
-               compiler_options=FRESH_INPUTS)
+fill = jax.jit(_fill, static_argnames=("cfg", "attention_backend", "tp"), donate_argnames=("kv_caches",))
 
 
 def decode_batch(tokens: jax.Array, positions: jax.Array, capacity: jax.Array, block_tables: jax.Array,
@@ -103,4 +95,4 @@ def _propose(params, batch_tables: jax.Array, kv_caches, tokens: jax.Array, num_
 
 
 propose = jax.jit(_propose, static_argnames=("cfg", "k", "block_size", "attention_backend", "tp"),
-                  donate_argnames=("kv_caches",), compiler_options=FRESH_INPUTS)
+                  donate_argnames=("kv_caches",))

@@ -85,6 +85,4 @@ def _step(history, token_ids, positions, query_start_loc, rows, prev_accepted, o
     return history, drafts
 
 
-# (its rows and tokens are fresh buffers every step: no CUDA graph to update, as draft_model.FRESH_INPUTS)
-step = jax.jit(_step, static_argnames=("k", "min_n", "max_n", "fill"), donate_argnums=0,
-               compiler_options={"xla_gpu_enable_command_buffer": ""})
+step = jax.jit(_step, static_argnames=("k", "min_n", "max_n", "fill"), donate_argnums=0)
