@@ -72,10 +72,10 @@ def test_disk_tier_is_shared_between_engines_with_one_seed(reference, tmp_path):
 
 
 def test_pinned_host_tier_round_trips_blocks_through_host_and_disk(reference, tmp_path, monkeypatch):
-    """The host tier's GPU path (each block its own pinned host array, saves and loads as batched copies
-    to and from it, waiting requests' host blocks prefetched to the device) forced on the CPU: outputs as
-    without tiers, hits from host (prefetched ones among them) and from disk, every host block (disk
-    promotions too) in pinned memory, the block moves compiled at start-up."""
+    """The host tier's GPU path (each block its own pinned host array, copied inside the save and load
+    programs; waiting requests' host blocks prefetched to the device) forced on the CPU: outputs as without
+    tiers, hits from host (prefetched ones among them) and from disk, every host block (disk promotions
+    too) in pinned memory, the block moves compiled at start-up."""
     from jaxserve.runner import kv_transfer
 
     monkeypatch.setattr(kv_transfer, "uses_pinned_host", lambda device: True)

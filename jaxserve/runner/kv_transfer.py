@@ -9,18 +9,19 @@
 
 Where the host tier's blocks live (`pinned_sharding`):
     pinned host memory (GPUs; single-device caches): each block is its own "pinned_host" jax Array. The
-        gather outputs one device array per block, and one batched device_put copies them to pinned
-        memory; a load is one batched device_put of the blocks' pinned arrays to the device, their rows
-        then fed to the scatter. Both are plain DMA copies. (One pinned pool array would not do: XLA
-        updates it in place only as host compute over the whole pool, and gathers from it slowly.)
-        A device_put to pinned memory returns only once its source is computed, which for a save is the
-        gather behind the step in flight, so the saves' device_puts run on a copier thread of their own:
-        the engine's loop never waits for the device there. XLA's pinned pool grows by pinning fresh
-        memory (cudaHostAlloc), seconds per few GiB, so build() pins the host tier's bytes once when
-        the engine starts (reserve_pinned) instead of in the middle of serving.
+        copies happen inside the move programs: the gather's outputs, one per block, live in pinned host
+        memory, and the scatter takes the blocks' pinned arrays as arguments and copies them to the device
+        itself. Both are plain DMA copies queued like any program, so the engine's loop never waits for
+        the device, and a move of n blocks is one call, not n transfers of its own. (A device_put to
+        pinned memory, by contrast, returns only once its source is computed. One pinned pool array would
+        not do: XLA updates it in place only as host compute over the whole pool, and gathers from it
+        slowly.) XLA's pinned pool grows by pinning fresh memory (cudaHostAlloc), seconds per few GiB, so
+        build() pins the host tier's bytes once when the engine starts (reserve_pinned) instead of in the
+        middle of serving.
         Prefetch (kv_tiers/link.py): a waiting request's host blocks are copied to device memory of this
         mover's own (at most PREFETCH_BYTES) while the steps run, on a thread of their own (a device_put
-        from pinned memory may wait for its copy); a load of a block with such a copy scatters the copy.
+        from pinned memory may wait for its copy). A load's program of blocks that all have such copies
+        scatters the copies (a scatter of device rows); any other takes the pinned blocks.
     numpy (CPU; caches over several devices: a tensor-parallel block is sharded over its heads, which a
         flat host row does not follow; a host tier too big for XLA's pinned pool, see build()): the
         gather's blocks [n, L, *block] per set are copied to host with copy_to_host_async() and joined
@@ -125,10 +126,10 @@ def _gather_rows(cache_sets, ids, shards, *, axes: tuple[int, ...], sharded: boo
 
 
 def _scatter_rows(cache_sets, ids, shards, rows, *, axes: tuple[int, ...], sharded: bool,
-                  shapes: tuple[tuple[int, ...], ...]):
-    """_scatter_sets of host rows (one device array per block), each split into the sets' blocks of
-    `shapes` (in row order)."""
-    rows = jnp.stack(rows)
+                  shapes: tuple[tuple[int, ...], ...], on_device=None):
+    """_scatter_sets of host rows (one array per block: on the device, or pinned host arrays moved to
+    `on_device` first when given), each split into the sets' blocks of `shapes` (in row order)."""
+    rows = jnp.stack(rows if on_device is None else [jax.device_put(row, on_device) for row in rows])
     datas, offset = [], 0
     for shape in shapes:
         size = math.prod(shape)
@@ -283,25 +284,30 @@ class KVTransfer:
             self._scatter = jax.jit(functools.partial(_scatter_sets, **layout), donate_argnums=0,
                                     out_shardings=(shardings, scalar))
         else:
-            # (a bare device, or a sharding without a memory kind, would keep the pinned arrays' memory)
-            self._on_device = pinned.with_memory_kind("device")
-            self._gather = jax.jit(functools.partial(_gather_rows, **layout))
+            # One gather and one pinned scatter per move size: their outputs (gather) or arguments (scatter)
+            # are that many pinned rows; the scatter of prefetched device rows is one jit. (A bare device, or
+            # a sharding without a memory kind, would keep the pinned arrays' memory.)
+            self._on_device = on_device = pinned.with_memory_kind("device")
             shapes = tuple(s.shape for s in self.sets)
+            self._gathers = {n: jax.jit(functools.partial(_gather_rows, **layout), out_shardings=(pinned,) * n)
+                             for n in self.sizes}
+            self._pinned_scatters = {
+                n: jax.jit(functools.partial(_scatter_rows, **layout, shapes=shapes, on_device=on_device),
+                           donate_argnums=0, in_shardings=(shardings, scalar, scalar, (pinned,) * n),
+                           out_shardings=(shardings, scalar)) for n in self.sizes}
             self._scatter = jax.jit(functools.partial(_scatter_rows, **layout, shapes=shapes), donate_argnums=0,
                                     out_shardings=(shardings, scalar))
-            self._zero_row = jax.device_put(np.zeros(self.row_size, self._dtype), self._on_device)  # (padding)
+            self._zero_row = jax.device_put(np.zeros(self.row_size, self._dtype), pinned)  # (padding)
+            self._zero_device_row = jax.device_put(np.zeros(self.row_size, self._dtype), on_device)
         self._compiled: dict[tuple[str, int], jax.stages.Compiled] = {}
-        # (keys, shards, the save's arrays: gathered blocks on their way to numpy; or, pinned, the copier's
-        # future of the pinned rows)
-        self._pending: collections.deque[tuple[list, list, list[jax.Array] | concurrent.futures.Future]] = \
-            collections.deque()
-        self._copier = self._fetcher = None
+        # (keys, shards, the save's arrays: gathered blocks on their way to numpy, or pinned rows)
+        self._pending: collections.deque[tuple[list, list, list[jax.Array]]] = collections.deque()
+        self._fetcher = None
         # Prefetched device copies of host blocks, by key, and those on their way (keys, the copy's future)
         self._copies: dict = {}
         self._fetches: collections.deque[tuple[list, concurrent.futures.Future]] = collections.deque()
         self.prefetch_blocks = 0  # (TierLink.prefetch_blocks)
         if pinned is not None:
-            self._copier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxserve-kv-saves")
             self._fetcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxserve-kv-prefetch")
             self.prefetch_blocks = max(1, PREFETCH_BYTES // block_bytes) if not self.sharded else 0
         # Load latency (TierCounters.host_load_seconds): a watcher thread waits for each step's loads (all
@@ -334,10 +340,21 @@ class KVTransfer:
             if self.pinned is None:
                 datas = [jax.ShapeDtypeStruct((n, *s.shape), self._dtype) for s in self.sets]
             else:
-                datas = (jax.ShapeDtypeStruct((self.row_size,), self._dtype, sharding=self._on_device),) * n
-            self._compiled[("gather", n)] = self._gather.lower(self._caches(), ids, ids).compile()
-            self._compiled[("scatter", n)] = self._scatter.lower(self._caches(), ids, ids, datas).compile()
+                datas = (jax.ShapeDtypeStruct((self.row_size,), self._dtype, sharding=self.pinned),) * n
+                copies = (jax.ShapeDtypeStruct((self.row_size,), self._dtype, sharding=self._on_device),) * n
+                if self.prefetch_blocks:
+                    self._compiled[("scatter_copies", n)] = self._scatter.lower(self._caches(), ids, ids,
+                                                                                copies).compile()
+            self._compiled[("gather", n)] = self._gather_program(n).lower(self._caches(), ids, ids).compile()
+            self._compiled[("scatter", n)] = self._scatter_program(n).lower(self._caches(), ids, ids,
+                                                                            datas).compile()
         return len(self._compiled)
+
+    def _gather_program(self, n: int):
+        return self._gather if self.pinned is None else self._gathers[n]
+
+    def _scatter_program(self, n: int):
+        return self._scatter if self.pinned is None else self._pinned_scatters[n]
 
     def _chunks(self, count: int):
         """(start, stop, padded size) of each program of a move of `count` blocks."""
@@ -351,8 +368,8 @@ class KVTransfer:
         return ids
 
     def _gathered(self, block_ids: list[int], shards: list[int], size: int) -> tuple[jax.Array, ...]:
-        """The gather's outputs: [size, L, *block] per set (numpy path) or `size` device rows (pinned)."""
-        gather = self._compiled.get(("gather", size), self._gather)
+        """The gather's outputs: [size, L, *block] per set (numpy path) or `size` pinned rows."""
+        gather = self._compiled.get(("gather", size)) or self._gather_program(size)
         return gather(self._caches(), self._ids(block_ids, size), self._ids(shards, size))
 
     def _host_rows(self, gathered, count: int) -> list[np.ndarray]:
@@ -369,16 +386,11 @@ class KVTransfer:
             shards = moves.save_shards[start:stop]
             saves.append((moves.save_keys[start:stop], shards,
                           self._gathered(moves.save_block_ids[start:stop], shards, size)))
-        if self.pinned is None:
-            for keys, shards, blocks in saves:
+        for keys, shards, blocks in saves:
+            if self.pinned is None:
                 for b in blocks:
                     b.copy_to_host_async()
-                self._pending.append((keys, shards, list(blocks)))
-        elif saves:
-            rows = [row for keys, _, rows in saves for row in rows[:len(keys)]]
-            self._pending.append(([key for keys, _, _ in saves for key in keys],
-                                  [shard for _, shards, _ in saves for shard in shards],
-                                  self._copier.submit(jax.device_put, rows, self.pinned)))
+            self._pending.append((keys, shards, list(blocks if self.pinned is None else blocks[:len(keys)])))
         for key in moves.drop_keys:
             self._copies.pop(key, None)
         if moves.prefetch_keys:
@@ -387,14 +399,18 @@ class KVTransfer:
         if not moves.load_block_ids:
             return
         started, done = time.perf_counter(), None
-        blocks = moves.load_data
-        if self.pinned is not None:
-            blocks = self._device_rows(moves.load_keys, blocks)
+        blocks, keys = moves.load_data, moves.load_keys or [None] * len(moves.load_data)
         for start, stop, size in self._chunks(len(moves.load_block_ids)):
             ids = self._ids(moves.load_block_ids[start:stop], size)
             shards = self._ids(moves.load_shards[start:stop], size)
+            scatter = self._compiled.get(("scatter", size)) or self._scatter_program(size)
             if self.pinned is not None:
-                datas = (*blocks[start:stop], *(self._zero_row,) * (size - (stop - start)))
+                copies = [self._copies.pop(key, None) for key in keys[start:stop]]
+                if all(c is not None for c in copies):
+                    datas = (*copies, *(self._zero_device_row,) * (size - (stop - start)))
+                    scatter = self._compiled.get(("scatter_copies", size), self._scatter)
+                else:
+                    datas = (*blocks[start:stop], *(self._zero_row,) * (size - (stop - start)))
             else:
                 rows = np.stack(blocks[start:stop])
                 datas = []
@@ -402,34 +418,18 @@ class KVTransfer:
                     data = np.zeros((size, *s.shape), self._dtype)
                     data[:stop - start] = rows[:, s.offset:s.offset + s.size].reshape(stop - start, *s.shape)
                     datas.append(data)
-            scatter = self._compiled.get(("scatter", size), self._scatter)
             caches, done = scatter(self._caches(), ids, shards, datas)
             for s, written in zip(self.sets, caches):
                 s.owner.kv_caches = written
         self._loads_done.put((started, done))
 
-    def _device_rows(self, keys: list, blocks: list) -> list[jax.Array]:
-        """The loads' rows on the device: a prefetched copy where one exists (taken), else the host block,
-        copied (one batched device_put)."""
-        rows = [self._copies.pop(key, None) for key in keys] if keys else [None] * len(blocks)
-        missing = [i for i, row in enumerate(rows) if row is None]
-        if missing:
-            for i, row in zip(missing, jax.device_put([blocks[i] for i in missing], self._on_device)):
-                rows[i] = row
-        return rows
-
     def poll(self, link: TierLink, wait: bool = False) -> None:
         """Hands the save copies that landed (all of them with `wait`; the oldest beyond MAX_PENDING) to
         the host pool (pinned arrays as they are, else numpy rows), and completes finished disk IO."""
         pending = self._pending
-
-        def landed(arrays) -> bool:
-            return arrays.done() if self.pinned is not None else all(b.is_ready() for b in arrays)
-
-        while pending and (wait or len(pending) > MAX_PENDING or landed(pending[0][2])):
+        while pending and (wait or len(pending) > MAX_PENDING or all(b.is_ready() for b in pending[0][2])):
             keys, shards, arrays = pending.popleft()
-            link.finish_saves(keys, arrays.result() if self.pinned is not None else self._host_rows(arrays, len(keys)),
-                              shards)
+            link.finish_saves(keys, arrays if self.pinned is not None else self._host_rows(arrays, len(keys)), shards)
         fetches = self._fetches
         while fetches and (wait or (fetches[0][1].done() and all(r.is_ready() for r in fetches[0][1].result()))):
             keys, future = fetches.popleft()
@@ -454,8 +454,7 @@ class KVTransfer:
                 tiers.flush()
         self._loads_done.put(None)
         self._watcher.join()
-        if self._copier is not None:
-            self._copier.shutdown()
+        if self._fetcher is not None:
             self._fetcher.shutdown()
         for tiers in self.shard_tiers:
             tiers.close()
