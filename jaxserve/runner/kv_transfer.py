@@ -429,6 +429,8 @@ class KVTransfer:
         pending = self._pending
         while pending and (wait or len(pending) > MAX_PENDING or all(b.is_ready() for b in pending[0][2])):
             keys, shards, arrays = pending.popleft()
+            if self.pinned is not None:
+                jax.block_until_ready(arrays)  # (landed: a waited poll returns with every save in host memory)
             link.finish_saves(keys, arrays if self.pinned is not None else self._host_rows(arrays, len(keys)), shards)
         fetches = self._fetches
         while fetches and (wait or (fetches[0][1].done() and all(r.is_ready() for r in fetches[0][1].result()))):
