@@ -193,6 +193,31 @@ def test_held_transposed_runs_the_mosaic_kernel_at_decode(monkeypatch):
     assert quant._fp8_kernel(x[:, :64], narrow, "td,dnh->tnh", True) is None
 
 
+def test_joined_weights_give_each_weights_product(monkeypatch):
+    """wq, wk, wv held [N, K] and joined (quant.fuse_outputs, what device_setup.FUSED_FP8 does to a layer):
+    x @ the joined weight, split, is each weight's own product, dequantized (a CPU's path), through the
+    Mosaic kernel (interpret mode) and through W8A8; weights not held so, or over other inputs, are not
+    joined."""
+    parts = [_held_pair("td,dnh->tnh", (256, heads, 64), 1, 0) for heads in (4, 1, 1)]
+    joined = quant.fuse_outputs([held for _, held in parts])
+    assert joined.transposed and joined.shape == (256, 384) and joined.q.shape == (384, 256)
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((5, 256)), jnp.bfloat16)
+    for options in ({}, {"kernel": True}):
+        got = jnp.split(quant.linear(x, joined, **options), (256, 320), axis=-1)
+        for (_, held), part in zip(parts, got):
+            want = quant.linear(x, held, "td,dnh->tnh", **options).reshape(5, -1)
+            np.testing.assert_array_equal(np.asarray(part, np.float32), np.asarray(want, np.float32))
+    monkeypatch.setattr(quant, "tensor_cores_apply", lambda num_rows, _w: True)
+    got = jnp.split(quant.linear(x, joined), (256, 320), axis=-1)
+    for (w, _), part in zip(parts, got):
+        want = quant.linear(x, w, "td,dnh->tnh").reshape(5, -1)
+        np.testing.assert_allclose(np.asarray(part, np.float32), np.asarray(want, np.float32), rtol=2 ** -7,
+                                   atol=1e-2 * np.abs(np.asarray(want, np.float32)).max())
+    assert quant.fuse_outputs([parts[0][0], parts[1][1]]) is None  # (one not held [N, K])
+    _, other = _held_pair("td,dnh->tnh", (128, 1, 64), 1, 0)
+    assert quant.fuse_outputs([parts[0][1], other]) is None  # (another K)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not mosaic_gpu.runs_on(jax.devices()[0]), reason="needs a Hopper GPU")
 def test_gpu_linear_on_held_weights():

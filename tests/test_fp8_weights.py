@@ -187,9 +187,9 @@ def test_tensor_parallel_fp8_gives_the_same_tokens(path, options):
 
 def test_weights_held_transposed_give_the_same_tokens(monkeypatch, request):
     """An engine whose per-channel FP8 weights are held [N, K] (what device_setup.holds_fp8_transposed picks
-    on one Hopper GPU, forced here) generates the tokens of one holding them in their own layout, every
-    matmul as W8A8 (a GPU's path besides the decode kernel: tests/test_fp8_gemm.py runs that one). Block-
-    scaled weights keep their layout."""
+    on one Hopper GPU, forced here), a layer's weights over one input joined, generates the tokens of one
+    holding them in their own layout, every matmul as W8A8 (a GPU's path besides the decode kernel:
+    tests/test_fp8_gemm.py runs that one). Block-scaled weights keep their layout."""
     monkeypatch.setattr(quant, "tensor_cores_apply", lambda num_rows, w: True)
     jax.clear_caches()  # (traced anew: the programs jitted without the patch are dropped before and after)
     request.addfinalizer(jax.clear_caches)
@@ -198,7 +198,9 @@ def test_weights_held_transposed_give_the_same_tokens(monkeypatch, request):
     monkeypatch.setattr(device_setup, "holds_fp8_transposed", lambda cfg, tp: True)
     llm = _llm(path, 1, quantization="fp8")
     layer = llm.engine.runner.model.params["layers"][0]
-    assert all(layer[name].transposed for name in llama.QUANTIZED)
+    joined = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
+    assert all(layer[name].transposed for name in joined) and not any(n in layer for p in joined.values() for n in p)
+    assert all(layer[name].transposed for name in llama.QUANTIZED if name in layer)
     assert layer["wo"].q.shape == (layer["wo"].shape[2], layer["wo"].shape[0] * layer["wo"].shape[1])
     assert _greedy(llm) == want
     block = loader.load_model(BLOCK, dtype="float32").params["layers"][0]["wq"]

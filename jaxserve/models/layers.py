@@ -83,14 +83,19 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return out.astype(x.dtype)
 
 
-def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, gate_up_biases=None) -> jax.Array:
-    """SwiGLU: down(silu(x @ gate) * (x @ up)). x [T, D]; w_gate, w_up [D, F]; w_down [F, D].
+def gated_mlp(x: jax.Array, *weights, gate_up_biases=None) -> jax.Array:
+    """SwiGLU: down(silu(x @ gate) * (x @ up)). x [T, D]; weights (w_gate, w_up [D, F], w_down [F, D]), or
+    (w_gate_up, w_down): gate's and up's FP8 weights joined into one [D, 2F] (quant.fuse_outputs).
 
     Inside shard_map the weights hold F/tp columns (gate/up column-parallel, down row-parallel), so
     the result is this device's partial sum: the caller all-reduces it, then adds the down bias. Weights
     may be FP8 (quant.linear)."""
-    gate = quant.linear(x, w_gate, "td,df->tf")
-    up = quant.linear(x, w_up, "td,df->tf")
+    *gate_up, w_down = weights
+    if len(gate_up) == 1:
+        gate, up = jnp.split(quant.linear(x, gate_up[0]), 2, axis=-1)
+    else:
+        gate = quant.linear(x, gate_up[0], "td,df->tf")
+        up = quant.linear(x, gate_up[1], "td,df->tf")
     if gate_up_biases is not None:
         gate, up = gate + gate_up_biases[0], up + gate_up_biases[1]
     return quant.linear(jax.nn.silu(gate) * up, w_down, "tf,fd->td")

@@ -216,9 +216,14 @@ def quantize_params(params: Params) -> Params:
 
 def _qkv(lp: Params, cfg: LlamaConfig, x: jax.Array, positions: jax.Array, inv_freq):
     """x [T, D] -> q [T, N, H], k, v [T, K, H] with bias, q/k norm and rope applied."""
-    q = quant.linear(x, lp["wq"], "td,dnh->tnh")
-    k = quant.linear(x, lp["wk"], "td,dkh->tkh")
-    v = quant.linear(x, lp["wv"], "td,dkh->tkh")
+    if "wqkv" in lp:  # (FP8 weights joined on one GPU: runner/device_setup.FUSED_FP8)
+        heads, kv_heads = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q, k, v = jnp.split(quant.linear(x, lp["wqkv"]), (heads, heads + kv_heads), axis=-1)
+        q, k, v = (a.reshape(x.shape[0], -1, cfg.head_dim) for a in (q, k, v))
+    else:
+        q = quant.linear(x, lp["wq"], "td,dnh->tnh")
+        k = quant.linear(x, lp["wk"], "td,dkh->tkh")
+        v = quant.linear(x, lp["wv"], "td,dkh->tkh")
     if cfg.qkv_bias:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     if cfg.qk_norm:
@@ -261,7 +266,8 @@ def _out_and_mlp(lp: Params, cfg: LlamaConfig, x: jax.Array, attn: jax.Array, ne
         down = moe.moe_mlp(lp, h, cfg.moe, routed)
     else:
         gate_up_biases = (lp["b_gate"], lp["b_up"]) if cfg.mlp_bias else None
-        down = layers.gated_mlp(h, lp["w_gate"], lp["w_up"], lp["w_down"], gate_up_biases)
+        gate_up = (lp["w_gate_up"],) if "w_gate_up" in lp else (lp["w_gate"], lp["w_up"])
+        down = layers.gated_mlp(h, *gate_up, lp["w_down"], gate_up_biases=gate_up_biases)
     return _add_norm(x, down, lp["b_down"] if cfg.mlp_bias else None, next_norm, cfg, tp, "mlp", comm)
 
 

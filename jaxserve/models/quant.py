@@ -335,3 +335,18 @@ def hold_transposed(w):
     if not isinstance(w, Fp8Weight) or w.transposed or (k := _input_size(w)) is None:
         return w
     return Fp8Weight(_transpose(w.q, k), w.scale, w.block, w.shape)
+
+
+def fuse_outputs(weights: list) -> Fp8Weight | None:
+    """Weights held [N_i, K] (hold_transposed) with per-output-channel scales over one input of size K, e.g.
+    a layer's wq, wk and wv -> one weight held [sum N_i, K] (matrix form [K, sum N_i]) whose output columns
+    are theirs in order: x @ it is one kernel where there were len(weights), x quantized once. None where any
+    weight is not so held or the inputs differ."""
+    if not all(isinstance(w, Fp8Weight) and w.transposed for w in weights):
+        return None
+    sizes = {_input_size(w) for w in weights}
+    if len(sizes) != 1 or (k := sizes.pop()) is None:
+        return None
+    n = sum(w.q.shape[0] for w in weights)
+    return Fp8Weight(jnp.concatenate([w.q for w in weights]),
+                     jnp.concatenate([w.scale.reshape(1, -1) for w in weights], axis=1), (k, 1), (k, n))

@@ -50,8 +50,9 @@ def holds_fp8_transposed(cfg: ModelConfig, tp: TensorParallel | None) -> bool:
 
 
 def hold_fp8_transposed(params):
-    """params with every FP8 weight with per-channel scales held [N, K] (quant.hold_transposed); block-scaled
-    weights, and everything else, as they are. Consumes `params`: each weight's [K, N] q is freed once its
+    """params with every FP8 weight with per-channel scales held [N, K] (quant.hold_transposed), each layer's
+    groups of them that share an input joined into one (FUSED_FP8); block-scaled weights, and everything
+    else, as they are. Consumes `params`: each weight's [K, N] q is freed once its
     transpose is made, so the load's peak is one weight above the model's.
 
     NOTE: the weights are transposed here, on the device after loading, rather than in the loader: every
@@ -64,7 +65,21 @@ def hold_fp8_transposed(params):
             held.q.block_until_ready()
             w.q.delete()
         return held
-    return jax.tree.map(hold, params, is_leaf=lambda node: isinstance(node, quant.Fp8Weight))
+    params = jax.tree.map(hold, params, is_leaf=lambda node: isinstance(node, quant.Fp8Weight))
+    for lp in params.get("layers", ()):
+        for fused, parts in FUSED_FP8.items():
+            if all(name in lp for name in parts) and (w := quant.fuse_outputs([lp[n] for n in parts])) is not None:
+                w.q.block_until_ready()
+                for name in parts:
+                    lp.pop(name).q.delete()
+                lp[fused] = w
+    return params
+
+
+# Per-channel FP8 weights held [N, K] that share their input are joined (quant.fuse_outputs): one decode kernel
+# and one quantization of the activations per group (XLA merges the bfloat16 dots of a group itself, but not
+# the kernel's custom calls). models/llama.py's _qkv and _out_and_mlp read the joined weights.
+FUSED_FP8 = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
 
 
 def resolve_max_model_len(config: EngineConfig, model_config) -> int:
