@@ -219,8 +219,9 @@ class ModelRunner:
         self._logits: dict[int, jax.Array] = {}
         self._twin: dict[tuple[int, int, bool], bool] = {}  # the twin the last step of a (T, R, decode_only) ran
         platform = (tp.mesh.devices.flat[0] if tp is not None else jax.devices()[0]).platform
+        self.fp8_weights = getattr(self.cfg, "quantization", None) is not None
         self.forward_fn = forward_fn(platform, self.drafter is not None and self.drafter.needs_hidden,
-                                     self.drafter.aux_layers if self.drafter is not None else ())
+                                     self.drafter.aux_layers if self.drafter is not None else (), self.fp8_weights)
         self.use_twins = platform == "gpu"  # (only XLA:GPU replays graphs; see _run_forward)
         self.speculative = config.speculative.enabled  # steps may carry guesses (spec_verify.py)
         # The staging program's block size where a row may follow its own verify step (step_program._stage_step

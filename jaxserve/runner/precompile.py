@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from jaxserve.models.layers import ModelBatch
 from jaxserve.runner import model_runner, prompt_logprobs, sampler, spec_verify
-from jaxserve.runner.step_program import TWIN_COMPILER_OPTIONS, pack_step
+from jaxserve.runner.step_program import gpu_compiler_options, pack_step
 from sharding.tensor_parallel import zeros
 
 
@@ -53,8 +53,9 @@ def precompile(runner, progress: bool = True) -> int:
         # The twin (decode steps; with speculation also the shapes a verify step takes): the same program
         # compiled once more (an option that changes nothing makes it a separate executable, without
         # lowering the step twice).
+        twin = gpu_compiler_options(runner.fp8_weights, twin=True)
         return {("forward", t_pad, r_pad, decode_only, False): lowered.compile(),
-                ("forward", t_pad, r_pad, decode_only, True): lowered.compile(TWIN_COMPILER_OPTIONS)}
+                ("forward", t_pad, r_pad, decode_only, True): lowered.compile(twin)}
 
     def stage(t_pad: int, r_pad: int):
         batch = runner._host_batch(t_pad, r_pad)

@@ -136,16 +136,28 @@ GPU_COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 1024}
 # The decode step's twin executable (ModelRunner._run_forward): the same merges (no weight pair is near
 # 1 GB), a different option set, so XLA compiles (and the persistent cache keeps) a second executable.
 TWIN_COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 1025}
+# With FP8 weights: XLA's autotuner tries Triton configurations for each FP8 GEMM shape of a prefill-sized
+# step (quant.w8a8) and took over two minutes per step shape on an H200 (benchmarks/RESULTS.md); level 0
+# takes cuBLASLt's own choice of kernel and compiles in seconds.
+FP8_COMPILER_OPTIONS = {"xla_gpu_autotune_level": 0}
+
+
+def gpu_compiler_options(fp8_weights: bool, twin: bool = False) -> dict:
+    """The step's XLA:GPU options: GPU_COMPILER_OPTIONS (TWIN_COMPILER_OPTIONS for the twin executable),
+    with FP8_COMPILER_OPTIONS for a model with FP8 weights."""
+    options = TWIN_COMPILER_OPTIONS if twin else GPU_COMPILER_OPTIONS
+    return {**options, **FP8_COMPILER_OPTIONS} if fp8_weights else options
 
 
 @functools.cache
-def forward_fn(platform: str, return_hidden: bool = False, aux_layers: tuple[int, ...] = ()):
-    """The jitted step for a platform (GPU options only where XLA:GPU compiles), one per process so
-    engines with the same model config and shapes share compilations; `return_hidden`, `aux_layers`:
-    _forward_step's."""
+def forward_fn(platform: str, return_hidden: bool = False, aux_layers: tuple[int, ...] = (),
+               fp8_weights: bool = False):
+    """The jitted step for a platform (GPU options only where XLA:GPU compiles: gpu_compiler_options), one
+    per process and option set so engines with the same model config and shapes share compilations;
+    `return_hidden`, `aux_layers`: _forward_step's."""
     step = (functools.partial(_forward_step, return_hidden=True, aux_layers=aux_layers) if return_hidden
             else _forward_step)
     return jax.jit(step, static_argnames=("cfg", "attention_backend", "tp", "decode_only", "twin", "out_rows",
                                                    "num_prompt_logprobs"),
                    donate_argnames=("kv_caches", "logits_buffer", "expert_load"), keep_unused=True,
-                   compiler_options=GPU_COMPILER_OPTIONS if platform == "gpu" else None)
+                   compiler_options=gpu_compiler_options(fp8_weights) if platform == "gpu" else None)
