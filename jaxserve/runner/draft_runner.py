@@ -77,6 +77,9 @@ class DraftRunner:
     needs_hidden = False  # the step's target hidden states are an input (ModelRunner's forward returns them)
     aux_layers: tuple[int, ...] = ()  # ... and then, when set, the residual stream entering these target layers
     fill_program, propose_program = staticmethod(draft_model.fill), staticmethod(draft_model.propose)
+    # One program per step (draft_model.fill_propose: the fill's forward also gives the first guess) rather
+    # than a fill and a propose; the EAGLE heads keep the two (their fill reads the target's hidden states).
+    joined = True
 
     def __init__(self, config: EngineConfig, tp: TensorParallel | None, target, max_model_len: int):
         """Loads speculative.model to guess for the `target` model config; ValueError when it cannot."""
@@ -178,16 +181,25 @@ class DraftRunner:
             moved_by = jax.device_put(step.guesses.row_moved_by, self.on_device)
             rows = (runner._compiled.get(("draft_moved_rows",)) or moved_rows)(rows, moved_by, prev_accepted)
         num_accepted = handle.num_accepted if handle.num_accepted is not None else self._no_guesses
-        fill = runner._compiled.get(("draft_fill", t_pad, r_pad))
-        args = self._fill_args(runner, step, staged, hidden, num_accepted, rows)
-        out = fill(*args) if fill is not None else self.fill_program(*args, **self._static())
-        self.kv_caches, carry = out if isinstance(out, tuple) else (out, None)
+        if self.joined:
+            tokens = handle.tokens if sampling else self._no_guesses
+            program = runner._compiled.get(("draft_fill_propose", t_pad, r_pad))
+            args = (self.params, staged, self.kv_caches, tokens, num_accepted, rows)
+            self.kv_caches, drafts = (program(*args) if program is not None
+                                      else draft_model.fill_propose(*args, **self._propose_static()))
+        else:
+            fill = runner._compiled.get(("draft_fill", t_pad, r_pad))
+            args = self._fill_args(runner, step, staged, hidden, num_accepted, rows)
+            out = fill(*args) if fill is not None else self.fill_program(*args, **self._static())
+            self.kv_caches, carry = out if isinstance(out, tuple) else (out, None)
+            if not sampling:
+                return None
+            args = self._propose_args(runner, staged, carry, handle.tokens, num_accepted, rows)
+            propose = runner._compiled.get(("draft_propose", r_pad))
+            self.kv_caches, drafts = (propose(*args) if propose is not None
+                                      else self.propose_program(*args, **self._propose_static()))
         if not sampling:
             return None
-        args = self._propose_args(runner, staged, carry, handle.tokens, num_accepted, rows)
-        propose = runner._compiled.get(("draft_propose", r_pad))
-        self.kv_caches, drafts = (propose(*args) if propose is not None
-                                  else self.propose_program(*args, **self._propose_static()))
         drafts.copy_to_host_async()
         return drafts
 
@@ -198,8 +210,9 @@ class DraftRunner:
         return None if drafts is None else np.asarray(drafts)[:num_rows].tolist()
 
     def precompile_jobs(self, runner) -> dict:
-        """runner.precompile's jobs for the draft (their executables go into runner._compiled): a fill per
-        step shape, and a propose per request bucket (the block tables it reads are the staged batch's)."""
+        """runner.precompile's jobs for the draft (their executables go into runner._compiled): a joined
+        fill_propose per step shape; or (EAGLE heads) a fill per step shape and a propose per request bucket
+        (the block tables it reads are the staged batch's)."""
         def abstract(shape, dtype=jnp.int32, sharding=runner.batch_sharding):
             return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
@@ -218,7 +231,15 @@ class DraftRunner:
             args = self._propose_args(runner, inputs(r_pad, r_pad)[0], self._carry(runner), tokens, tokens, rows)
             return self.propose_program.lower(*args, **self._propose_static()).compile()
 
-        jobs = {("draft_fill", t_pad, r_pad): (fill, (t_pad, r_pad)) for t_pad, r_pad in runner._step_shapes}
-        jobs[("draft_moved_rows",)] = (lambda: moved_rows.lower(rows, tokens, tokens).compile(), ())
+        def fill_propose(t_pad: int, r_pad: int):
+            args = (self.params, inputs(t_pad, r_pad)[0], self.kv_caches, tokens, tokens, rows)
+            return draft_model.fill_propose.lower(*args, **self._propose_static()).compile()
+
+        jobs = {("draft_moved_rows",): (lambda: moved_rows.lower(rows, tokens, tokens).compile(), ())}
+        if self.joined:
+            jobs.update({("draft_fill_propose", t_pad, r_pad): (fill_propose, (t_pad, r_pad))
+                         for t_pad, r_pad in runner._step_shapes})
+            return jobs
+        jobs.update({("draft_fill", t_pad, r_pad): (fill, (t_pad, r_pad)) for t_pad, r_pad in runner._step_shapes})
         jobs.update({("draft_propose", r_pad): (propose, (r_pad,)) for r_pad in {r for _, r in runner._step_shapes}})
         return jobs

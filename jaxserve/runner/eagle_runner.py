@@ -24,6 +24,7 @@ from jaxserve.runner.draft_runner import REPLICATED, DraftRunner
 
 class EagleRunner(DraftRunner):
     needs_hidden = True
+    joined = False
     fill_program, propose_program = staticmethod(eagle.fill), staticmethod(eagle.propose)
 
     @staticmethod

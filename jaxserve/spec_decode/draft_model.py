@@ -16,6 +16,11 @@ count in the KV budget. Each engine step runs, after the target's forward, sampl
         any step reads it as context, since every position a request computes is filled in the step that
         computes it.
 
+    fill_propose(draft params, the step's staged ModelBatch, draft caches, tokens, num_accepted, rows)
+        the two as one program of k forwards (the draft runner's; the EAGLE heads keep fill and propose):
+        the fill's forward takes the sampling rows' next tokens as R more decode entries after the step's
+        batch (`_joined`) and so gives the first guess, then k - 1 decode steps as propose's
+
 Rows the host marks as having no room (capacity: the slots of the row's allocated blocks; 0 for the
 padding rows) write into the null block 0 from the first position past it on: their drafts are garbage and
 the scheduler never uses them (it keeps only the drafts of rows it allocated the lookahead for).
@@ -96,3 +101,56 @@ def _propose(params, batch_tables: jax.Array, kv_caches, tokens: jax.Array, num_
 
 propose = jax.jit(_propose, static_argnames=("cfg", "k", "block_size", "attention_backend", "tp"),
                   donate_argnames=("kv_caches",))
+
+
+def _joined(batch: ModelBatch, tokens: jax.Array, num_accepted: jax.Array, rows: jax.Array,
+            block_size: int) -> ModelBatch:
+    """The step's staged batch (T tokens, R requests) followed by one decode entry per sampling row (R of
+    them, `first_rows`): its next token (the step's sampled or corrected one) at position base +
+    num_accepted, over its request's block table -> a batch of T + R tokens and 2R requests whose logits
+    rows are the R entries. The staged tokens past a sampling row's input token and its accepted guesses
+    (the rejected guesses) write the null slot 0, so the slot after the accepted ones is the next token's
+    alone. The forward writes every token's K/V of a layer before any token attends, so each entry sees
+    its request's accepted K/V of this same step."""
+    num_tokens, num_requests = batch.token_ids.shape[0], batch.block_tables.shape[0]
+    tokens, num_accepted, rows = first_rows(num_requests, tokens, num_accepted, rows)
+    batch_row, base, capacity, first = rows[0], rows[1], rows[2], rows[3]
+    qsl = batch.query_start_loc
+    # each request's first rejected token index (its end where it samples nothing or accepted all)
+    cut = qsl[1:].at[jnp.where(capacity > 0, batch_row, num_requests)].set(first + num_accepted + 1, mode="drop")
+    index = jnp.arange(num_tokens, dtype=jnp.int32)
+    owner = jnp.clip(jnp.searchsorted(qsl, index, side="right") - 1, 0, num_requests - 1)
+    rejected = (index >= cut[owner]) & (index < qsl[owner + 1])
+    tables = batch.block_tables[batch_row]
+    entries = decode_batch(tokens, base + num_accepted, capacity, tables, block_size)
+    join = jnp.concatenate
+    return ModelBatch(join([batch.token_ids, entries.token_ids]), join([batch.positions, entries.positions]),
+                      join([jnp.where(rejected, 0, batch.slot_mapping), entries.slot_mapping]),
+                      join([qsl, num_tokens + entries.query_start_loc[1:]]), join([batch.seq_lens, entries.seq_lens]),
+                      join([batch.block_tables, tables]), num_tokens + jnp.arange(num_requests, dtype=jnp.int32))
+
+
+def _fill_propose(params, batch: ModelBatch, kv_caches, tokens: jax.Array, num_accepted: jax.Array,
+                  rows: jax.Array, *, cfg, k: int, block_size: int, attention_backend: str, tp):
+    """fill and propose as one program of k forwards: the first is the fill's over the step's batch joined
+    with the sampling rows' next tokens (`_joined`), which also gives the first guess; then k - 1 decode
+    steps as propose's. Arguments and result as propose's, with the staged batch for its block tables."""
+    forward = registry.family_of(cfg).forward
+    num_rows = tokens.shape[0]
+    logits, kv_caches, *_ = forward(params, cfg, _joined(batch, tokens, num_accepted, rows, block_size), kv_caches,
+                                    attention_backend=attention_backend, tp=tp)
+    tokens, num_accepted, rows = first_rows(batch.block_tables.shape[0], tokens, num_accepted, rows)
+    block_tables = batch.block_tables[rows[0]]
+    drafts = [jnp.argmax(logits, axis=-1).astype(jnp.int32)]
+    positions = rows[1] + num_accepted + 1
+    for _ in range(k - 1):
+        step = decode_batch(drafts[-1], positions, rows[2], block_tables, block_size)
+        logits, kv_caches, *_ = forward(params, cfg, step, kv_caches, attention_backend=attention_backend, tp=tp,
+                                        decode_only=True)
+        drafts.append(jnp.argmax(logits, axis=-1).astype(jnp.int32))
+        positions = positions + 1
+    return kv_caches, stack_drafts(drafts, num_rows)
+
+
+fill_propose = jax.jit(_fill_propose, static_argnames=("cfg", "k", "block_size", "attention_backend", "tp"),
+                       donate_argnames=("kv_caches",))
