@@ -24,7 +24,7 @@ The head's paged KV cache (one layer) is indexed by the target's block tables. E
     propose(head, target params, block tables, those features, caches, tokens, num_accepted, rows)
         step 0 at each sampling row's last accepted position (its K/V now written with the step's real next
         token), step j > 0 one position further, reading the head's own output of step j - 1 -> drafts
-        [M, k] (greedy), as draft_model.propose.
+        [M, k] (greedy), as draft_model.fill_propose's decode steps.
 
 NOTE: a prefix-cache hit's last block holds head K/V computed with the next token of the request that wrote
 it, which another request sharing the block may not have: its guesses may be worse, never its outputs.
@@ -206,7 +206,7 @@ fill = jax.jit(_fill, static_argnames=("cfg", "attention_backend", "tp"), donate
 def _propose(params, target_params, batch_tables, features, kv_caches, tokens, num_accepted, rows, *, cfg,
              target_cfg, k: int, block_size: int, attention_backend: str, tp):
     """features [M, D] (fill's), rows [4, M] (runner/draft_runner.DraftRunner.rows) -> (caches, drafts [M, k]),
-    as draft_model.propose."""
+    as draft_model.fill_propose's decode steps."""
     num_rows = tokens.shape[0]
     features, tokens, num_accepted, rows = first_rows(batch_tables.shape[0], features, tokens, num_accepted, rows)
     batch_row, base, capacity = rows[0], rows[1], rows[2]

@@ -5,11 +5,12 @@ its KV cache, and its part of every step (the programs are in spec_decode/draft_
                           memory() joins the KV budget; init_caches(num_blocks, ...) after it
     ModelRunner.dispatch  run(runner, step, handle, forward outputs) after the target's step (forward,
                           sampler, verification) is enqueued: fill the draft's K/V over the step's staged
-                          batch; when the step samples, propose k drafts per sampling row from its next
-                          token -> drafts [max_rows, k] (zero past the step's request bucket), copying to the host with
-                          the step's tokens
+                          batch and propose k drafts per sampling row from its next token (one program,
+                          draft_model.fill_propose) -> drafts [max_rows, k] (zero past the step's request
+                          bucket), copying to the host with the step's tokens, when the step samples
     ModelRunner._collect  read(handle, num_rows) -> each sampling row's k drafts (RunnerOutput.draft_token_ids)
-    ModelRunner.precompile  precompile_jobs(runner): a fill per step shape, a propose per request bucket
+    ModelRunner.precompile  precompile_jobs(runner): a fill_propose per step shape (EAGLE heads: a fill per
+                          step shape, a propose per request bucket)
 
 The draft runs on the target's devices: split over them as the target is (draft_tensor_parallel_size =
 parallel.model), or whole on every one of them (1: its parameters and cache replicated).
@@ -76,10 +77,12 @@ class DraftRunner:
 
     needs_hidden = False  # the step's target hidden states are an input (ModelRunner's forward returns them)
     aux_layers: tuple[int, ...] = ()  # ... and then, when set, the residual stream entering these target layers
-    fill_program, propose_program = staticmethod(draft_model.fill), staticmethod(draft_model.propose)
-    # One program per step (draft_model.fill_propose: the fill's forward also gives the first guess) rather
-    # than a fill and a propose; the EAGLE heads keep the two (their fill reads the target's hidden states).
+    # A draft model runs one program per step (draft_model.fill_propose: the fill's forward also gives the
+    # first guess). The EAGLE heads run a fill and a propose program (their fill reads the target's hidden
+    # states): they set `joined` False, the two programs here, and define _fill_args, _propose_args and
+    # _carry (their arguments, and the abstract output the fill passes on to propose).
     joined = True
+    fill_program = propose_program = None
 
     def __init__(self, config: EngineConfig, tp: TensorParallel | None, target, max_model_len: int):
         """Loads speculative.model to guess for the `target` model config; ValueError when it cannot."""
@@ -154,19 +157,6 @@ class DraftRunner:
         out[2, :num_rows] = runner.row_num_blocks[step.rows] * self.block_size
         out[3, :num_rows] = first
         return out
-
-    def _fill_args(self, runner, step, staged, hidden, num_accepted, rows) -> tuple:
-        """The fill program's arguments (`step` None: abstract ones, for precompiling)."""
-        return self.params, staged, self.kv_caches
-
-    def _propose_args(self, runner, staged, carry, tokens, num_accepted, rows) -> tuple:
-        """The propose program's arguments; `carry`: what the fill returned besides the caches."""
-        return self.params, staged.block_tables, self.kv_caches, tokens, num_accepted, rows
-
-    def _carry(self, runner):
-        """The abstract `carry` of the fill program's output (precompiling propose); None: the fill gives
-        the caches alone."""
-        return None
 
     def run(self, runner, step, handle, forward_outputs: list, prev_accepted: jax.Array) -> jax.Array | None:
         """The draft's part of a dispatched step (`forward_outputs`: the target forward's outputs after its

@@ -71,6 +71,7 @@ class EagleRunner(DraftRunner):
         return out
 
     def _fill_args(self, runner, step, staged, hidden, num_accepted, rows) -> tuple:
+        """The fill program's arguments (`step` None: abstract ones, for precompiling)."""
         if step is None:
             next_tokens = jax.ShapeDtypeStruct(staged.token_ids.shape, jnp.int32, sharding=self.on_device)
         else:
@@ -78,10 +79,12 @@ class EagleRunner(DraftRunner):
         return (self.params, runner.model.params, staged, hidden, self.kv_caches, next_tokens, num_accepted, rows)
 
     def _propose_args(self, runner, staged, carry, tokens, num_accepted, rows) -> tuple:
+        """The propose program's arguments; `carry`: the fill's output besides the caches (the features)."""
         return (self.params, runner.model.params, staged.block_tables, carry, self.kv_caches, tokens, num_accepted,
                 rows)
 
     def _carry(self, runner):
+        """The abstract `carry` of the fill program's output (precompiling propose)."""
         return jax.ShapeDtypeStruct((runner.max_rows, self.cfg.hidden_size), self.target.jnp_dtype,
                                     sharding=self.on_device)
 

@@ -2,24 +2,19 @@
 
 The draft keeps a paged KV cache of its own, indexed by the target's block tables and slot mapping (a
 token's position is the same in both models), so it needs no blocks of its own: only its bytes per block
-count in the KV budget. Each engine step runs, after the target's forward, sampler and verification:
-
-    fill(draft params, the step's staged ModelBatch, draft caches)
-        the draft's forward over the same ragged batch (prefill chunks, decode rows, guesses): its K/V is
-        written at every slot the target wrote this step; its logits are not used
-    propose(draft params, block tables, draft caches, tokens, num_accepted, rows)
-        k greedy decode steps of the draft, one query token per row of the step's request bucket R:
-        step 0 feeds each row's next token (the step's sampled or corrected token, still on device) at
-        position base + num_accepted, step j the draft's own argmax of step j - 1 one position further;
-        -> drafts [M, k] (zero past R). The K/V of those positions is written into the row's own slots (the scheduler
-        allocated them: positions up to the step's last + k) and rewritten by a later step's fill before
-        any step reads it as context, since every position a request computes is filled in the step that
-        computes it.
+count in the KV budget. Each engine step runs, after the target's forward, sampler and verification, one
+program of k forwards:
 
     fill_propose(draft params, the step's staged ModelBatch, draft caches, tokens, num_accepted, rows)
-        the two as one program of k forwards (the draft runner's; the EAGLE heads keep fill and propose):
-        the fill's forward takes the sampling rows' next tokens as R more decode entries after the step's
-        batch (`_joined`) and so gives the first guess, then k - 1 decode steps as propose's
+        fill: the draft's forward over the same ragged batch (prefill chunks, decode rows, guesses), so its
+        K/V is written at every slot the target wrote this step, joined with one decode entry per sampling
+        row of the step's request bucket R (`_joined`): the row's next token (the step's sampled or
+        corrected token, still on device) at position base + num_accepted, whose argmax is the first guess;
+        then k - 1 greedy decode steps of the draft, one query token per row, step j feeding the draft's own
+        argmax of step j - 1 one position further; -> drafts [M, k] (zero past R). The guesses' K/V is
+        written into the row's own slots (the scheduler allocated them: positions up to the step's last +
+        k) and rewritten by a later step's fill before any step reads it as context, since every position
+        a request computes is filled in the step that computes it.
 
 Rows the host marks as having no room (capacity: the slots of the row's allocated blocks; 0 for the
 padding rows) write into the null block 0 from the first position past it on: their drafts are garbage and
@@ -35,16 +30,6 @@ import jax.numpy as jnp
 
 from jaxserve.models import registry
 from jaxserve.models.layers import ModelBatch
-
-
-def _fill(params, batch: ModelBatch, kv_caches, *, cfg, attention_backend: str, tp):
-    """The draft's forward over the step's ragged batch, for its K/V only -> the caches."""
-    _, kv_caches, *_ = registry.family_of(cfg).forward(params, cfg, batch, kv_caches,
-                                                       attention_backend=attention_backend, tp=tp)
-    return kv_caches
-
-
-fill = jax.jit(_fill, static_argnames=("cfg", "attention_backend", "tp"), donate_argnames=("kv_caches",))
 
 
 def decode_batch(tokens: jax.Array, positions: jax.Array, capacity: jax.Array, block_tables: jax.Array,
@@ -73,34 +58,6 @@ def stack_drafts(drafts: list[jax.Array], num_rows: int) -> jax.Array:
     step, which the next step's staging reads (a device-guessed row's guesses)."""
     stacked = jnp.stack(drafts, axis=1)
     return jnp.pad(stacked, ((0, num_rows - stacked.shape[0]), (0, 0)))
-
-
-def _propose(params, batch_tables: jax.Array, kv_caches, tokens: jax.Array, num_accepted: jax.Array,
-             rows: jax.Array, *, cfg, k: int, block_size: int, attention_backend: str, tp):
-    """batch_tables [R, max_blocks] (the step's staged block tables, in batch order), tokens [M] (each
-    sampling row's next token), num_accepted [M], rows [4, M] int32 (DraftRunner.rows: each sampling row's
-    batch row, the position its next token takes with no guess accepted, its capacity) -> (caches, drafts
-    [M, k], zero past R): the first R rows guess (`first_rows`). The k steps are unrolled (k is small): each is
-    the family's decode-only forward."""
-    forward = registry.family_of(cfg).forward
-    num_rows = tokens.shape[0]
-    tokens, num_accepted, rows = first_rows(batch_tables.shape[0], tokens, num_accepted, rows)
-    batch_row, base, capacity = rows[0], rows[1], rows[2]  # (rows[3]: the EAGLE head's)
-    block_tables = batch_tables[batch_row]
-    positions = base + num_accepted
-    drafts = []
-    for _ in range(k):
-        batch = decode_batch(tokens, positions, capacity, block_tables, block_size)
-        logits, kv_caches, *_ = forward(params, cfg, batch, kv_caches, attention_backend=attention_backend, tp=tp,
-                                        decode_only=True)
-        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        drafts.append(tokens)
-        positions = positions + 1
-    return kv_caches, stack_drafts(drafts, num_rows)
-
-
-propose = jax.jit(_propose, static_argnames=("cfg", "k", "block_size", "attention_backend", "tp"),
-                  donate_argnames=("kv_caches",))
 
 
 def _joined(batch: ModelBatch, tokens: jax.Array, num_accepted: jax.Array, rows: jax.Array,
