@@ -271,3 +271,37 @@ def test_no_compiles_after_start_up(speculative, request):
         llm.generate(*_workload(), use_tqdm=False)
     assert llm.engine.scheduler.num_accepted_tokens > 0
     assert_no_leaks(llm)
+
+
+def test_joined_fill_batch_appends_next_tokens_and_drops_rejected_guesses():
+    """draft_model._joined on a step of a speculating row (input token at position 10, 3 guesses, 1 kept)
+    and a mid-prompt chunk (no sampling row), padded to 12 tokens and 2 sampling rows: the rejected guesses
+    write the null slot, the chunk's and the kept tokens keep theirs, and the speculating row's next token
+    is a decode entry after the batch at position 12 (its slot from the row's block table, 13 tokens of
+    context), the padding sampling row's entry at position 0 in the null slot."""
+    from jaxserve.models.layers import ModelBatch
+    from jaxserve.spec_decode.draft_model import _joined
+
+    block_size = 4
+    positions = np.array([10, 11, 12, 13, 0, 1, 2, 3, 4, 0, 0, 0], np.int32)
+    tables = np.array([[5, 6, 7, 8], [2, 0, 0, 0]], np.int32)
+    owner = np.array([0] * 4 + [1] * 5 + [0] * 3)
+    slots = tables[owner, positions // block_size] * block_size + positions % block_size
+    slots[9:] = 0
+    batch = ModelBatch(np.arange(100, 112, dtype=np.int32), positions, slots.astype(np.int32),
+                       np.array([0, 4, 9], np.int32), np.array([14, 5], np.int32), tables, np.array([0], np.int32))
+    rows = np.zeros((4, 4), np.int32)
+    rows[:, 0] = [0, 11, 16, 0]  # batch row, position after the input token, capacity, input token index
+    tokens, accepted = np.array([77, 1, 2, 3], np.int32), np.array([1, 0, 0, 0], np.int32)
+    batch, tokens, accepted, rows = jax.tree.map(jax.numpy.asarray, (batch, tokens, accepted, rows))
+    got = jax.tree.map(np.asarray, _joined(batch, tokens, accepted, rows, block_size))
+    want_slots = slots.copy()
+    want_slots[2:4] = 0
+    np.testing.assert_array_equal(got.slot_mapping[:12], want_slots)
+    np.testing.assert_array_equal(got.token_ids, [*range(100, 112), 77, 1])
+    np.testing.assert_array_equal(got.positions[12:], [12, 0])
+    np.testing.assert_array_equal(got.slot_mapping[12:], [8 * block_size, 0])  # (position 12: block 3 of row 0)
+    np.testing.assert_array_equal(got.query_start_loc, [0, 4, 9, 13, 14])
+    np.testing.assert_array_equal(got.seq_lens, [14, 5, 13, 1])
+    np.testing.assert_array_equal(got.block_tables, np.concatenate([tables, tables[[0, 0]]]))
+    np.testing.assert_array_equal(got.logits_indices, [12, 13])
