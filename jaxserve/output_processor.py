@@ -17,7 +17,7 @@ import dataclasses
 import time
 
 from jaxserve.core.sched_types import PromptLogprobs
-from jaxserve.core.scheduler import StepUpdates
+from jaxserve.core.sched_types import StepUpdates
 from jaxserve.input_processor import PreparedRequest
 from jaxserve.outputs import OutputStream, PromptLogprobsStream, RequestMetrics, RequestOutput
 from jaxserve.request import Request, RequestStatus

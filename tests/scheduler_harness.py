@@ -14,7 +14,8 @@ import zlib
 from jaxserve.config import SchedulerConfig, SpeculativeConfig
 from jaxserve.core.kv_cache_manager import NULL_BLOCK_ID, KVCacheManager
 from jaxserve.core.sched_types import RunnerOutput, SchedulerOutput
-from jaxserve.core.scheduler import RequestUpdate, Scheduler
+from jaxserve.core.sched_types import RequestUpdate
+from jaxserve.core.scheduler import Scheduler
 from jaxserve.request import Request, RequestStatus
 from jaxserve.sampling_params import SamplingParams
 

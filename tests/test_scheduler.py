@@ -16,7 +16,8 @@ import pytest
 from jaxserve.config import SchedulerConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.sched_types import RunnerOutput, SchedulerOutput
-from jaxserve.core.scheduler import RequestUpdate, Scheduler
+from jaxserve.core.sched_types import RequestUpdate
+from jaxserve.core.scheduler import Scheduler
 from jaxserve.request import Request, RequestStatus
 from jaxserve.sampling_params import SamplingParams
 from tests.scheduler_harness import (

@@ -1,7 +1,7 @@
 """The contract between the scheduler and the model runner: plain dataclasses, no JAX.
 
     Scheduler.schedule() -> SchedulerOutput -> ModelRunner.execute() -> RunnerOutput
-        -> Scheduler.update_from_output()
+        -> Scheduler.update_from_output() -> StepUpdates (for the engine's output processing)
 
 The scheduler sends only what changed: a request's sampling parameters and known tokens travel
 once (`NewRequestData`, when it is first scheduled or resumed after preemption); later steps
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxserve.request import Request, RequestStatus
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -159,3 +160,41 @@ class RunnerOutput:
     # sampling index -> the guesses a device-guessed row (ScheduledRequest.device_guesses) was scored on: the
     # drafts of its previous step, which the host learns with that step's outputs.
     device_guesses: dict[int, list[int]] | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class RequestUpdate:
+    """What one step did to one request (one item of StepUpdates)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_status: RequestStatus | None = None  # set when the request finished this step
+    stop_reason: int | str | None = None
+    logprobs: Logprobs | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class StepUpdates:
+    """What one step did, as columns (no object per request: this is built for every running request
+    every step). Iterating gives RequestUpdate items."""
+
+    requests: list[Request]  # requests that received a token, in sampling order
+    tokens: list[int]  # each request's last new token
+    logprobs: list[Logprobs | None] | None  # per request when any asked for logprobs
+    finished: dict[str, tuple[RequestStatus, int | None]]  # request id -> (finish status, stop reason)
+    # index into `requests` -> all its new tokens, for requests that got more than one (accepted guesses
+    # of speculative decoding; the last is tokens[index])
+    runs: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    run_logprobs: dict[int, list[Logprobs]] = dataclasses.field(default_factory=dict)  # per token of those runs
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def __iter__(self):
+        logprobs = self.logprobs or [None] * len(self.requests)
+        for i, (request, token, token_logprobs) in enumerate(zip(self.requests, self.tokens, logprobs)):
+            status, stop_reason = self.finished.get(request.request_id, (None, None))
+            yield RequestUpdate(request.request_id, self.runs.get(i, [token]), status, stop_reason, token_logprobs)
+
+    def __getitem__(self, index: int) -> RequestUpdate:
+        return list(self)[index]

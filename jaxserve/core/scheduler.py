@@ -25,7 +25,6 @@ prompt-logprob arrays.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 import heapq
 
@@ -34,47 +33,9 @@ from jaxserve.core import spec_schedule
 from jaxserve.core.fairness import FairWaitingQueue
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.preemption import PreemptionCost
-from jaxserve.core.sched_types import (MAX_PROMPT_LOGPROB_ROWS, Logprobs, NewRequestData, RunnerOutput,
-                                       ScheduledRequest, SchedulerOutput)
+from jaxserve.core.sched_types import (MAX_PROMPT_LOGPROB_ROWS, NewRequestData, RunnerOutput,
+                                       ScheduledRequest, SchedulerOutput, StepUpdates)
 from jaxserve.request import Request, RequestStatus
-
-
-@dataclasses.dataclass(slots=True)
-class RequestUpdate:
-    """What one step did to one request (one item of StepUpdates)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finish_status: RequestStatus | None = None  # set when the request finished this step
-    stop_reason: int | str | None = None
-    logprobs: Logprobs | None = None
-
-
-@dataclasses.dataclass(slots=True)
-class StepUpdates:
-    """What one step did, as columns (no object per request: this is built for every running request
-    every step). Iterating gives RequestUpdate items."""
-
-    requests: list[Request]  # requests that received a token, in sampling order
-    tokens: list[int]  # each request's last new token
-    logprobs: list[Logprobs | None] | None  # per request when any asked for logprobs
-    finished: dict[str, tuple[RequestStatus, int | None]]  # request id -> (finish status, stop reason)
-    # index into `requests` -> all its new tokens, for requests that got more than one (accepted guesses
-    # of speculative decoding; the last is tokens[index])
-    runs: dict[int, list[int]] = dataclasses.field(default_factory=dict)
-    run_logprobs: dict[int, list[Logprobs]] = dataclasses.field(default_factory=dict)  # per token of those runs
-
-    def __len__(self) -> int:
-        return len(self.requests)
-
-    def __iter__(self):
-        logprobs = self.logprobs or [None] * len(self.requests)
-        for i, (request, token, token_logprobs) in enumerate(zip(self.requests, self.tokens, logprobs)):
-            status, stop_reason = self.finished.get(request.request_id, (None, None))
-            yield RequestUpdate(request.request_id, self.runs.get(i, [token]), status, stop_reason, token_logprobs)
-
-    def __getitem__(self, index: int) -> RequestUpdate:
-        return list(self)[index]
 
 
 def _victim_key(request: Request):

@@ -21,7 +21,8 @@ import itertools
 
 from jaxserve.core.kv_cache_manager import KVCacheManager, KVCacheStats
 from jaxserve.core.sched_types import RunnerOutput, ScheduledRequest, SchedulerOutput
-from jaxserve.core.scheduler import Scheduler, StepUpdates
+from jaxserve.core.sched_types import StepUpdates
+from jaxserve.core.scheduler import Scheduler
 from jaxserve.request import Request, RequestStatus
 
 
