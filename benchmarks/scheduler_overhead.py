@@ -22,7 +22,8 @@ from jaxserve.core.scheduler import Scheduler
 from jaxserve.models.llama import LlamaConfig  # (a benchmark of the llama family's shapes)
 from jaxserve.models.loader import GenerationDefaults, LoadedModel
 from jaxserve.request import Request
-from jaxserve.runner.model_runner import ModelRunner, StepHandle
+from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.runner.step_types import StepHandle
 from jaxserve.sampling_params import SamplingParams
 
 

@@ -39,7 +39,8 @@ from jaxserve.outputs import RequestOutput
 from jaxserve.request import Request, RequestStatus
 from jaxserve.runner import kv_transfer
 from jaxserve.runner.ep_runner import ExpertParallelRunner
-from jaxserve.runner.model_runner import MAX_BANNED, ModelRunner, StepHandle
+from jaxserve.runner.model_runner import MAX_BANNED, ModelRunner
+from jaxserve.runner.step_types import StepHandle
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.step_stats import StepObserver, StepStatsRecorder
 from jaxserve.tokenizer import Tokenizer

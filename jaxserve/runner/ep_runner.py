@@ -30,7 +30,8 @@ from jaxserve.core.sharded_scheduler import ShardedSchedulerOutput
 from jaxserve.models import loader
 from jaxserve.models.layers import ModelBatch
 from jaxserve.models.loader import LoadedModel
-from jaxserve.runner.model_runner import HostStep, ModelRunner, StepHandle
+from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.runner.step_types import HostStep, StepHandle
 from jaxserve.runner.step_program import sharded_stage_fn
 from sharding import TensorParallel
 from sharding.expert_parallel import ExpertParallel

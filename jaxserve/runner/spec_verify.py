@@ -90,7 +90,7 @@ def layout_guesses(num_guesses: np.ndarray, drafts: dict[int, list[int]], last_t
 
 def step_guesses(out, layout, max_rows: int, row_prev_index: np.ndarray | None = None,
                  k: int = 0) -> Guesses | None:
-    """A SchedulerOutput and its model_runner.StepRows -> the step's Guesses; None when no row has any.
+    """A SchedulerOutput and its step_types.StepRows -> the step's Guesses; None when no row has any.
     `row_prev_index` (each row's sampling index in the previous step) and `k` (the drafts' width) place
     device-guessed rows' guesses."""
     items, num_decode = out.scheduled, layout.num_decode
