@@ -7,7 +7,8 @@ workload with the host tier on and off.
            copied to the device and scattered into every layer's cache, until the device is done), best of
            --repeats, in GB/s and blocks/s; beside them a plain copy of the same bytes: jax.device_put of a
            numpy array to the device and np.asarray back, and to and from "pinned_host" memory on a GPU. The
-           ratio to the plain pinned copy is the share of the link kv_transfer reaches.
+           ratio to the plain pinned copy is the share of the link kv_transfer reaches. Then a round trip of
+           random K/V (saved from some blocks, loaded into others) checks the moves copy every byte.
     turns  --conversations conversations of --prompt-len random tokens; turn 1 generates --output-len tokens,
            turn 2 is turn 1's prompt and answer plus --append-len new tokens. Every first turn runs, then every
            second turn, on a device pool of --num-blocks (default: a third of the working set), so the second
@@ -22,6 +23,7 @@ workload with the host tier on and off.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import time
@@ -29,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
@@ -101,8 +104,36 @@ def copy_bandwidth(config: EngineConfig, num_blocks: int, repeats: int) -> dict[
         if ceiling in report["plain_gb_per_s"]:
             report[direction]["share_of_pinned_copy"] = (report[direction]["gb_per_s"]
                                                          / report["plain_gb_per_s"][ceiling])
+    report["round_trip_exact"] = _round_trip_exact(engine, min(num_blocks, (engine.runner.num_blocks - 1) // 2))
     engine.close()
     return report
+
+
+def _round_trip_exact(engine: Engine, count: int) -> bool:
+    """Random K/V written into blocks 1..count of the target's caches, saved to host under fresh keys and
+    loaded back into blocks count+1..2*count: whether every layer's copies equal the originals."""
+    transfer, link = engine.kv_transfer, engine.kv_cache.tier_link
+    host, axis = transfer.tiers.host, transfer.sets[0].axis
+    keys = [(-1 - i).to_bytes(32, "little", signed=True) for i in range(count)]
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def fill_random(cache, seed):
+        shape = list(cache.shape)
+        shape[axis] = count
+        noise = jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(cache.dtype)
+        return jax.lax.dynamic_update_slice_in_dim(cache, noise, 1, axis)
+
+    engine.runner.kv_caches = [fill_random(cache, i) for i, cache in enumerate(engine.runner.kv_caches)]
+    for key in keys:
+        host.reserve(key)
+    transfer.run(Transfers(list(range(1, count + 1)), keys, [], None))
+    transfer.poll(link, wait=True)
+    data = host.blocks([host.lookup(key) for key in keys])
+    transfer.run(Transfers([], [], list(range(count + 1, 2 * count + 1)), data))
+    same = [jnp.array_equal(jax.lax.slice_in_dim(c, 1, count + 1, axis=axis),
+                            jax.lax.slice_in_dim(c, count + 1, 2 * count + 1, axis=axis))
+            for c in engine.runner.kv_caches]
+    return bool(all(bool(x) for x in same))
 
 
 def multi_turn(config: EngineConfig, args: argparse.Namespace) -> dict[str, Any]:
@@ -190,6 +221,8 @@ def main() -> None:
                   f"{copy['host_blocks']})"
                   + ("" if share is None else f", {share:.0%} of a plain pinned copy"))
         print("plain copies, GB/s: " + ", ".join(f"{k} {v:.2f}" for k, v in copy["plain_gb_per_s"].items()))
+        print(f"round trip (random blocks saved, loaded elsewhere): "
+              f"{'exact' if copy['round_trip_exact'] else 'MISMATCH'}")
     turns = {}
     for name, gib in (("host_tier_off", 0.0), ("host_tier_on", host_gib)):
         config = base.with_overrides(num_blocks=num_blocks, host_kv_gib=gib)
