@@ -95,6 +95,13 @@ def test_pinned_host_tier_round_trips_blocks_through_host_and_disk(reference, tm
     host.check()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+def test_gpu_pinned_host_tier_round_trips_blocks(reference, tmp_path, monkeypatch):
+    """The same on a GPU, whose pinned host memory the moves' programs copy to and from (`-m gpu`)."""
+    test_pinned_host_tier_round_trips_blocks_through_host_and_disk(reference, tmp_path, monkeypatch)
+
+
 def test_a_host_tier_over_the_pinned_pool_keeps_numpy_blocks(monkeypatch, caplog):
     """XLA's pinned host pool has a cap (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB): a host tier that would not fit
     in it keeps pageable numpy blocks, and says so."""
