@@ -269,5 +269,14 @@ def _propose(params, target_params, batch_tables, hidden, kv_caches, tokens, num
     return [kv_cache], stack_drafts(drafts, num_rows)
 
 
-propose = jax.jit(_propose, static_argnames=("cfg", "k", "block_size", "attention_backend", "tp"),
-                  donate_argnames=("kv_caches",))
+def _fill_propose(params, target_params, batch: ModelBatch, aux, kv_caches, next_tokens, num_accepted, rows, tokens,
+                  *, cfg, k: int, block_size: int, attention_backend: str, tp):
+    """fill, then propose from the head inputs it gives, as one program (a step that samples)."""
+    kv_caches, hidden = _fill(params, target_params, batch, aux, kv_caches, next_tokens, num_accepted, rows, cfg=cfg,
+                              attention_backend=attention_backend, tp=tp)
+    return _propose(params, target_params, batch.block_tables, hidden, kv_caches, tokens, num_accepted, rows, cfg=cfg,
+                    k=k, block_size=block_size, attention_backend=attention_backend, tp=tp)
+
+
+fill_propose = jax.jit(_fill_propose, static_argnames=("cfg", "k", "block_size", "attention_backend", "tp"),
+                       donate_argnames=("kv_caches",))

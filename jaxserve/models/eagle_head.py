@@ -14,14 +14,15 @@ Checkpoint (HF layout, safetensors): config.json of a one-layer Llama (hidden_si
 `layers.0.mlp.{gate,up,down}_proj.weight`, `layers.0.post_attention_layernorm.weight`, optional
 `embed_tokens.weight` (else the target's embedding); names may carry a `model.` prefix.
 
-The head's paged KV cache (one layer) is indexed by the target's block tables. Each step:
+The head's paged KV cache (one layer) is indexed by the target's block tables. Each step runs fill, or, when
+it samples, fill_propose: fill then propose as one program.
 
     fill(head, target params, staged batch, target hidden [T, D], caches, next_tokens [T], num_accepted, rows)
         the head's K/V at every token of the ragged batch whose next token is known: in the batch (-1: token
         t + 1), or on the host (>= 0: a prefill chunk's last token, whose next prompt token comes in a later
         chunk); -2: no write (a sampling request's last token, whose next token is the one the step samples,
         and padding) -> (caches, the target feature at each sampling row's last accepted position [M, D])
-    propose(head, target params, block tables, those features, caches, tokens, num_accepted, rows)
+    propose(head, target params, block tables, those features, caches, tokens, num_accepted, rows) (in fill_propose)
         step 0 at each sampling row's last accepted position (its K/V now written with the step's real next
         token), step j > 0 one position further, reading the head's own output of step j - 1 -> drafts
         [M, k] (greedy), as draft_model.fill_propose's decode steps.
@@ -225,5 +226,16 @@ def _propose(params, target_params, batch_tables, features, kv_caches, tokens, n
     return [kv_cache], stack_drafts(drafts, num_rows)
 
 
-propose = jax.jit(_propose, static_argnames=("cfg", "target_cfg", "k", "block_size", "attention_backend", "tp"),
-                  donate_argnames=("kv_caches",))
+def _fill_propose(params, target_params, batch: ModelBatch, hidden, kv_caches, next_tokens, num_accepted, rows,
+                  tokens, *, cfg, target_cfg, k: int, block_size: int, attention_backend: str, tp):
+    """fill, then propose from its features, as one program (a step that samples): fill's arguments and
+    propose's `tokens` -> propose's outputs."""
+    kv_caches, features = _fill(params, target_params, batch, hidden, kv_caches, next_tokens, num_accepted, rows,
+                                cfg=cfg, attention_backend=attention_backend, tp=tp)
+    return _propose(params, target_params, batch.block_tables, features, kv_caches, tokens, num_accepted, rows,
+                    cfg=cfg, target_cfg=target_cfg, k=k, block_size=block_size, attention_backend=attention_backend,
+                    tp=tp)
+
+
+fill_propose = jax.jit(_fill_propose, static_argnames=("cfg", "target_cfg", "k", "block_size", "attention_backend",
+                                                       "tp"), donate_argnames=("kv_caches",))

@@ -9,8 +9,8 @@ its KV cache, and its part of every step (the programs are in spec_decode/draft_
                           draft_model.fill_propose) -> drafts [max_rows, k] (zero past the step's request
                           bucket), copying to the host with the step's tokens, when the step samples
     ModelRunner._collect  read(handle, num_rows) -> each sampling row's k drafts (RunnerOutput.draft_token_ids)
-    ModelRunner.precompile  precompile_jobs(runner): a fill_propose per step shape (EAGLE heads: a fill per
-                          step shape, a propose per request bucket)
+    ModelRunner.precompile  precompile_jobs(runner): a fill_propose per step shape (EAGLE heads: a fill and
+                          a fill_propose per step shape)
 
 The draft runs on the target's devices: split over them as the target is (draft_tensor_parallel_size =
 parallel.model), or whole on every one of them (1: its parameters and cache replicated).
@@ -77,12 +77,12 @@ class DraftRunner:
 
     needs_hidden = False  # the step's target hidden states are an input (ModelRunner's forward returns them)
     aux_layers: tuple[int, ...] = ()  # ... and then, when set, the residual stream entering these target layers
-    # A draft model runs one program per step (draft_model.fill_propose: the fill's forward also gives the
-    # first guess). The EAGLE heads run a fill and a propose program (their fill reads the target's hidden
-    # states): they set `joined` False, the two programs here, and define _fill_args, _propose_args and
-    # _carry (their arguments, and the abstract output the fill passes on to propose).
+    # A draft model runs one program every step (draft_model.fill_propose: the fill's forward also gives the
+    # first guess). The EAGLE heads (`joined` False) run their fill alone in a step that samples nothing and
+    # their fill then propose as one program in one that samples (their fill reads the target's hidden states
+    # and gives propose its first features): they set the two programs here and define _fill_args.
     joined = True
-    fill_program = propose_program = None
+    fill_program = fill_propose_program = None
 
     def __init__(self, config: EngineConfig, tp: TensorParallel | None, target, max_model_len: int):
         """Loads speculative.model to guess for the `target` model config; ValueError when it cannot."""
@@ -178,16 +178,14 @@ class DraftRunner:
             self.kv_caches, drafts = (program(*args) if program is not None
                                       else draft_model.fill_propose(*args, **self._propose_static()))
         else:
-            fill = runner._compiled.get(("draft_fill", t_pad, r_pad))
             args = self._fill_args(runner, step, staged, hidden, num_accepted, rows)
-            out = fill(*args) if fill is not None else self.fill_program(*args, **self._static())
-            self.kv_caches, carry = out if isinstance(out, tuple) else (out, None)
             if not sampling:
+                fill = runner._compiled.get(("draft_fill", t_pad, r_pad))
+                self.kv_caches, _ = fill(*args) if fill is not None else self.fill_program(*args, **self._static())
                 return None
-            args = self._propose_args(runner, staged, carry, handle.tokens, num_accepted, rows)
-            propose = runner._compiled.get(("draft_propose", r_pad))
-            self.kv_caches, drafts = (propose(*args) if propose is not None
-                                      else self.propose_program(*args, **self._propose_static()))
+            program = runner._compiled.get(("draft_fill_propose", t_pad, r_pad))
+            self.kv_caches, drafts = (program(*args, handle.tokens) if program is not None
+                                      else self.fill_propose_program(*args, handle.tokens, **self._propose_static()))
         if not sampling:
             return None
         drafts.copy_to_host_async()
@@ -201,8 +199,7 @@ class DraftRunner:
 
     def precompile_jobs(self, runner) -> dict:
         """runner.precompile's jobs for the draft (their executables go into runner._compiled): a joined
-        fill_propose per step shape; or (EAGLE heads) a fill per step shape and a propose per request bucket
-        (the block tables it reads are the staged batch's)."""
+        fill_propose per step shape (EAGLE heads: a fill and a fill_propose per step shape)."""
         def abstract(shape, dtype=jnp.int32, sharding=runner.batch_sharding):
             return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
@@ -217,19 +214,16 @@ class DraftRunner:
             args = self._fill_args(runner, None, *inputs(t_pad, r_pad), tokens, rows)
             return self.fill_program.lower(*args, **self._static()).compile()
 
-        def propose(r_pad: int):
-            args = self._propose_args(runner, inputs(r_pad, r_pad)[0], self._carry(runner), tokens, tokens, rows)
-            return self.propose_program.lower(*args, **self._propose_static()).compile()
-
         def fill_propose(t_pad: int, r_pad: int):
-            args = (self.params, inputs(t_pad, r_pad)[0], self.kv_caches, tokens, tokens, rows)
-            return draft_model.fill_propose.lower(*args, **self._propose_static()).compile()
+            if self.joined:
+                args = (self.params, inputs(t_pad, r_pad)[0], self.kv_caches, tokens, tokens, rows)
+                return draft_model.fill_propose.lower(*args, **self._propose_static()).compile()
+            args = (*self._fill_args(runner, None, *inputs(t_pad, r_pad), tokens, rows), tokens)
+            return self.fill_propose_program.lower(*args, **self._propose_static()).compile()
 
         jobs = {("draft_moved_rows",): (lambda: moved_rows.lower(rows, tokens, tokens).compile(), ())}
-        if self.joined:
-            jobs.update({("draft_fill_propose", t_pad, r_pad): (fill_propose, (t_pad, r_pad))
-                         for t_pad, r_pad in runner._step_shapes})
-            return jobs
-        jobs.update({("draft_fill", t_pad, r_pad): (fill, (t_pad, r_pad)) for t_pad, r_pad in runner._step_shapes})
-        jobs.update({("draft_propose", r_pad): (propose, (r_pad,)) for r_pad in {r for _, r in runner._step_shapes}})
+        for t_pad, r_pad in runner._step_shapes:
+            jobs[("draft_fill_propose", t_pad, r_pad)] = (fill_propose, (t_pad, r_pad))
+            if not self.joined:
+                jobs[("draft_fill", t_pad, r_pad)] = (fill, (t_pad, r_pad))
         return jobs

@@ -25,7 +25,7 @@ from jaxserve.runner.draft_runner import REPLICATED, DraftRunner
 class EagleRunner(DraftRunner):
     needs_hidden = True
     joined = False
-    fill_program, propose_program = staticmethod(eagle.fill), staticmethod(eagle.propose)
+    fill_program, fill_propose_program = staticmethod(eagle.fill), staticmethod(eagle.fill_propose)
 
     @staticmethod
     def _parallel(config, tp):
@@ -78,19 +78,9 @@ class EagleRunner(DraftRunner):
             next_tokens = jax.device_put(self.next_tokens(runner, step), self.on_device)
         return (self.params, runner.model.params, staged, hidden, self.kv_caches, next_tokens, num_accepted, rows)
 
-    def _propose_args(self, runner, staged, carry, tokens, num_accepted, rows) -> tuple:
-        """The propose program's arguments; `carry`: the fill's output besides the caches (the features)."""
-        return (self.params, runner.model.params, staged.block_tables, carry, self.kv_caches, tokens, num_accepted,
-                rows)
-
-    def _carry(self, runner):
-        """The abstract `carry` of the fill program's output (precompiling propose)."""
-        return jax.ShapeDtypeStruct((runner.max_rows, self.cfg.hidden_size), self.target.jnp_dtype,
-                                    sharding=self.on_device)
-
 
 class Eagle3Runner(EagleRunner):
-    fill_program, propose_program = staticmethod(eagle3.fill), staticmethod(eagle3.propose)
+    fill_program, fill_propose_program = staticmethod(eagle3.fill), staticmethod(eagle3.fill_propose)
 
     def _load(self, path: str, target, max_model_len: int):
         """-> (the head's layer config, its params); self.head: its Eagle3Config, self.aux_layers the
