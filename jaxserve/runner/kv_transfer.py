@@ -386,11 +386,15 @@ class KVTransfer:
             shards = moves.save_shards[start:stop]
             saves.append((moves.save_keys[start:stop], shards,
                           self._gathered(moves.save_block_ids[start:stop], shards, size)))
-        for keys, shards, blocks in saves:
-            if self.pinned is None:
+        if self.pinned is None:
+            for keys, shards, blocks in saves:
                 for b in blocks:
                     b.copy_to_host_async()
-            self._pending.append((keys, shards, list(blocks if self.pinned is None else blocks[:len(keys)])))
+                self._pending.append((keys, shards, list(blocks)))
+        elif saves:  # (one pending entry per step, however many programs its saves took)
+            self._pending.append(([key for keys, _, _ in saves for key in keys],
+                                  [shard for _, shards, _ in saves for shard in shards],
+                                  [row for keys, _, rows in saves for row in rows[:len(keys)]]))
         for key in moves.drop_keys:
             self._copies.pop(key, None)
         if moves.prefetch_keys:
