@@ -52,8 +52,8 @@ def holds_fp8_transposed(cfg: ModelConfig, tp: TensorParallel | None) -> bool:
 def hold_fp8_transposed(params):
     """params with every FP8 weight with per-channel scales held [N, K] (quant.hold_transposed), each layer's
     groups of them that share an input joined into one (FUSED_FP8); block-scaled weights, and everything
-    else, as they are. Consumes `params`: each weight's [K, N] q is freed once its
-    transpose is made, so the load's peak is one weight above the model's.
+    else, as they are. Consumes `params`: each weight's [K, N] q is freed once its transpose is made, and
+    a group's weights once they are joined, so the load's peak is one group above the model's.
 
     NOTE: the weights are transposed here, on the device after loading, rather than in the loader: every
     way weights arrive (an FP8 checkpoint, online quantization, dummy weights) passes through here, the

@@ -136,9 +136,9 @@ GPU_COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 1024}
 # The decode step's twin executable (ModelRunner._run_forward): the same merges (no weight pair is near
 # 1 GB), a different option set, so XLA compiles (and the persistent cache keeps) a second executable.
 TWIN_COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 1025}
-# With FP8 weights: XLA's autotuner tries Triton configurations for each FP8 GEMM shape of a prefill-sized
-# step (quant.w8a8) and took over two minutes per step shape on an H200 (benchmarks/RESULTS.md); level 0
-# takes cuBLASLt's own choice of kernel and compiles in seconds.
+# With FP8 weights: XLA's autotuner compiles and times many Triton configurations for each FP8 GEMM shape of
+# a prefill-sized step (quant.w8a8), minutes per step shape (benchmarks/RESULTS.md); level 0 takes
+# cuBLASLt's own choice of kernel.
 FP8_COMPILER_OPTIONS = {"xla_gpu_autotune_level": 0}
 
 
