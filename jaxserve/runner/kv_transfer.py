@@ -431,7 +431,10 @@ class KVTransfer:
         """Hands the save copies that landed (all of them with `wait`; the oldest beyond MAX_PENDING) to
         the host pool (pinned arrays as they are, else numpy rows), and completes finished disk IO."""
         pending = self._pending
-        while pending and (wait or len(pending) > MAX_PENDING or all(b.is_ready() for b in pending[0][2])):
+        def landed(arrays) -> bool:  # (the last array first: a save still in flight costs one check, not one per row)
+            return arrays[-1].is_ready() and all(b.is_ready() for b in arrays)
+
+        while pending and (wait or len(pending) > MAX_PENDING or landed(pending[0][2])):
             keys, shards, arrays = pending.popleft()
             if self.pinned is not None:
                 jax.block_until_ready(arrays)  # (landed: a waited poll returns with every save in host memory)
