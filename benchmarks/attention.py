@@ -1,9 +1,10 @@
 """Attention kernel benchmarks on one GPU: one function per section, a short table printed last.
 
     PYTHONPATH=. python benchmarks/attention.py --section decode|mixed|all [--sweep] [--json FILE]
+        [--kv-dtype bfloat16|float8_e4m3fn]
 
 decode: paged decode (one query token per request), 32 q / 8 kv heads, head dim 128, page 16,
-bf16, pages randomly permuted. Effective TB/s = K+V bytes the requests own (sum of seq_lens x K x
+bf16 (or --kv-dtype float8_e4m3fn, unit scales), pages randomly permuted. Effective TB/s = K+V bytes the requests own (sum of seq_lens x K x
 H x 2 x 2 B) / time. Peers in the same run: JAX's Pallas `ops.gpu.paged_attention` (Triton) and
 the pure-jnp reference compiled by XLA (a gather). Times are per call, from many calls inside
 one jit (lax.fori_loop; each call's q depends on the previous output so nothing is hoisted),
@@ -71,14 +72,14 @@ def _row(section, shape, impl, seconds, value, unit, note) -> dict:
     return row
 
 
-def _decode_inputs(batch, context, key):
+def _decode_inputs(batch, context, key, kv_dtype="bfloat16"):
     from pallas_kernels.paged_attention import layout
 
     pages_per_req = context // PAGE_SIZE
     num_pages = batch * pages_per_req + 1  # page 0: the null block
     kq, kk, kp = jax.random.split(key, 3)
     kv = jax.random.normal(kk, layout.kv_cache_shape(num_pages, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM),
-                           jnp.bfloat16)
+                           jnp.bfloat16).astype(kv_dtype)
     q = jax.random.normal(kq, (batch, NUM_Q_HEADS, HEAD_DIM), jnp.bfloat16)
     block_tables = (1 + jax.random.permutation(kp, num_pages - 1)).reshape(batch, pages_per_req)
     block_tables = block_tables.astype(jnp.int32)
@@ -97,7 +98,8 @@ def decode_section(args) -> list[dict]:
     sm_scale = HEAD_DIM ** -0.5
     rows = []
     for batch, context in DECODE_SHAPES:
-        q, kv, qsl, seq_lens, block_tables = _decode_inputs(batch, context, jax.random.key(batch))
+        q, kv, qsl, seq_lens, block_tables = _decode_inputs(batch, context, jax.random.key(batch),
+                                                            args.kv_dtype)
         kv_bytes = batch * context * NUM_KV_HEADS * HEAD_DIM * 2 * kv.dtype.itemsize
         shape = f"B={batch} ctx={context}"
 
@@ -113,7 +115,7 @@ def decode_section(args) -> list[dict]:
 
         configs = [("ours", None)]
         if args.sweep:
-            configs += [(_label(c), c) for c in _sweep_configs(batch)]
+            configs += [(_label(c), c) for c in _sweep_configs(batch, args.kv_dtype)]
         for name, config in configs:
             fn = lambda q, kv, qsl, lens, bt, config=config: ours(q, kv, qsl, lens, bt, config)
             try:
@@ -122,6 +124,9 @@ def decode_section(args) -> list[dict]:
             except Exception as e:  # a sweep point that fails to compile is reported, not fatal
                 rows.append(_row("decode", shape, name, None, None, "", repr(e)[:300]))
 
+        if args.kv_dtype != "bfloat16":  # the peers read bf16 caches only
+            record("loop overhead", time_per_call(lambda q, *a: q, q, qsl))
+            continue
         k_pages, v_pages = kv[0], kv[1]  # JAX's layout [K, P, S, H], split outside the timed loop
         q_scaled = (q.astype(jnp.float32) * sm_scale).astype(q.dtype)  # JAX's kernel has no scale
         jax_fn = lambda q, k, v, bt, lens: jax_paged.paged_attention(q, k, v, bt, lens)
@@ -141,13 +146,17 @@ def decode_section(args) -> list[dict]:
     return rows
 
 
-def _sweep_configs(batch):
+def _sweep_configs(batch, kv_dtype="bfloat16"):
     from pallas_kernels.paged_attention import gpu
 
     base = dict(decode_block_kv=64, decode_num_warps=4, decode_num_stages=3)
     variants = [dict(decode_block_kv=128), dict(decode_block_kv=128, decode_num_warps=8),
                 dict(decode_num_stages=4), dict(decode_block_kv=32, decode_num_stages=4),
                 dict(decode_num_stages=2), dict(decode_num_warps=8)]
+    if kv_dtype != "bfloat16":  # tiles of as many bytes as bf16's hold more tokens
+        variants = [dict(), dict(decode_block_kv=128, decode_num_stages=4),
+                    dict(decode_block_kv=256), dict(decode_block_kv=256, decode_num_warps=8),
+                    dict(decode_block_kv=256, decode_num_stages=2), *variants]
     splits = (1, 2, 4, 8) if batch >= 64 else (4, 8, 16, 32)
     variants += [dict(decode_splits=s) for s in splits]
     return [gpu.TuningConfig(**{**base, **v}) for v in variants]
@@ -276,6 +285,8 @@ def main() -> None:
     parser.add_argument("--section", choices=[*SECTIONS, "all"], default="all")
     parser.add_argument("--sweep", action="store_true", help="also time tuning-config variants")
     parser.add_argument("--json", help="write every row to this file")
+    parser.add_argument("--kv-dtype", choices=["bfloat16", "float8_e4m3fn"], default="bfloat16",
+                        help="the decode section's cache dtype (an fp8 cache: ours only, no peers)")
     args = parser.parse_args()
 
     device = jax.devices()[0]

@@ -1,6 +1,6 @@
 # FP8 weights, FP8 KV cache and long-prompt prefill on an H200 (Llama-3-8B shape, random weights), one call
 # under 9 minutes; the table is printed last.
-#   bash benchmarks/devrun_fp8.sh [all|weights|long|throughput|kernel]     on the device (default: all)
+#   bash benchmarks/devrun_fp8.sh [all|weights|long|kv|throughput|kernel]     on the device (default: all)
 #   SMOKE=1 PYTHON=/path/to/python bash benchmarks/devrun_fp8.sh [MODE]    the same plumbing on a CPU: the
 #       embedded model (jaxserve/assets/tiny-adder, float32), tiny shapes, a couple of minutes
 # Steps (logged under $OUT/work, each under its own timeout and never past DEADLINE, 540 s), most important
@@ -8,13 +8,14 @@
 # first use) in its own process, its report in $OUT/work/NAME.json:
 #   bf16_b1, fp8w_b1      (a) batch 1, 128 in / 128 out, bf16 weights then --quantization fp8
 #   bf16_b64, fp8w_b64    (b) batch 64, 128 in / 128 out, the same pair
-#   kvbf16_ctx8k, kvfp8_ctx8k   (c) batch 64, 8128 in / 64 out (mean context 8160), bf16 KV then
+#   kvbf16_ctx8k, kvfp8_ctx8k   (c) batch 64, 8000 in / 192 out (mean context ~8100), bf16 KV then
 #               --kv-cache-dtype fp8, bf16 weights, max_model_len 8192 (the checkpoint's limit). Memory: the
 #               K/V of a token is 32 layers x 2 x 8 kv heads x 128 x 2 bytes = 128 KiB in bf16, so 64 x 8192
 #               tokens hold 64 GiB (32 GiB in fp8) beside 16 GB of weights: it fits the KV pool (0.85 of the
 #               ~124 GB left after the weights, ~105 GB) with room to spare. One timed iteration, no warm-up:
-#               the prefill (64 x 8128 tokens) dominates its time; the steady decode rate (median step) is
-#               compile-free without one
+#               the prefill (64 x 8000 tokens, one prompt per step) dominates its time; prompt i finishes at
+#               about step i, so with 192 out the steps from ~65 to ~192 are pure decode at batch 64, and
+#               the steady decode rate (median pure-decode step) is compile-free without a warm-up
 #   ttft_32k    (e) configs/llama3.1-8b-dummy.yaml, one 32768-token prompt, 2 output tokens, 1 warm-up and 3
 #               timed iterations (TTFT p50)
 #   tight_b1    (d) benchmarks/tight_loop_decode.py at batch 1 from context 128, 128 steps (mean context 192,
@@ -24,7 +25,7 @@
 #               out (--precompile true: elapsed_s excludes compiling), bf16 then --quantization fp8 (decode
 #               steps on the W8A8 Mosaic GPU kernel over weights held [N, K], prefill steps W8A8 through XLA)
 # Modes: all (every step, in the order above; a step that does not fit is skipped and named "not run"),
-# weights (a, b, d), long (c, e) and throughput (f): for separate calls when one did not finish; kernel: the
+# weights (a, b, d), long (c, e), kv (c) and throughput (f): for separate calls when one did not finish; kernel: the
 # FP8 decode GEMMs' GPU tests (the W8A8 Mosaic GPU kernel, quant.linear over weights held [N, K]) and
 # benchmarks/fp8_gemm_mgpu.py (that kernel against XLA's bf16 dot and the Triton kernel), then
 # benchmarks/fp8_gemm.py (the weight-only Triton kernel, a tensor-parallel engine's, against XLA's bf16 dot and
@@ -47,7 +48,7 @@ else
   KERNEL="--rows 1,16,64"
   CFG="--config configs/llama3-8b-dummy.yaml" LONG_CFG="--config configs/llama3.1-8b-dummy.yaml"
   B1="--input-len 128 --output-len 128" B64="--batch-size 64 --input-len 128 --output-len 128"
-  KV="--max-model-len 8192 --batch-size 64 --input-len 8128 --output-len 64" T32K="--input-len 32768"
+  KV="--max-model-len 8192 --batch-size 64 --input-len 8000 --output-len 192" T32K="--input-len 32768"
   T128K="--input-len 131000"
   TIGHT="--config-json configs/models/llama3-8b/config.json --context 128 --steps 128"
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.total --format=csv,noheader
@@ -97,13 +98,16 @@ weights)
 long)
   kvbf16_ctx8k 160 280; kvfp8_ctx8k 160 170; ttft_32k 150 30; ttft_128k 200 5
   ;;
+kv)
+  kvbf16_ctx8k 160 160; kvfp8_ctx8k 160 5
+  ;;
 kernel)
   run fp8_mgpu_tests 120 300 $PY -m pytest -q -m gpu tests/test_fp8_gemm_mosaic.py tests/test_fp8_gemm.py
   fp8_mgpu 200 200
   fp8_gemm 200 5
   ;;
 *)
-  echo "unknown mode ${MODE}: all, weights, long, throughput or kernel"; exit 2
+  echo "unknown mode ${MODE}: all, weights, long, kv, throughput or kernel"; exit 2
   ;;
 esac
 echo "== ${SECONDS}s: done"
