@@ -156,7 +156,9 @@ def _sweep_configs(batch, kv_dtype="bfloat16"):
     if kv_dtype != "bfloat16":  # tiles of as many bytes as bf16's hold more tokens
         variants = [dict(), dict(decode_block_kv=128, decode_num_stages=4),
                     dict(decode_block_kv=256), dict(decode_block_kv=256, decode_num_warps=8),
-                    dict(decode_block_kv=256, decode_num_stages=2), *variants]
+                    dict(decode_block_kv=256, decode_num_stages=2), dict(decode_fp8_dots="float16"),
+                    dict(decode_fp8_dots="float8_e4m3fn"),
+                    dict(decode_fp8_dots="float16", decode_block_kv=128, decode_num_stages=4), *variants]
     splits = (1, 2, 4, 8) if batch >= 64 else (4, 8, 16, 32)
     variants += [dict(decode_splits=s) for s in splits]
     return [gpu.TuningConfig(**{**base, **v}) for v in variants]
@@ -164,8 +166,9 @@ def _sweep_configs(batch, kv_dtype="bfloat16"):
 
 def _label(config) -> str:
     splits = "auto" if config.decode_splits is None else config.decode_splits
+    dots = "" if config.decode_fp8_dots == "q" else f" dots={config.decode_fp8_dots}"
     return (f"sweep bk={config.decode_block_kv} w={config.decode_num_warps} "
-            f"st={config.decode_num_stages} splits={splits}")
+            f"st={config.decode_num_stages} splits={splits}{dots}")
 
 
 MIXED_DECODE = (48, 4096)  # (decode rows, context per row)

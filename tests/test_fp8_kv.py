@@ -3,6 +3,8 @@ fp8 caches (interpret mode), and the engine's accuracy and composition with an f
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 from unittest import mock
 
@@ -74,10 +76,14 @@ def test_reference_dequantizes_by_scale():
     assert not np.isnan(np.asarray(got)).any()
 
 
+DECODE_ONLY = Case(8, 2, 32, 16, dtype="bfloat16", decode_only=True, num_tokens=8, num_reqs=6)
+
+
 @pytest.mark.parametrize("case, config, fast_path", [
     (Case(8, 2, 32, 16, dtype="bfloat16"), SPLIT_OFF, False),
-    (Case(8, 2, 32, 16, dtype="bfloat16", decode_only=True, num_tokens=8, num_reqs=6), SPLIT_ON, True),
-], ids=["mixed", "decode_only_split"])  # (split-K partials: the decode-only case)
+    (DECODE_ONLY, SPLIT_ON, True),
+    (DECODE_ONLY, dataclasses.replace(SPLIT_ON, decode_fp8_dots="float16"), True),
+], ids=["mixed", "decode_only_split", "decode_only_float16_dots"])  # (split-K partials: the decode-only case)
 def test_gpu_kernels_read_fp8_like_the_reference(case, config, fast_path):
     sm_scale = case.head_dim ** -0.5
     for seed in range(1):  # (one compile per case: keep it to one seed)
@@ -91,6 +97,28 @@ def test_gpu_kernels_read_fp8_like_the_reference(case, config, fast_path):
         assert not np.isnan(out).any(), f"seed {seed}: NaN leaked into the output"
         np.testing.assert_allclose(out, ref, atol=3e-2, rtol=2e-2, err_msg=f"seed {seed}")  # bf16 output ulps
         assert not out[int(qsl[-1]):].any(), "padding token rows must be zero"
+
+
+def test_decode_kernel_fp8_dots_stay_near_the_reference():
+    """The fp8-MMA decode (q and P rounded to fp8 as well as K/V): a few percent of error, in every row."""
+    case = DECODE_ONLY
+    q, kv8, scales, qsl, seq_lens, block_tables = _fp8_batch(case, 0)
+    config = dataclasses.replace(SPLIT_OFF, decode_fp8_dots="float8_e4m3fn")
+    out = gpu.ragged_paged_attention(q, kv8, qsl, seq_lens, block_tables, sm_scale=case.head_dim ** -0.5,
+                                     interpret=True, config=config, decode_only=True, kv_scale=scales)
+    with jax.default_matmul_precision("highest"):
+        ref = reference_attention(q, layout.to_reference_layout(kv8), qsl, seq_lens, block_tables,
+                                  sm_scale=case.head_dim ** -0.5, kv_scale=scales)
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    real = int(qsl[-1])
+    err = np.abs(out[:real] - ref[:real]).mean(axis=(1, 2)) / np.abs(ref[:real]).mean(axis=(1, 2))
+    assert (err < 0.1).all(), f"relative error per token row {err}"
+    assert not out[real:].any(), "padding token rows must be zero"
+
+
+def test_fp8_dot_dtype_is_validated():
+    with pytest.raises(ValueError, match="decode_fp8_dots"):
+        gpu.TuningConfig(decode_fp8_dots="bfloat8")
 
 
 # ---------------------------------------------------------------- the model and the engine

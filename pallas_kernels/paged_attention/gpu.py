@@ -70,6 +70,10 @@ __all__ = ["TuningConfig", "kv_cache_shape", "write_kv", "ragged_paged_attention
 # Finite, so that `mask - mask` is 0 and never NaN; exp2 of (mask - real max) underflows to 0.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 LOG2_E = math.log2(math.e)
+# P (in [0, 1]) times this before its fp8 rounding: the largest weight stays under 448, and weights down
+# to about 2**-17 keep a nonzero fp8 value instead of flushing to zero.
+FP8_P_SCALE = 256.0
+FP8_DOT_DTYPES = ("q", "float16", "float8_e4m3fn")
 MIN_DOT_ROWS = 16  # Triton MMA tiles need M, N, K >= 16
 
 
@@ -86,6 +90,13 @@ class TuningConfig:
     decode_splits: KV splits of the decode kernel; None picks them from static shapes so that
         R * K * splits reaches `target_programs` while each split keeps >= `min_split_tiles` tiles.
     general_rows: query rows (tokens x G') per program of the general kernel.
+    decode_fp8_dots: over an fp8 cache, the operand dtype of the decode kernel's dots. "q": K/V
+        tiles widen to q's dtype. "float16": q is cast to float16 once per program and the tiles widen
+        to it (exact: every float8_e4m3fn value is a float16; q keeps more mantissa than in bf16, and
+        is clipped to float16's range). "float8_e4m3fn": no widening, the tensor cores' fp8 MMA: q is
+        quantized per row (its amax to 448) once per program, P is scaled by `FP8_P_SCALE` and
+        quantized per tile, and their scales multiply the f32 results (a few percent of error in the
+        output where scores are peaked). No effect on other caches or on the general kernel.
     """
 
     decode_block_kv: int = 64
@@ -98,6 +109,7 @@ class TuningConfig:
     general_block_kv: int = 64
     general_num_warps: int = 4
     general_num_stages: int = 2
+    decode_fp8_dots: str = "q"
 
     def __post_init__(self):
         for name in ("decode_block_kv", "general_block_kv", "general_rows"):
@@ -111,6 +123,8 @@ class TuningConfig:
         for name in ("decode_num_stages", "general_num_stages"):
             if not 1 <= getattr(self, name) <= 6:
                 raise ValueError(f"{name}={getattr(self, name)} must be in 1..6")
+        if self.decode_fp8_dots not in FP8_DOT_DTYPES:
+            raise ValueError(f"decode_fp8_dots={self.decode_fp8_dots!r} must be one of {FP8_DOT_DTYPES}")
         if self.decode_splits is not None and not _is_pow2(self.decode_splits):
             raise ValueError(f"decode_splits={self.decode_splits} must be a power of two or None")
         if self.target_programs < 1 or self.min_split_tiles < 1:
@@ -140,19 +154,27 @@ def _tile_ranges(t0, t1, unmasked_lo, unmasked_hi):
 
 
 def _attend(q, q_pos, bt_ref, k_ref, v_ref, req, seq_len, ranges, carry, *, sm_scale,
-            sliding_window, pages_per_tile, k_scale=None):
+            sliding_window, pages_per_tile, k_scale=None, fp8_dots=False):
     """Online softmax over the tiles in `ranges` ((lo, hi, masked) triples).
 
     q [M, H] (in the dots' dtype: the cache's, or q's own over an fp8 cache), q_pos [M, 1] int32
     absolute positions of its rows. `k_scale`: an fp8 cache's K scale (a scalar), None for 1.
-    carry: m [M], l [M], acc [M, H] (float32). Returns the updated carry.
+    `fp8_dots` (an fp8 cache only): q is quantized per row here and both dots take fp8 operands
+    (`TuningConfig.decode_fp8_dots`). carry: m [M], l [M], acc [M, H] (float32). Returns the updated carry.
     """
-    page_size, head_dim = k_ref.shape[-2], k_ref.shape[-1]
+    page_size = k_ref.shape[-2]
     block_kv = pages_per_tile * page_size
     last_page = lax.div(seq_len + page_size - 1, page_size) - 1
     scale = sm_scale * LOG2_E  # scores in the log2 domain: exp(x) == exp2(x * log2(e))
     if k_scale is not None:
         scale = scale * k_scale
+    if fp8_dots:
+        q32 = q.astype(jnp.float32)
+        amax = jnp.max(jnp.abs(q32), axis=-1)
+        q_scale = jnp.where(amax == 0.0, 1.0, amax / fp8.MAX)  # [M]; zero rows (padding) stay zero
+        q = (q32 / q_scale[:, None]).astype(fp8.DTYPE)
+        scale = scale * q_scale[:, None]  # [M, 1]
+    dot_dtype = fp8.DTYPE if fp8_dots else q.dtype
 
     def body(tile, carry, masked):
         m_prev, l_prev, acc_prev = carry
@@ -164,7 +186,7 @@ def _attend(q, q_pos, bt_ref, k_ref, v_ref, req, seq_len, ranges, carry, *, sm_s
         row = lax.broadcasted_iota(jnp.int32, (block_kv,), 0)
         page_idx = jnp.minimum(tile * pages_per_tile + lax.div(row, page_size), last_page)
         pages, slots = bt_ref[req, page_idx], lax.rem(row, page_size)  # [BK]
-        k, v = k_ref[pages, slots].astype(q.dtype), v_ref[pages, slots].astype(q.dtype)  # [BK, H]
+        k, v = k_ref[pages, slots].astype(dot_dtype), v_ref[pages, slots].astype(dot_dtype)  # [BK, H]
         s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale  # [M, BK]
         if masked:
             kv_pos = tile * block_kv + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
@@ -178,7 +200,11 @@ def _attend(q, q_pos, bt_ref, k_ref, v_ref, req, seq_len, ranges, carry, *, sm_s
         alpha = jnp.exp2(m_prev - m_new)
         p = jnp.exp2(s - m_new[:, None])
         l_new = l_prev * alpha + p.sum(axis=-1)
-        pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        if fp8_dots:
+            pv = jnp.dot((p * FP8_P_SCALE).astype(v.dtype), v,
+                         preferred_element_type=jnp.float32) * (1.0 / FP8_P_SCALE)
+        else:
+            pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
         return m_new, l_new, acc_prev * alpha[:, None] + pv
 
     for lo, hi, masked in ranges:
@@ -207,7 +233,7 @@ def _first_rows(x, rows: int):
 
 
 def _decode_kernel(qsl_ref, seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, *out_refs, sm_scale,
-                   sliding_window, pages_per_tile, num_splits, group_pad, quantized):
+                   sliding_window, pages_per_tile, num_splits, group_pad, quantized, fp8_dots):
     k_scale = v_scale = None
     if quantized:  # the kv head's [K, V] scales come before the outputs
         scale_ref, *out_refs = out_refs
@@ -235,7 +261,8 @@ def _decode_kernel(qsl_ref, seq_lens_ref, bt_ref, q_ref, k_ref, v_ref, *out_refs
     q_pos_rows = jnp.full((rows, 1), q_pos, jnp.int32)
     m, l, acc = _attend(q, q_pos_rows, bt_ref, k_ref, v_ref, req, seq_len, ranges,
                         _init_carry(rows, head_dim), sm_scale=sm_scale,
-                        sliding_window=sliding_window, pages_per_tile=pages_per_tile, k_scale=k_scale)
+                        sliding_window=sliding_window, pages_per_tile=pages_per_tile, k_scale=k_scale,
+                        fp8_dots=fp8_dots)
     out = acc / jnp.where(l == 0.0, 1.0, l)[:, None]
     if v_scale is not None:  # (split-K: the combine is linear in each split's output)
         out = out * v_scale
@@ -265,6 +292,9 @@ def _decode(q4, kv_cache, qsl, seq_lens, block_tables, kv_scale, *, sm_scale, sl
     # The single query row of each request (others: any in-bounds row), padded to M dot rows.
     q_dec = jnp.take(q4, qsl[:num_reqs], axis=0, mode="clip")  # [R, K, G', H]
     q_dec = jnp.pad(q_dec, ((0, 0), (0, 0), (0, rows - group_pad), (0, 0))).astype(_dot_dtype(q4, kv_cache))
+    if kv_scale is not None and config.decode_fp8_dots == "float16":
+        f16_max = float(jnp.finfo(jnp.float16).max)
+        q_dec = jnp.clip(q_dec.astype(jnp.float32), -f16_max, f16_max).astype(jnp.float16)
 
     full = lambda shape: pl.BlockSpec(shape, lambda r, h, s: (0,) * len(shape))
     page_spec = lambda kv: pl.BlockSpec((None, None, num_pages, page_size, head_dim),
@@ -291,7 +321,8 @@ def _decode(q4, kv_cache, qsl, seq_lens, block_tables, kv_scale, *, sm_scale, sl
                      pl.BlockSpec((None, None, None, group_pad), lambda r, h, s: (s, r, h, 0)))
     kernel = functools.partial(_decode_kernel, sm_scale=sm_scale, sliding_window=sliding_window,
                                pages_per_tile=pages_per_tile, num_splits=num_splits,
-                               group_pad=group_pad, quantized=kv_scale is not None)
+                               group_pad=group_pad, quantized=kv_scale is not None,
+                               fp8_dots=kv_scale is not None and config.decode_fp8_dots == "float8_e4m3fn")
     result = pl.pallas_call(
         kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs,
         compiler_params=pltriton.CompilerParams(num_warps=config.decode_num_warps,
