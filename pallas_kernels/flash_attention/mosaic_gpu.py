@@ -46,7 +46,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from benchmarks.experimental.flash_attention import triton
+from pallas_kernels.flash_attention import triton
 
 LOG2_E = math.log2(math.e)
 NUM_CONSUMERS = 2  # consumer warpgroups per CTA, one q head each

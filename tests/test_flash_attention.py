@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks.experimental.flash_attention import FlashAttentionConfig, flash_attention, flash_attention_reference
-from benchmarks.experimental.flash_attention import mosaic_gpu, on_hopper
+from pallas_kernels.flash_attention import FlashAttentionConfig, flash_attention, flash_attention_reference
+from pallas_kernels.flash_attention import mosaic_gpu, on_hopper
 
 # NOTE: JAX 0.11 warns on every Triton lowering that the backend is deprecated.
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import jax
 
-from benchmarks.experimental.flash_attention import mosaic_gpu, triton
-from benchmarks.experimental.flash_attention.mosaic_gpu import MosaicAttentionConfig
-from benchmarks.experimental.flash_attention.reference import flash_attention_reference
-from benchmarks.experimental.flash_attention.triton import FlashAttentionConfig, default_config
+from pallas_kernels.flash_attention import mosaic_gpu, triton
+from pallas_kernels.flash_attention.mosaic_gpu import MosaicAttentionConfig
+from pallas_kernels.flash_attention.reference import flash_attention_reference
+from pallas_kernels.flash_attention.triton import FlashAttentionConfig, default_config
 
 __all__ = ["FlashAttentionConfig", "MosaicAttentionConfig", "default_config", "flash_attention",
            "flash_attention_reference", "on_hopper"]
