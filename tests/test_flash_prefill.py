@@ -18,8 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxserve import LLM, SamplingParams
 from jaxserve.models import layers
 from pallas_kernels.paged_attention import layout, reference
+from tests.test_engine_parity import log_softmax
 
 PAGE, MAX_BLOCKS, NUM_TOKENS = 4, 16, 40
 # (q_len, context) per request: a decode row, the long chunk over a 27-token prefix, a short prefill, a
@@ -142,6 +144,34 @@ def test_flash_prefill_fn_scope():
     assert layers.flash_prefill_fn("reference", jnp.float32, None) is not None
     assert layers.flash_prefill_fn("reference", jnp.float32, 64) is None  # sliding window
     assert layers.flash_prefill_fn("reference", jnp.float8_e4m3fn, None) is None  # fp8 cache
+
+
+@pytest.mark.parametrize("hf_fixture", ["llama3_gqa4_tied", "qwen3_gqa1_untied"], indirect=True)
+def test_engine_greedy_matches_hf_with_flash_prefill(hf_fixture, monkeypatch):
+    # A 16-token budget spreads the 17- and 33-token prompts over steps, mixed with the others' decodes: their
+    # later chunks (>= 8 rows) attend to their cached prefix through the flash path.
+    flash_steps = []
+    original = layers.flash_prefill_fn
+    monkeypatch.setattr(layers, "flash_prefill_fn", lambda *args: flash_steps.append(args) or original(*args))
+    llm = LLM(model=hf_fixture.path, dtype="float32", skip_tokenizer_init=True, max_model_len=96, block_size=4,
+              num_blocks=96, max_num_batched_tokens=16, max_num_seqs=4, token_buckets=[8, 16], request_buckets=[4],
+              precompile=False, progress=False, flash_prefill_token_threshold=8)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in hf_fixture.prompts], params, use_tqdm=False)
+    assert flash_steps, "no step compiled the flash prefill variant"
+    for i, out in enumerate(outputs):
+        completion = out.outputs[0]
+        assert completion.token_ids == hf_fixture.generated[i][:12], f"{hf_fixture.name} prompt {i}"
+        reference_logprobs = log_softmax(hf_fixture.logits[i])[len(hf_fixture.prompts[i]) - 1:]
+        ours = [entry[token].logprob for token, entry in zip(completion.token_ids, completion.logprobs)]
+        expected = [reference_logprobs[step, token] for step, token in enumerate(completion.token_ids)]
+        np.testing.assert_allclose(ours, expected, atol=2e-4)
+
+
+def test_threshold_is_validated():
+    from jaxserve.config import RunnerConfig
+    with pytest.raises(ValueError, match="flash_prefill_token_threshold must be >= 0"):
+        RunnerConfig(flash_prefill_token_threshold=-1)
 
 
 gpu_only = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
