@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from benchmarks.experimental.flash_attention import FlashAttentionConfig, default_config, flash_attention
-from benchmarks.experimental.flash_attention import flash_attention_reference, mosaic_gpu
+from pallas_kernels.flash_attention import FlashAttentionConfig, default_config, flash_attention
+from pallas_kernels.flash_attention import flash_attention_reference, mosaic_gpu
 
 warnings.simplefilter("ignore", DeprecationWarning)  # every Triton lowering warns in JAX 0.11
 

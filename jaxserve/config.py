@@ -160,11 +160,19 @@ class RunnerConfig:
     request_buckets: tuple[int, ...] | None = None  # default: powers of two up to max_num_seqs
     precompile: bool = True
     compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"  # null disables the persistent cache
+    # > 0: a request with at least this many of a prefill step's tokens attends through the flash attention
+    # (pallas_kernels/flash_attention: Mosaic GPU on Hopper) over its K/V gathered from the paged cache,
+    # instead of the ragged paged kernel; 0: off. GPU "pallas" and "reference" backends, no sliding window,
+    # no fp8 KV cache (docs/ARCHITECTURE.md §6).
+    flash_prefill_token_threshold: int = 0
 
     def __post_init__(self):
         check_fields(self, "runner")
         if self.attention_backend not in ("auto", "reference", "pallas"):
             raise ValueError(f"runner.attention_backend must be auto, reference or pallas, got {self.attention_backend!r}")
+        if self.flash_prefill_token_threshold < 0:
+            raise ValueError("runner.flash_prefill_token_threshold must be >= 0 (0 turns the flash prefill off), "
+                             f"got {self.flash_prefill_token_threshold}")
         for name in ("token_buckets", "request_buckets"):
             value = getattr(self, name)
             if value is not None:

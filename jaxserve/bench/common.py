@@ -61,7 +61,8 @@ PERCENTILES = (50, 90, 99)
 ENGINE_FLAGS = ("model", "tokenizer", "load_format", "dtype", "max_model_len", "max_num_seqs",
                 "max_num_batched_tokens", "block_size", "num_blocks", "enable_prefix_caching", "async_scheduling",
                 "attention_backend", "precompile", "skip_tokenizer_init", "all_reduce", "host_kv_gib", "disk_kv_path",
-                "disk_kv_gib", "prefix_hash_seed", "preemption_mode", "quantization", "kv_cache_dtype")
+                "disk_kv_gib", "prefix_hash_seed", "preemption_mode", "quantization", "kv_cache_dtype",
+                "flash_prefill_token_threshold")
 
 
 def parse_bool(text: str) -> bool:
@@ -97,6 +98,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--async-scheduling", type=parse_bool, metavar="{true,false}",
                        help="overlap step N+1's dispatch with step N's readback")
     group.add_argument("--attention-backend", choices=("auto", "reference", "pallas"))
+    group.add_argument("--flash-prefill-token-threshold", type=int,
+                       help="a request with at least this many of a step's tokens prefills through the flash "
+                            "attention (0: off; README \"Long context\")")
     group.add_argument("--precompile", type=parse_bool, metavar="{true,false}",
                        help="compile every bucket at start-up (default: the config's)")
     group.add_argument("--skip-tokenizer-init", action="store_const", const=True,

@@ -20,7 +20,9 @@ the fields of `ModelConfig`; everything else about the model stays inside the fa
                                                                 sharding (loader and checkpoint restore)
     forward(params, config, batch, kv_caches, attention_backend, tp, decode_only, comm, return_hidden=False)
         -> (float32 logits [num_logits, V], kv_caches)          one engine step over a ragged ModelBatch;
-           (+ final-normed hidden states [T, D] with return_hidden, for prompt log-probs)
+           (+ final-normed hidden states [T, D] with return_hidden, for prompt log-probs); the runner passes
+           flash_prefill_threshold=N (> 0 only) for runner.flash_prefill_token_threshold
+           (layers.paged_attention's long-prefill path)
     head_logits(params, config, hidden [..., D]) -> float32 logits [..., V]   the lm head alone
     init_kv_caches(config, num_blocks, block_size, attention_backend, dtype=None, tp=None) -> list of arrays
     forward_dense(params, config, token_ids [B, T]) -> logits [B, T, V]   optional: cache-free, for training

@@ -146,21 +146,80 @@ def paged_attention(
     backend: str,
     decode_only: bool = False,
     kv_scale: jax.Array | None = None,
+    flash_prefill_threshold: int = 0,
 ) -> tuple[jax.Array, jax.Array]:
     """The single attention dispatch point: write this step's K/V, then attend through block tables.
 
     `decode_only` (static): every request of the batch has exactly one query token, token r being
     request r's; the GPU kernel then skips its general (prefill) path. An fp8 cache (the cache's dtype
     says it) stores K/V quantized by `kv_scale` [2, K] float32 (its K and V scale per kv head; None: 1;
-    pallas_kernels/paged_attention/fp8.py); a cache in a float dtype ignores it."""
+    pallas_kernels/paged_attention/fp8.py); a cache in a float dtype ignores it.
+
+    `flash_prefill_threshold` (static; 0: off; runner.flash_prefill_token_threshold): a step of at least
+    that many tokens, where `flash_prefill_fn` has a flash attention for the backend, compiles a long-prefill
+    variant. When one request holds at least that many of the step's query rows (checked on the device),
+    its rows run the flash attention over its K/V gathered from the cache (`_long_request_attention`) and
+    the ragged kernel skips them (its seq_len set to 0 there: no work, zeros); other steps run as without
+    the option."""
     impl = attention_backend(backend)
     scale = {"kv_scale": kv_scale} if fp8.is_fp8(kv_cache.dtype) else {}
     kv_cache = impl.write_kv(kv_cache, k, v, batch.slot_mapping, **scale)
+    flash = None
+    if flash_prefill_threshold > 0 and not decode_only and q.shape[0] >= flash_prefill_threshold:
+        flash = flash_prefill_fn(backend, kv_cache.dtype, sliding_window)
+    seq_lens = batch.seq_lens
+    if flash is not None:
+        q_lens = batch.query_start_loc[1:] - batch.query_start_loc[:-1]
+        longest = jnp.argmax(q_lens).astype(jnp.int32)
+        is_long = q_lens[longest] >= flash_prefill_threshold
+        seq_lens = jnp.where(is_long & (jnp.arange(seq_lens.shape[0]) == longest), 0, seq_lens)
     out = impl.ragged_paged_attention(
-        q, kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
+        q, kv_cache, batch.query_start_loc, seq_lens, batch.block_tables,
         sm_scale=sm_scale, sliding_window=sliding_window, decode_only=decode_only, **scale,
     )
+    if flash is not None:
+        out = jax.lax.cond(
+            is_long, lambda: _long_request_attention(q, kv_cache, batch, longest, out, gather_kv=impl.gather_kv,
+                                                     flash=flash, sm_scale=sm_scale),
+            lambda: out)
     return out, kv_cache
+
+
+def flash_prefill_fn(backend: str, cache_dtype, sliding_window: int | None):
+    """The flash attention a long request's prefill runs with `backend`'s cache, or None where there is
+    none: the flash kernels (pallas_kernels/flash_attention: Mosaic GPU on Hopper, Triton elsewhere) with
+    the GPU "pallas" backend, their jnp reference with "reference" (CPU tests), none on TPU, with a sliding
+    window (the flash kernels have none) or an fp8 cache (they read q's dtype)."""
+    if sliding_window is not None or fp8.is_fp8(cache_dtype):
+        return None
+    if backend == "reference":
+        from pallas_kernels.flash_attention.reference import flash_attention_reference
+        return flash_attention_reference
+    if backend == "pallas" and jax.default_backend() == "gpu":
+        from pallas_kernels.flash_attention import flash_attention
+        return flash_attention
+    return None
+
+
+def _long_request_attention(q, kv_cache, batch: ModelBatch, req: jax.Array, out: jax.Array, *, gather_kv,
+                            flash, sm_scale: float) -> jax.Array:
+    """`out` [T, N, H] with request `req`'s rows replaced by flash attention over its cached K/V.
+
+    The request's K/V come from the cache (this step's rows already written) through its block-table
+    row: [1, max_blocks * S, K, H], zeros past its seq_len. Its q_len rows, rotated to the front of q
+    (static length T; the rows after them are other requests' or padding, computed and dropped), sit at
+    positions seq_len - q_len + i."""
+    num_tokens = q.shape[0]
+    start = batch.query_start_loc[req]
+    q_len = batch.query_start_loc[req + 1] - start
+    seq_len = batch.seq_lens[req]
+    k, v = gather_kv(kv_cache, batch.block_tables[req], seq_len)
+    rows = jnp.roll(q, -start, axis=0)[None]  # [1, T, N, H], the request's rows first
+    flash_out = flash(rows, k.astype(q.dtype), v.astype(q.dtype), sm_scale=sm_scale,
+                      q_offset=(seq_len - q_len)[None])[0]
+    token = jnp.arange(num_tokens, dtype=jnp.int32)
+    mine = (token >= start) & (token < start + q_len)
+    return jnp.where(mine[:, None, None], jnp.roll(flash_out, start, axis=0), out)
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, sm_scale: float,

@@ -301,22 +301,24 @@ def _expert_parallel(tp: TensorParallel, placement, moe_layer: jax.Array, valid:
     return routed
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "attention_backend", "tp", "decode_only"))
+@functools.partial(jax.jit, static_argnames=("cfg", "attention_backend", "tp", "decode_only",
+                                             "flash_prefill_threshold"))
 def _layer(lp: Params, h: jax.Array, x: jax.Array, next_norm: jax.Array, kv_cache: jax.Array, batch: ModelBatch,
            comm: jax.Array | None, placement=None, moe_layer: jax.Array | None = None, *, cfg: LlamaConfig,
-           attention_backend: str, tp: TensorParallel | None,
-           decode_only: bool) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+           attention_backend: str, tp: TensorParallel | None, decode_only: bool,
+           flash_prefill_threshold: int = 0) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """One decoder layer: (h = rms_norm(x) * attn_norm, x) -> (the next block's h, x, kv_cache). Jitted
     on its own so the step traces it once per shape, not once per layer (XLA inlines the calls: the
     compiled step is the same; warm starts lower each step shape faster). `placement`, `moe_layer`: the
     expert placement tables and this layer's row in them (expert parallelism; the row is traced, so every
     MoE layer shares one trace). The fourth output: an expert-parallel MoE layer's tokens per logical expert
-    [E] int32 (this shard's, padding excluded), else None."""
+    [E] int32 (this shard's, padding excluded), else None. `flash_prefill_threshold`: layers.paged_attention's."""
     inv_freq = layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     q, k, v = _qkv(lp, cfg, h, batch.positions, inv_freq)
     attn, kv_cache = layers.paged_attention(
         q, k, v, kv_cache, batch, sm_scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window,
         backend=attention_backend, decode_only=decode_only, kv_scale=lp.get("kv_scale"),
+        flash_prefill_threshold=flash_prefill_threshold,
     )
     routed, loads = None, []
     if placement is not None and "router" in lp:
@@ -334,7 +336,8 @@ def head_logits(params: Params, cfg: LlamaConfig, h: jax.Array) -> jax.Array:
 
 def _step(params: Params, batch: ModelBatch, kv_caches: list[jax.Array], comm: jax.Array | None = None,
           placement=None, *, cfg: LlamaConfig, attention_backend: str, tp: TensorParallel | None,
-          decode_only: bool = False, return_hidden: bool = False, aux_layers: tuple[int, ...] = ()) -> tuple:
+          decode_only: bool = False, return_hidden: bool = False, aux_layers: tuple[int, ...] = (),
+          flash_prefill_threshold: int = 0) -> tuple:
     """The step on one device's params and caches: all of them, or (with `tp`) its shards. With `placement`
     the last output is the step's expert load [L, E] int32: tokens per logical expert of each MoE layer,
     summed over the expert shards (replicated). `aux_layers`: forward's."""
@@ -347,7 +350,8 @@ def _step(params: Params, batch: ModelBatch, kv_caches: list[jax.Array], comm: j
         if i in aux_layers:
             aux.append(x)
         h, x, kv_cache, load = _layer(lp, h, x, next_norm, kv_cache, batch, comm, placement, moe_layer, cfg=cfg,
-                                      attention_backend=attention_backend, tp=tp, decode_only=decode_only)
+                                      attention_backend=attention_backend, tp=tp, decode_only=decode_only,
+                                      flash_prefill_threshold=flash_prefill_threshold)
         new_caches.append(kv_cache)
         if load is not None:
             loads.append(load)
@@ -380,6 +384,7 @@ def forward(
     return_hidden: bool = False,
     placement=None,
     aux_layers: tuple[int, ...] = (),
+    flash_prefill_threshold: int = 0,
 ) -> tuple:
     """One engine step over the ragged batch. Returns float32 logits for `batch.logits_indices` and the
     caches; with `return_hidden`, also every token's final-normed hidden state [T, D] (for `head_logits`).
@@ -397,10 +402,14 @@ def forward(
     excluded; rows in cfg.moe.sparse_layers order, the placement tables' rows).
 
     `aux_layers` (sorted layer indices; an EAGLE-3 head reads them): one more output after the hidden
-    states, the residual stream entering each of those layers, concatenated [T, len(aux_layers) * D]."""
+    states, the residual stream entering each of those layers, concatenated [T, len(aux_layers) * D].
+
+    `flash_prefill_threshold` (runner.flash_prefill_token_threshold; 0: off): a request with at least that
+    many of the step's tokens prefills through the flash attention (layers.paged_attention)."""
     if tp is None or tp.mesh.size == 1:
         return _step(params, batch, kv_caches, cfg=cfg, attention_backend=attention_backend, tp=None,
-                     decode_only=decode_only, return_hidden=return_hidden, aux_layers=aux_layers)
+                     decode_only=decode_only, return_hidden=return_hidden, aux_layers=aux_layers,
+                     flash_prefill_threshold=flash_prefill_threshold)
     shard = ("expert_shard",) if tp.expert is not None else ()
     cache_axes = [(*shard, *layers.kv_cache_axes(attention_backend))] * len(kv_caches)
     comm_axes = COMM_AXES if comm is not None else ()
@@ -412,7 +421,8 @@ def forward(
         out_axes = (*out_axes, ())  # the expert load, summed over the shards
     sharded_step = tp.shard_map(functools.partial(step, cfg=cfg, attention_backend=attention_backend, tp=tp,
                                                   decode_only=decode_only, return_hidden=return_hidden,
-                                                  aux_layers=aux_layers),
+                                                  aux_layers=aux_layers,
+                                                  flash_prefill_threshold=flash_prefill_threshold),
                                 in_axes=(param_axes(params), shard, cache_axes, comm_axes, ()), out_axes=out_axes)
     logits, kv_caches, *rest = sharded_step(params, batch, kv_caches, comm, placement)
     if logits.shape[-1] != cfg.vocab_size:  # the vocabulary was padded to a multiple of tp

@@ -88,6 +88,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.attention_backend = resolve_attention_backend(config.runner.attention_backend, self.cfg,
                                                            self.block_size)
+        self.flash_prefill_threshold = config.runner.flash_prefill_token_threshold
         sched = config.scheduler
         self.buckets = BucketLadders.build(sched.max_num_batched_tokens, sched.max_num_seqs,
                                            config.runner.token_buckets, config.runner.request_buckets)
@@ -472,6 +473,7 @@ class ModelRunner:
             logits, self.kv_caches, tokens, *plp = self.forward_fn(
                 self.model.params, self.cfg, staged, self.kv_caches, logits_buffer, self.comm,
                 attention_backend=self.attention_backend, tp=self.tp, decode_only=decode_only, twin=twin,
+                flash_prefill_threshold=self.flash_prefill_threshold,
                 out_rows=self.max_rows, num_prompt_logprobs=self.max_logprobs if prompt is not None else 0,
                 **extra)
         if keep_logits:

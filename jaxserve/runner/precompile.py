@@ -45,6 +45,7 @@ def precompile(runner, progress: bool = True) -> int:
             extra |= {"prompt": (rows, rows), "num_prompt_logprobs": runner.max_logprobs}
         lowered = runner.forward_fn.lower(runner.model.params, runner.cfg, device_batch(t_pad, r_pad), runner.kv_caches,
                                         logits, runner.comm, attention_backend=runner.attention_backend, tp=runner.tp,
+                                        flash_prefill_threshold=runner.flash_prefill_threshold,
                                         decode_only=decode_only, out_rows=runner.max_rows, **extra)
         if prompt:
             return {("forward_prompt", t_pad, r_pad): lowered.compile()}

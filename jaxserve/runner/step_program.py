@@ -80,7 +80,7 @@ def sharded_stage_fn(sharding: jax.sharding.Sharding):
 
 def _forward_step(params, cfg, batch: ModelBatch, kv_caches, logits_buffer, comm, attention_backend, tp=None,
                   decode_only=False, twin=False, out_rows=None, prompt=None, num_prompt_logprobs=0, placement=None,
-                  expert_load=None, return_hidden=False, aux_layers=()):
+                  expert_load=None, return_hidden=False, aux_layers=(), flash_prefill_threshold=0):
     """The model step -> (logits, kv_caches, greedy tokens or None), plus, when `prompt` (the flat token
     indices and scored tokens of prompt_logprobs.PromptRows) is given, prompt_logprobs.compute's arrays
     with `num_prompt_logprobs` top entries. `logits_buffer` (donated, never
@@ -96,11 +96,14 @@ def _forward_step(params, cfg, batch: ModelBatch, kv_caches, logits_buffer, comm
     it that is never donated, which the host reads once the step is done (nothing here waits for the host).
     `return_hidden`: every token's final-normed hidden state [T, D] follows the prompt arrays (an EAGLE head
     reads them); with `aux_layers` (an EAGLE-3 head's layers), the residual stream entering each of them,
-    concatenated [T, len(aux_layers) * D], instead."""
+    concatenated [T, len(aux_layers) * D], instead. `flash_prefill_threshold`: runner.flash_prefill_token_threshold
+    (layers.paged_attention; 0: off)."""
     del logits_buffer
     family = registry.family_of(cfg)
     expert = {"placement": placement} if placement is not None else {}
     aux = {"aux_layers": aux_layers} if aux_layers else {}  # (other families' forwards never see the option)
+    if flash_prefill_threshold:
+        aux["flash_prefill_threshold"] = flash_prefill_threshold
     logits, kv_caches, *hidden = family.forward(params, cfg, batch, kv_caches, attention_backend=attention_backend,
                                                 tp=tp, decode_only=decode_only, comm=comm,
                                                 return_hidden=prompt is not None or (return_hidden and not aux_layers),
@@ -158,6 +161,6 @@ def forward_fn(platform: str, return_hidden: bool = False, aux_layers: tuple[int
     step = (functools.partial(_forward_step, return_hidden=True, aux_layers=aux_layers) if return_hidden
             else _forward_step)
     return jax.jit(step, static_argnames=("cfg", "attention_backend", "tp", "decode_only", "twin", "out_rows",
-                                                   "num_prompt_logprobs"),
+                                                   "num_prompt_logprobs", "flash_prefill_threshold"),
                    donate_argnames=("kv_caches", "logits_buffer", "expert_load"), keep_unused=True,
                    compiler_options=gpu_compiler_options(fp8_weights) if platform == "gpu" else None)

@@ -63,9 +63,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.paged_attention import fp8
-from pallas_kernels.paged_attention.layout import kv_cache_shape, write_kv
+from pallas_kernels.paged_attention.layout import gather_kv, kv_cache_shape, write_kv
 
-__all__ = ["TuningConfig", "kv_cache_shape", "write_kv", "ragged_paged_attention", "decode_splits"]
+__all__ = ["TuningConfig", "gather_kv", "kv_cache_shape", "write_kv", "ragged_paged_attention", "decode_splits"]
 
 # Finite, so that `mask - mask` is 0 and never NaN; exp2 of (mask - real max) underflows to 0.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)

@@ -33,6 +33,18 @@ def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.
     return flat.reshape(kv_cache.shape)
 
 
+def gather_kv(kv_cache: jax.Array, block_table: jax.Array, seq_len: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One request's K and V in token order through its block-table row [max_blocks]: each
+    [1, max_blocks * S, K, H] in the cache's dtype (token-major, as the flash kernels read them), zeros at
+    positions >= seq_len. One gather + transpose fusion: the request's pages are read once."""
+    _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
+    kv = kv_cache[:, :, block_table]  # [2, K, max_blocks, S, H]
+    kv = kv.reshape(2, num_kv_heads, block_table.shape[0] * block_size, head_dim).transpose(0, 2, 1, 3)
+    valid = jnp.arange(kv.shape[1]) < seq_len
+    kv = jnp.where(valid[None, :, None, None], kv, jnp.zeros((), kv.dtype))
+    return kv[0][None], kv[1][None]
+
+
 def to_reference_layout(kv_cache: jax.Array) -> jax.Array:
     """[2, K, P, S, H] -> the reference's [2, P, S, K, H] (tests compare kernels to the reference)."""
     return kv_cache.transpose(0, 2, 3, 1, 4)

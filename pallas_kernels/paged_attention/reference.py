@@ -50,6 +50,17 @@ def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.
     return flat.reshape(kv_cache.shape)
 
 
+def gather_kv(kv_cache: jax.Array, block_table: jax.Array, seq_len: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One request's K and V in token order through its block-table row [max_blocks]: each
+    [1, max_blocks * S, K, H] in the cache's dtype, zeros at positions >= seq_len (the flash prefill's
+    input: jaxserve/models/layers.py)."""
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    kv = kv_cache[:, block_table].reshape(2, block_table.shape[0] * block_size, num_kv_heads, head_dim)
+    valid = jnp.arange(kv.shape[1]) < seq_len
+    kv = jnp.where(valid[None, :, None, None], kv, jnp.zeros((), kv.dtype))
+    return kv[0][None], kv[1][None]
+
+
 def ragged_paged_attention(
     q: jax.Array,  # [T, N, H]
     kv_cache: jax.Array,  # [2, P, S, K, H]

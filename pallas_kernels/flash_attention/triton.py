@@ -1,18 +1,20 @@
-"""Causal GQA flash attention for long fresh prompts: a Pallas Triton kernel (GPU).
+"""Causal GQA flash attention for long prompts: a Pallas Triton kernel (GPU).
 
 Data flow of one call (dimension letters as in `jaxserve/models/layers.py`):
 
-    q [B, T, N, H], k/v [B, T, K, H], seq_lens [B] (optional)
-      --pad T to the tile, H to a power of two (only when needed)-->
-      pallas_call grid (N, T // block_q, B): one program owns block_q query rows of one q head
+    q [B, Tq, N, H], k/v [B, Tkv, K, H], seq_lens [B], q_offset [B] (both optional)
+      --pad Tq, Tkv to the tiles, H to a power of two (only when needed)-->
+      pallas_call grid (N, Tq // block_q, B): one program owns block_q query rows of one q head
         and streams the K/V rows of kv head n // G through an online softmax
-      --> out [B, T, N, H]
+      --> out [B, Tq, N, H]
 
 The kernel reads the engine's token-major layout directly: a BlockSpec on Triton is a pointer
 offset, so a [block_q, H] tile of one head is block_q rows of H contiguous elements with a stride of
 N * H, and no heads-major transpose is made. Semantics match `reference.flash_attention_reference`:
-row t of sequence b attends to keys 0..t below `seq_lens[b]`; rows at or past `seq_lens[b]` are zeros;
-K/V past `seq_lens[b]` may hold anything (NaN included).
+row i of sequence b sits at position p = q_offset[b] + i (no offset: p = i, Tq == Tkv) and attends to keys
+0..p below `seq_lens[b]` (None: Tkv); rows at positions at or past `seq_lens[b]` are zeros; K/V past
+`seq_lens[b]` may hold anything (NaN included). The offset is read per program from a [1] block, so the
+tile bounds below are in absolute positions.
 
 Per program the KV loop has two parts: tiles wholly below the diagonal (and inside the length) run
 without any mask arithmetic; the few tiles that cross the diagonal or the length run masked. Tiles
@@ -95,25 +97,33 @@ def _flash_kernel(
     scale_log2: float,
     causal: bool,
     has_lens: bool,
+    has_offset: bool,
     precision,
 ):
+    q_ref, k_ref, v_ref, *refs, o_ref = refs  # q/o [block_q, H]; k/v [Tkv, H]
+    if has_offset:
+        offset_ref, *refs = refs  # [1]
     if has_lens:
-        q_ref, k_ref, v_ref, lens_ref, o_ref = refs  # q/o [block_q, H]; k/v [T, H]; lens [1]
+        (lens_ref,) = refs  # [1]
         kv_len = lens_ref[0]
     else:
-        q_ref, k_ref, v_ref, o_ref = refs
         kv_len = k_ref.shape[0]
-    num_tokens = k_ref.shape[0]
+    num_kv_tiles = k_ref.shape[0] // block_k
     # NOTE: q blocks run last-first (the index_maps agree): the longest causal rows start in the
     # first wave and the short ones fill the tail.
     q_block = num_q_blocks - 1 - pl.program_id(1)
-    q_start = q_block * block_q
+    q_start = q_block * block_q  # the block's first row; its absolute position (key index) is q_start + offset
+    if has_offset:
+        q_start = q_start + offset_ref[0]
 
     if causal:
         end = _div(q_start + block_q + block_k - 1, block_k)  # tiles touching rows q_start..+block_q
         full = _div(q_start + 1, block_k)  # tiles wholly visible to the first row
+        if has_offset:  # keys past the (static) K/V length are never read
+            end = jnp.minimum(end, num_kv_tiles)
+            full = jnp.minimum(full, end)
     else:
-        end = full = num_tokens // block_k
+        end = full = num_kv_tiles
     if has_lens:
         end = jnp.minimum(end, _div(kv_len + block_k - 1, block_k))
         full = jnp.minimum(full, _div(kv_len, block_k))
@@ -167,22 +177,24 @@ def _flash_kernel(
     o_ref[...] = out.astype(o_ref.dtype)
 
 
-def _check_inputs(q, k, v, seq_lens) -> None:
+def _check_inputs(q, k, v, seq_lens, q_offset=None) -> None:
     if q.ndim != 4 or k.ndim != 4:
-        raise ValueError(f"q must be [B, T, N, H] and k, v [B, T, K, H]; got q {q.shape}, k {k.shape}")
+        raise ValueError(f"q must be [B, Tq, N, H] and k, v [B, Tkv, K, H]; got q {q.shape}, k {k.shape}")
     if k.shape != v.shape:
         raise ValueError(f"k {k.shape} and v {v.shape} must have the same shape")
     batch, num_tokens, num_q_heads, head_dim = q.shape
-    if k.shape[0] != batch or k.shape[1] != num_tokens or k.shape[3] != head_dim:
-        raise ValueError(
-            f"k/v {k.shape} must match q {q.shape} in B, T and H: this kernel serves fresh prompts "
-            "(no cached prefix); use paged attention for chunked prefill")
+    if k.shape[0] != batch or k.shape[3] != head_dim:
+        raise ValueError(f"k/v {k.shape} must match q {q.shape} in B and H")
+    if q_offset is None and k.shape[1] != num_tokens:
+        raise ValueError(f"k/v {k.shape} and q {q.shape} differ in length: pass q_offset (the position "
+                         "of q's first row) for queries that continue a cached prefix")
     if num_q_heads % k.shape[2]:
         raise ValueError(f"{num_q_heads} q heads must be a multiple of {k.shape[2]} kv heads")
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _SUPPORTED_DTYPES:
         raise ValueError(f"q, k, v must share one of bfloat16/float16/float32; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if seq_lens is not None and seq_lens.shape != (batch,):
-        raise ValueError(f"seq_lens must be [B] = ({batch},); got {seq_lens.shape}")
+    for name, lens in (("seq_lens", seq_lens), ("q_offset", q_offset)):
+        if lens is not None and lens.shape != (batch,):
+            raise ValueError(f"{name} must be [B] = ({batch},); got {lens.shape}")
 
 
 def _fit_blocks(config: FlashAttentionConfig, num_tokens: int) -> tuple[int, int]:
@@ -193,42 +205,53 @@ def _fit_blocks(config: FlashAttentionConfig, num_tokens: int) -> tuple[int, int
 
 @functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "config", "interpret"))
 def flash_attention(
-    q: jax.Array,  # [B, T, N, H]
-    k: jax.Array,  # [B, T, K, H]
-    v: jax.Array,  # [B, T, K, H]
+    q: jax.Array,  # [B, Tq, N, H]
+    k: jax.Array,  # [B, Tkv, K, H]
+    v: jax.Array,  # [B, Tkv, K, H]
     *,
     causal: bool = True,
     sm_scale: float | None = None,
-    seq_lens: jax.Array | None = None,  # [B] int32, valid tokens per sequence (<= T)
+    seq_lens: jax.Array | None = None,  # [B] int32, valid keys per sequence (<= Tkv)
+    q_offset: jax.Array | None = None,  # [B] int32, the absolute position of q's row 0 (None: 0)
     config: FlashAttentionConfig | None = None,
     interpret: bool = False,
-) -> jax.Array:  # [B, T, N, H], q.dtype
-    """Attention of fresh prompts over themselves; q head n reads kv head n // (N // K)."""
-    _check_inputs(q, k, v, seq_lens)
+) -> jax.Array:  # [B, Tq, N, H], q.dtype
+    """Causal attention of q row i (at position q_offset + i) over keys 0..that position; q head n reads
+    kv head n // (N // K). Without `q_offset` q and k/v are one fresh prompt (Tq == Tkv)."""
+    _check_inputs(q, k, v, seq_lens, q_offset)
     batch, num_tokens, num_q_heads, head_dim = q.shape
+    kv_tokens = k.shape[1]
     group = num_q_heads // k.shape[2]
     if sm_scale is None:
         sm_scale = head_dim**-0.5
     if config is None:
         config = default_config(head_dim, q.dtype)
-    block_q, block_k = _fit_blocks(config, num_tokens)
+    block_q, block_k = _fit_blocks(config, max(num_tokens, kv_tokens))
+    has_offset = q_offset is not None
 
     # NOTE: padding copies the inputs; the engine's buckets keep T a multiple of 128 so this is
-    # skipped in serving. Padded rows are masked through the lengths.
-    padded_tokens = -(-num_tokens // max(block_q, block_k)) * max(block_q, block_k)
+    # skipped in serving. Padded keys are masked through the lengths.
+    if has_offset:
+        padded_tokens = -(-num_tokens // block_q) * block_q
+        padded_kv = -(-kv_tokens // block_k) * block_k
+    else:
+        padded_tokens = padded_kv = -(-num_tokens // max(block_q, block_k)) * max(block_q, block_k)
     padded_dim = pl.next_power_of_2(head_dim)
-    if padded_tokens != num_tokens and seq_lens is None:
-        seq_lens = jnp.full((batch,), num_tokens, jnp.int32)
+    if seq_lens is None and (padded_kv != kv_tokens or has_offset):
+        seq_lens = jnp.full((batch,), kv_tokens, jnp.int32)  # (with an offset: rows past Tkv are zeros)
     if (padded_tokens, padded_dim) != (num_tokens, head_dim):
-        pad = ((0, 0), (0, padded_tokens - num_tokens), (0, 0), (0, padded_dim - head_dim))
-        q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
+        q = jnp.pad(q, ((0, 0), (0, padded_tokens - num_tokens), (0, 0), (0, padded_dim - head_dim)))
+    if (padded_kv, padded_dim) != (kv_tokens, head_dim):
+        pad = ((0, 0), (0, padded_kv - kv_tokens), (0, 0), (0, padded_dim - head_dim))
+        k, v = (jnp.pad(x, pad) for x in (k, v))
 
     num_q_blocks = padded_tokens // block_q
     has_lens = seq_lens is not None
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     kernel = functools.partial(
         _flash_kernel, block_q=block_q, block_k=block_k, num_q_blocks=num_q_blocks,
-        scale_log2=float(sm_scale) * LOG2_E, causal=causal, has_lens=has_lens, precision=precision)
+        scale_log2=float(sm_scale) * LOG2_E, causal=causal, has_lens=has_lens, has_offset=has_offset,
+        precision=precision)
 
     def q_map(h, i, b):
         return b, num_q_blocks - 1 - i, h, 0
@@ -236,15 +259,21 @@ def flash_attention(
     def kv_map(h, i, b):
         return b, 0, h // group, 0  # GQA: the G q heads of one kv head are adjacent programs
 
+    def row_map(h, i, b):
+        return (b,)
+
     in_specs = [
         pl.BlockSpec((None, block_q, None, padded_dim), q_map),
-        pl.BlockSpec((None, padded_tokens, None, padded_dim), kv_map),
-        pl.BlockSpec((None, padded_tokens, None, padded_dim), kv_map),
+        pl.BlockSpec((None, padded_kv, None, padded_dim), kv_map),
+        pl.BlockSpec((None, padded_kv, None, padded_dim), kv_map),
     ]
     args = [q, k, v]
+    if has_offset:
+        in_specs.append(pl.BlockSpec((1,), row_map))
+        args.append(jnp.maximum(q_offset.astype(jnp.int32), 0))
     if has_lens:
-        in_specs.append(pl.BlockSpec((1,), lambda h, i, b: (b,)))
-        args.append(jnp.clip(seq_lens.astype(jnp.int32), 0, num_tokens))
+        in_specs.append(pl.BlockSpec((1,), row_map))
+        args.append(jnp.clip(seq_lens.astype(jnp.int32), 0, kv_tokens))
 
     out = pl.pallas_call(
         kernel,

@@ -1,19 +1,28 @@
-"""Causal GQA flash attention for long fresh prompts: a Mosaic GPU kernel (Hopper: TMA + wgmma).
+"""Causal GQA flash attention for long prompts: a Mosaic GPU kernel (Hopper: TMA + wgmma).
 
 Same entry signature and semantics as `triton.flash_attention` (read `reference.py`). Dimension
 letters as in `jaxserve/models/layers.py`; G = N // K query heads per kv head.
 
 Data flow of one call:
 
-    q [B, T, N, H], k/v [B, T, K, H]  (T padded to the KV tile with zeros when needed)
-      plgpu.kernel grid (N / 2, T / BQ, B), 3 warpgroups per CTA:
+    q [B, Tq, N, H], k/v [B, Tkv, K, H], q_offset [B] int32 (optional)
+      (q padded to the q tile, k/v to the KV tile, with zeros when needed)
+      plgpu.kernel grid (N / 2, Tq / BQ, B), 3 warpgroups per CTA:
         warpgroups 0 and 1 (consumers): q heads 2i and 2i + 1, the SAME BQ query rows, so both
           read kv head 2i // G and walk the same causal range of K/V tiles;
         warpgroup 2 (producer): TMA-loads K/V tiles of that kv head into a ring of `num_stages`
           SMEM slots; a slot is reloaded once both consumers have arrived on its "free" barrier.
         per KV tile, each consumer: S = Q K^T (wgmma, Q and K from SMEM) -> online softmax in
           registers (exp2, running max in the log2 domain) -> O += P V (wgmma, P from registers)
-      out [B, T, N, H] (O / l, staged through the Q SMEM buffer and TMA-stored)
+      out [B, Tq, N, H] (O / l, staged through the Q SMEM buffer and TMA-stored)
+
+Positions: q row i of sequence b is at p = q_offset[b] + i (a fresh prompt: no offset, Tq == Tkv, p = i)
+and attends to keys 0..p. A CTA's causal range, its unmasked/diagonal split and the mask all use p: its
+tiles wholly at or below its first row's position run unmasked, the ones crossing the diagonal masked,
+the ones past its last row's position (or past Tkv) are never loaded. The offsets reach the kernel as an
+int32 [B] array in GMEM, of which each CTA's warpgroups load their sequence's entry as a scalar (the way
+JAX's Mosaic GPU ragged-dot kernels read their group sizes); rows at or past Tkv are zeros. The fresh
+prompt compiles without the offset input, its kernel as before.
 
 Packing two heads of one kv head (rather than two query blocks of one head) keeps both consumers in
 lock-step over the same causal tile range: no consumer finishes early, so the producer never waits
@@ -24,8 +33,8 @@ is reversed) so the short causal rows fill the last wave.
 `benchmarks/prefill_attention.py` times it against cuDNN and the Triton kernel; the figures are in
 benchmarks/RESULTS.md.
 
-Scope: causal, no `seq_lens`, bf16/f16, H % 64 == 0, G even. Everything else goes to the
-Triton kernel, whose semantics are the same.
+Scope: causal, no `seq_lens` (a chunk's caller zero-fills K/V past the valid keys instead), bf16/f16,
+H % 64 == 0, G even. Everything else goes to the Triton kernel, whose semantics are the same.
 
 `interpret=True` runs this kernel in GPU interpret mode on a CPU (threads, barriers, TMA and wgmma
 simulated) with one change: P goes to the P V wgmma through SMEM, because the interpreter's wgmma
@@ -46,7 +55,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from benchmarks.experimental.flash_attention import triton
+from pallas_kernels.flash_attention import triton
 
 LOG2_E = math.log2(math.e)
 NUM_CONSUMERS = 2  # consumer warpgroups per CTA, one q head each
@@ -87,18 +96,26 @@ def supports(q, k, *, causal: bool, seq_lens) -> bool:
             and head_dim % 64 == 0 and head_dim <= 128 and group % NUM_CONSUMERS == 0)
 
 
-def _kernel(q_ref, k_ref, v_ref, o_ref, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
-            k_free, v_free, turn, p_smem=None, *, config: MosaicAttentionConfig, num_q_tiles: int, group: int,
-            scale_log2: float):
+def _kernel(*refs, config: MosaicAttentionConfig, num_q_tiles: int, group: int, scale_log2: float,
+            has_offset: bool, kv_len: int, interpret: bool):
+    if has_offset:  # offsets [B] int32 in GMEM: a scalar load of this CTA's entry
+        offsets_ref, *refs = refs
+    (q_ref, k_ref, v_ref, o_ref, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_free, v_free, turn,
+     *p_smem) = refs
+    p_smem = p_smem[0] if interpret else None
     block_q, block_kv, stages = config.block_q, config.block_kv, config.num_stages
     dtype = q_ref.dtype
     head_dim = q_ref.shape[-1]
     batch = lax.axis_index("batch")
     head_pair = lax.axis_index("heads")
     q_tile = num_q_tiles - 1 - lax.axis_index("q")  # longest causal rows first
-    q_start = q_tile * block_q
+    q_start = q_tile * block_q  # the block's first row in q
+    # The block's first row's absolute position (= its key index): row i of q sits at offset + i.
+    q_pos = q_start + offsets_ref[batch] if has_offset else q_start
     kv_head = lax.div(head_pair * NUM_CONSUMERS, jnp.int32(group))
-    num_steps = lax.div(q_start + block_q + block_kv - 1, jnp.int32(block_kv))
+    num_steps = lax.div(q_pos + block_q + block_kv - 1, jnp.int32(block_kv))
+    if has_offset:  # keys past the (static) K/V length are never read
+        num_steps = jnp.minimum(num_steps, jnp.int32(k_ref.shape[1] // block_kv))
     wg = lax.axis_index("wg")
 
     @pl.when(wg < NUM_CONSUMERS)
@@ -132,7 +149,7 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, q_smem, k_smem, v_smem, q_ready, k_ready
                                               layout=plgpu.Layout.WGMMA)
                 cols = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 1,
                                               layout=plgpu.Layout.WGMMA)
-                s = jnp.where(q_start + rows >= j * block_kv + cols, s, -jnp.inf)
+                s = jnp.where(q_pos + rows >= j * block_kv + cols, s, -jnp.inf)
             # Every row sees key 0 in step 0, so m is finite from then on: no -inf - -inf.
             m_new = jnp.maximum(m, s.max(axis=1) * scale_log2)
             alpha = jnp.exp2(m - m_new)
@@ -171,12 +188,17 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, q_smem, k_smem, v_smem, q_ready, k_ready
         # in the other's softmax; both run the same steps, so one closing rendezvous evens out.
         pl.when(wg == 1)(rendezvous)
         # Tiles wholly at or below the block's first row need no mask; the rest cross the diagonal.
-        unmasked = lax.div(q_start + 1, jnp.int32(block_kv))
+        unmasked = lax.div(q_pos + 1, jnp.int32(block_kv))
+        if has_offset:
+            unmasked = jnp.minimum(unmasked, num_steps)
         carry = lax.fori_loop(0, unmasked, functools.partial(step, masked=False), carry)
         carry = lax.fori_loop(unmasked, num_steps, functools.partial(step, masked=True), carry)
         pl.when(wg == 0)(rendezvous)
         acc, _, l = carry
         acc = acc * lax.broadcast_in_dim(1.0 / l, acc.shape, [0])
+        if has_offset:  # rows at or past the K/V length are padding: zeros, as in the reference
+            rows = plgpu.broadcasted_iota(jnp.int32, acc.shape, 0, layout=plgpu.Layout.WGMMA)
+            acc = jnp.where(q_pos + rows < kv_len, acc, 0.0)
         my_q[...] = acc.astype(dtype)  # Q is dead after the last QK^T: reuse its SMEM
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(my_q, o_ref.at[batch, pl.ds(q_start, block_q), head])
@@ -220,17 +242,21 @@ def _transforms(minor: int, dtype):
             plgpu.SwizzleTransform(swizzle))
 
 
-def _mosaic_attention(q, k, v, *, sm_scale: float, config: MosaicAttentionConfig,
-                      interpret: plgpu.InterpretGPUParams | None = None):
-    """The kernel; T a multiple of both tiles. `interpret` runs it in GPU interpret mode (CPU),
-    with P staged through SMEM (the interpreter's wgmma reads no register operands)."""
+def _mosaic_attention(q, k, v, q_offset=None, *, sm_scale: float, config: MosaicAttentionConfig,
+                      kv_len: int, interpret: plgpu.InterpretGPUParams | None = None):
+    """The kernel; q's rows a multiple of block_q, k/v's a multiple of block_kv. `q_offset` [B] int32
+    (None: q and k/v the same length, row i at position i); `kv_len`: the keys before padding (rows at or
+    past it are zeros; offset calls only). `interpret` runs it in GPU interpret mode (CPU), with P staged
+    through SMEM (the interpreter's wgmma reads no register operands)."""
     batch, num_tokens, num_q_heads, head_dim = q.shape
     group = num_q_heads // k.shape[2]
     num_q_tiles = num_tokens // config.block_q
     transforms = _transforms(head_dim, q.dtype)
     stages = config.num_stages
+    has_offset = q_offset is not None
     kernel = functools.partial(_kernel, config=config, num_q_tiles=num_q_tiles, group=group,
-                               scale_log2=float(sm_scale) * LOG2_E)
+                               scale_log2=float(sm_scale) * LOG2_E, has_offset=has_offset, kv_len=kv_len,
+                               interpret=interpret is not None)
     return plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -255,36 +281,47 @@ def _mosaic_attention(q, k, v, *, sm_scale: float, config: MosaicAttentionConfig
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,
-    )(q, k, v)
+    )(*([q_offset] if has_offset else []), q, k, v)
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "config", "interpret"))
 def flash_attention(
-    q: jax.Array,  # [B, T, N, H]
-    k: jax.Array,  # [B, T, K, H]
-    v: jax.Array,  # [B, T, K, H]
+    q: jax.Array,  # [B, Tq, N, H]
+    k: jax.Array,  # [B, Tkv, K, H]
+    v: jax.Array,  # [B, Tkv, K, H]
     *,
     causal: bool = True,
     sm_scale: float | None = None,
-    seq_lens: jax.Array | None = None,  # [B] int32, valid tokens per sequence (<= T)
+    seq_lens: jax.Array | None = None,  # [B] int32, valid keys per sequence (<= Tkv)
+    q_offset: jax.Array | None = None,  # [B] int32, the absolute position of q's row 0 (None: 0)
     config: MosaicAttentionConfig | None = None,
     interpret: bool = False,
-) -> jax.Array:  # [B, T, N, H], q.dtype
+) -> jax.Array:  # [B, Tq, N, H], q.dtype
     """`triton.flash_attention` on Hopper's TMA + wgmma; calls outside `supports` go to Triton."""
-    triton._check_inputs(q, k, v, seq_lens)
+    triton._check_inputs(q, k, v, seq_lens, q_offset)
     if sm_scale is None:
         sm_scale = q.shape[-1] ** -0.5
     if not supports(q, k, causal=causal, seq_lens=seq_lens):
-        return triton.flash_attention(q, k, v, causal=causal, sm_scale=sm_scale,
-                                      seq_lens=seq_lens, interpret=interpret)
+        return triton.flash_attention(q, k, v, causal=causal, sm_scale=sm_scale, seq_lens=seq_lens,
+                                      q_offset=q_offset, interpret=interpret)
     config = MosaicAttentionConfig() if config is None else config
-    num_tokens = q.shape[1]
-    tile = math.lcm(config.block_q, config.block_kv)
-    padded = -(-num_tokens // tile) * tile
-    if padded != num_tokens:
-        # NOTE: causal, so padded keys (after every real row) are never seen by a real row.
-        pad = ((0, 0), (0, padded - num_tokens), (0, 0), (0, 0))
-        q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
-    out = _mosaic_attention(q, k, v, sm_scale=sm_scale, config=config,
-                            interpret=plgpu.InterpretGPUParams() if interpret else None)
+    params = plgpu.InterpretGPUParams() if interpret else None
+    num_tokens, kv_len = q.shape[1], k.shape[1]
+    if q_offset is None:  # a fresh prompt (Tq == Tkv): q row i is key i
+        tile = math.lcm(config.block_q, config.block_kv)
+        padded = -(-num_tokens // tile) * tile
+        if padded != num_tokens:
+            # NOTE: causal, so padded keys (after every real row) are never seen by a real row.
+            pad = ((0, 0), (0, padded - num_tokens), (0, 0), (0, 0))
+            q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
+        out = _mosaic_attention(q, k, v, sm_scale=sm_scale, config=config, kv_len=kv_len, interpret=params)
+        return out[:, :num_tokens]
+    # NOTE: padded keys sit at positions >= kv_len, seen only by rows at or past kv_len (zeros).
+    q_pad, kv_pad = -num_tokens % config.block_q, -kv_len % config.block_kv
+    if q_pad:
+        q = jnp.pad(q, ((0, 0), (0, q_pad), (0, 0), (0, 0)))
+    if kv_pad:
+        k, v = (jnp.pad(x, ((0, 0), (0, kv_pad), (0, 0), (0, 0))) for x in (k, v))
+    out = _mosaic_attention(q, k, v, jnp.maximum(q_offset.astype(jnp.int32), 0), sm_scale=sm_scale,
+                            config=config, kv_len=kv_len, interpret=params)
     return out[:, :num_tokens]

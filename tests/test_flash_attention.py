@@ -1,9 +1,9 @@
-"""Flash attention (Pallas Triton) against the pure-jnp reference.
+"""pallas_kernels/flash_attention: the Triton and Mosaic GPU kernels against the pure-jnp reference.
 
 CPU tier: `interpret=True` on tiny shapes with small tiles, so every path runs (several KV tiles,
-the unmasked/masked split, block_q != block_k, T and H padding, lengths, NaN past the lengths),
-plus a cross-lowering gate for `cuda` (lowered from this CPU host). GPU tier (`-m gpu`): the compiled kernel
-at serving-sized tiles.
+the unmasked/masked split, block_q != block_k, T and H padding, lengths, NaN past the lengths, queries
+at an offset over a longer K/V), plus cross-lowering gates for `cuda` (lowered from this CPU host). GPU
+tier (`-m gpu`): the compiled kernels at serving-sized tiles, fresh prompts and chunks at an offset.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks.experimental.flash_attention import FlashAttentionConfig, flash_attention, flash_attention_reference
-from benchmarks.experimental.flash_attention import mosaic_gpu, on_hopper
+from pallas_kernels.flash_attention import FlashAttentionConfig, flash_attention, flash_attention_reference
+from pallas_kernels.flash_attention import mosaic_gpu, on_hopper
 
 # NOTE: JAX 0.11 warns on every Triton lowering that the backend is deprecated.
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -35,9 +35,10 @@ def _fast_cpu_compiles():
     jax.config.update("jax_disable_most_optimizations", previous)
 
 
-def _inputs(seed, batch, tokens, q_heads, kv_heads, head_dim, dtype):
+def _inputs(seed, batch, tokens, q_heads, kv_heads, head_dim, dtype, kv_tokens=None):
     rng = np.random.default_rng(seed)
-    shapes = [(batch, tokens, q_heads, head_dim)] + 2 * [(batch, tokens, kv_heads, head_dim)]
+    kv_tokens = tokens if kv_tokens is None else kv_tokens
+    shapes = [(batch, tokens, q_heads, head_dim)] + 2 * [(batch, kv_tokens, kv_heads, head_dim)]
     return tuple(jnp.asarray(rng.standard_normal(shape, np.float32), dtype) for shape in shapes)
 
 
@@ -47,15 +48,16 @@ def _poison_past(x, seq_lens):
     return jnp.where(valid[:, :, None, None], x, jnp.nan)
 
 
-def _check(out, ref, dtype, seq_lens=None):
+def _check(out, ref, dtype, seq_lens=None, q_offset=None):
     out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
     assert out.shape == ref.shape
     assert not np.isnan(out).any(), "NaN in the output"
     rel = np.linalg.norm(out - ref) / np.linalg.norm(ref)
     assert rel < TOLERANCE[dtype], f"relative L2 error {rel:.2e}"
     if seq_lens is not None:
-        for b, length in enumerate(np.asarray(seq_lens)):
-            assert (out[b, length:] == 0).all(), f"padding rows of sequence {b} are not zero"
+        offsets = np.zeros(len(seq_lens), int) if q_offset is None else np.asarray(q_offset)
+        for b, (length, offset) in enumerate(zip(np.asarray(seq_lens), offsets)):
+            assert (out[b, max(length - offset, 0):] == 0).all(), f"padding rows of sequence {b} are not zero"
 
 
 # (q heads, kv heads, head dim, dtype, tiles): GQA ratios 1/4/8, H 64/128, both tile orders.
@@ -87,6 +89,41 @@ def test_seq_lens_with_nan_past_the_end(dtype, tiles):
     out = flash_attention(q, k, v, seq_lens=seq_lens, config=config, interpret=True)
     clean = [jnp.nan_to_num(x) for x in (q, k, v)]
     _check(out, reference(*clean, seq_lens=seq_lens), dtype, seq_lens)
+
+
+# Chunks at an offset: q row i at position q_offset + i over keys [0, q_offset + i] of a longer K/V.
+# Offsets 0, mid-tile, and one whose last rows pass the K/V length (padding rows: zeros).
+OFFSETS = [0, 37, 90]
+
+
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim,dtype,tiles", [
+    (8, 2, 64, jnp.float32, (16, 32)), (4, 1, 128, jnp.bfloat16, (32, 16))])
+def test_offset_matches_reference(q_heads, kv_heads, head_dim, dtype, tiles):
+    q, k, v = _inputs(12, 3, 40, q_heads, kv_heads, head_dim, dtype, kv_tokens=120)  # Tq = 40: padded
+    q_offset = jnp.array(OFFSETS, jnp.int32)
+    config = FlashAttentionConfig(block_q=tiles[0], block_k=tiles[1], num_warps=4, num_stages=2)
+    out = flash_attention(q, k, v, q_offset=q_offset, config=config, interpret=True)
+    _check(out, reference(q, k, v, q_offset=q_offset), dtype, jnp.full((3,), 120), q_offset)
+
+
+def test_offset_with_seq_lens_and_nan_past_the_end():
+    # The engine's case: K/V gathered into a static bucket, valid up to seq_lens, garbage after.
+    seq_lens = jnp.array([64, 53, 30], jnp.int32)
+    q_offset = seq_lens - jnp.array([24, 24, 7], jnp.int32)  # the chunk is the last rows of each sequence
+    q, k, v = _inputs(13, 3, 24, 8, 2, 64, jnp.float32, kv_tokens=96)
+    k, v = (_poison_past(x, seq_lens) for x in (k, v))
+    config = FlashAttentionConfig(block_q=16, block_k=16, num_warps=4, num_stages=2)
+    out = flash_attention(q, k, v, seq_lens=seq_lens, q_offset=q_offset, config=config, interpret=True)
+    clean = [jnp.nan_to_num(x) for x in (q, k, v)]
+    _check(out, reference(*clean, seq_lens=seq_lens, q_offset=q_offset), jnp.float32, seq_lens, q_offset)
+
+
+def test_reference_offset_is_a_slice_of_the_fresh_prompt():
+    # A chunk's rows at an offset equal the same rows of the whole prompt attended at once.
+    q, k, v = _inputs(14, 1, 48, 4, 2, 32, jnp.float32)
+    whole = reference(q, k, v)
+    chunk = reference(q[:, 20:36], k, v, q_offset=jnp.array([20], jnp.int32))
+    np.testing.assert_allclose(chunk, whole[:, 20:36], atol=1e-6, rtol=1e-6)
 
 
 def test_non_causal_and_odd_head_dim():
@@ -124,8 +161,10 @@ def test_rejects_bad_shapes():
     with pytest.raises(ValueError, match="multiple"):
         flash_attention(q, k, v, interpret=True)
     q, k, v = _inputs(5, 1, 32, 8, 2, 64, jnp.float32)
-    with pytest.raises(ValueError, match="fresh prompts"):
+    with pytest.raises(ValueError, match="q_offset"):
         flash_attention(q, k[:, :16], v[:, :16], interpret=True)
+    with pytest.raises(ValueError, match=r"q_offset must be \[B\]"):
+        flash_attention(q, k, v, q_offset=jnp.zeros((2,), jnp.int32), interpret=True)
 
 
 @pytest.mark.parametrize("with_lens", [False, True])
@@ -150,13 +189,22 @@ def test_lowers_for_cuda_without_layout_copies(with_lens):
 
 @pytest.mark.parametrize("q_heads,kv_heads,head_dim,tokens,config", [
     (4, 2, 64, 200, mosaic_gpu.MosaicAttentionConfig(block_q=64, block_kv=64, num_stages=2)),
-    (8, 1, 128, 256, mosaic_gpu.MosaicAttentionConfig(block_q=64, block_kv=128, num_stages=3)),
     (2, 1, 64, 256, mosaic_gpu.MosaicAttentionConfig(block_kv=64, pingpong=False)),
-], ids=["gqa2_hd64_pad", "gqa8_hd128_3stages", "no_pingpong"])
+], ids=["gqa2_hd64_pad", "no_pingpong"])
 def test_mosaic_interpret_matches_reference(q_heads, kv_heads, head_dim, tokens, config):
     q, k, v = _inputs(8, 1, tokens, q_heads, kv_heads, head_dim, jnp.bfloat16)
     out = mosaic_gpu.flash_attention(q, k, v, config=config, interpret=True)
     _check(out, reference(q, k, v), jnp.bfloat16)
+
+
+def test_mosaic_interpret_offset_matches_reference():
+    # GQA 2, offsets mid-tile (5: rows cross two diagonal tiles) and past the K/V end (190 + 72 > 256:
+    # the last rows are padding, zeros), Tq = 72 padded to two q tiles, 3 stages, ping-pong.
+    q, k, v = _inputs(15, 2, 72, 4, 2, 64, jnp.bfloat16, kv_tokens=256)
+    q_offset = jnp.array([5, 190], jnp.int32)
+    config = mosaic_gpu.MosaicAttentionConfig(block_q=64, block_kv=64, num_stages=3)
+    out = mosaic_gpu.flash_attention(q, k, v, q_offset=q_offset, config=config, interpret=True)
+    _check(out, reference(q, k, v, q_offset=q_offset), jnp.bfloat16, jnp.full((2,), 256), q_offset)
 
 
 def test_mosaic_outside_its_scope_runs_triton():
@@ -175,6 +223,22 @@ def test_mosaic_lowers_for_cuda():
         text = jax.jit(mosaic_gpu.flash_attention).trace(q, kv, kv).lower(
             lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text and "__gpu$xla.gpu.triton" not in text
+
+
+def test_mosaic_lowers_for_cuda_with_an_offset():
+    # A prefill chunk of the 8B shape over a 32K-position prefix bucket (no pad: the tiles divide both).
+    gpu = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
+    q = jax.ShapeDtypeStruct((1, 8192, 32, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 32768, 8, 128), jnp.bfloat16)
+    offset = jax.ShapeDtypeStruct((1,), jnp.int32)
+
+    def fn(q, k, v, q_offset):
+        return mosaic_gpu.flash_attention(q, k, v, q_offset=q_offset)
+
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=gpu)):
+        text = jax.jit(fn).trace(q, kv, kv, offset).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and "__gpu$xla.gpu.triton" not in text
+    assert "stablehlo.pad" not in text
 
 
 # GPU tier: the compiled Triton kernel at serving tiles.
@@ -216,6 +280,23 @@ def test_gpu_seq_lens_and_padding():
 def test_gpu_mosaic_causal(q_heads, kv_heads, head_dim, dtype, tokens, config):
     q, k, v = _inputs(10, 2, tokens, q_heads, kv_heads, head_dim, dtype)
     _check(mosaic_gpu.flash_attention(q, k, v, config=config), reference(q, k, v), jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("mosaic", [True, False], ids=["mosaic", "triton"])
+@pytest.mark.parametrize("tokens,kv_tokens,offsets", [
+    (1024, 4096, [0, 1500, 3072]),  # mid-tile offset; the last chunk of a 4096 prompt
+    (1000, 4096, [77, 3500]),  # Tq padded; rows past the K/V end (padding: zeros)
+], ids=["aligned", "padded"])
+def test_gpu_offset(mosaic, tokens, kv_tokens, offsets):
+    q, k, v = _inputs(16, len(offsets), tokens, 32, 8, 128, jnp.bfloat16, kv_tokens=kv_tokens)
+    q_offset = jnp.array(offsets, jnp.int32)
+    kernel = mosaic_gpu.flash_attention if mosaic else flash_attention
+    config = None if mosaic else FlashAttentionConfig()  # a Triton config keeps the Triton kernel on Hopper
+    out = kernel(q, k, v, q_offset=q_offset, config=config)
+    _check(out, reference(q, k, v, q_offset=q_offset), jnp.bfloat16, jnp.full((len(offsets),), kv_tokens),
+           q_offset)
 
 
 @pytest.mark.gpu
