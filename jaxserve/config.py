@@ -162,8 +162,8 @@ class RunnerConfig:
     compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"  # null disables the persistent cache
     # > 0: a request with at least this many of a prefill step's tokens attends through the flash attention
     # (pallas_kernels/flash_attention: Mosaic GPU on Hopper) over its K/V gathered from the paged cache,
-    # instead of the ragged paged kernel; 0: off. GPU "pallas" and "reference" backends, no sliding window,
-    # no fp8 KV cache (docs/ARCHITECTURE.md §6).
+    # instead of the ragged paged kernel; 0: off. GPU "pallas" and "reference" backends, no sliding window
+    # (docs/ARCHITECTURE.md §6).
     flash_prefill_token_threshold: int = 0
 
     def __post_init__(self):

@@ -67,15 +67,15 @@ def _batch(seed, num_q_heads=4, num_kv_heads=2, head_dim=16, requests=REQUESTS, 
 
 
 @functools.partial(jax.jit, static_argnames=("threshold", "backend"))
-def _attend(q, k, v, kv_cache, batch, *, threshold, backend="reference"):
+def _attend(q, k, v, kv_cache, batch, *, threshold, backend="reference", kv_scale=None):
     return layers.paged_attention(q, k, v, kv_cache, batch, sm_scale=0.25, sliding_window=None,
-                                  backend=backend, flash_prefill_threshold=threshold)
+                                  backend=backend, flash_prefill_threshold=threshold, kv_scale=kv_scale)
 
 
-def _compare(batch_args, backend="reference", atol=1e-5):
+def _compare(batch_args, backend="reference", atol=1e-5, kv_scale=None):
     q, k, v, cache, batch = batch_args
-    ragged, ragged_cache = _attend(q, k, v, cache, batch, threshold=0, backend=backend)
-    flash, flash_cache = _attend(q, k, v, cache, batch, threshold=THRESHOLD, backend=backend)
+    ragged, ragged_cache = _attend(q, k, v, cache, batch, threshold=0, backend=backend, kv_scale=kv_scale)
+    flash, flash_cache = _attend(q, k, v, cache, batch, threshold=THRESHOLD, backend=backend, kv_scale=kv_scale)
     np.testing.assert_array_equal(np.asarray(flash_cache), np.asarray(ragged_cache))
     flash, ragged = np.asarray(flash, np.float32), np.asarray(ragged, np.float32)
     assert not np.isnan(flash).any()
@@ -85,6 +85,13 @@ def _compare(batch_args, backend="reference", atol=1e-5):
 
 def test_long_request_rows_match_the_ragged_path():
     _compare(_batch(0))
+
+
+def test_long_request_rows_over_an_fp8_cache_match_the_ragged_path():
+    # The long request's K/V are dequantized by their per-head scales as they are gathered.
+    q, k, v, cache, batch = _batch(1)
+    kv_scale = jnp.asarray([[0.5, 2.0], [0.25, 1.5]], jnp.float32)
+    _compare((q, k, v, cache.astype(jnp.float8_e4m3fn), batch), atol=1e-4, kv_scale=kv_scale)
 
 
 def test_the_long_rows_come_from_the_flash_call(monkeypatch):
@@ -141,9 +148,9 @@ def test_gather_kv_layouts_agree():
 
 
 def test_flash_prefill_fn_scope():
-    assert layers.flash_prefill_fn("reference", jnp.float32, None) is not None
-    assert layers.flash_prefill_fn("reference", jnp.float32, 64) is None  # sliding window
-    assert layers.flash_prefill_fn("reference", jnp.float8_e4m3fn, None) is None  # fp8 cache
+    assert layers.flash_prefill_fn("reference", None) is not None
+    assert layers.flash_prefill_fn("reference", 64) is None  # sliding window
+    assert layers.flash_prefill_fn("tpu", None) is None
 
 
 @pytest.mark.parametrize("hf_fixture", ["llama3_gqa4_tied", "qwen3_gqa1_untied"], indirect=True)

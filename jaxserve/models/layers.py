@@ -166,7 +166,7 @@ def paged_attention(
     kv_cache = impl.write_kv(kv_cache, k, v, batch.slot_mapping, **scale)
     flash = None
     if flash_prefill_threshold > 0 and not decode_only and q.shape[0] >= flash_prefill_threshold:
-        flash = flash_prefill_fn(backend, kv_cache.dtype, sliding_window)
+        flash = flash_prefill_fn(backend, sliding_window)
     seq_lens = batch.seq_lens
     if flash is not None:
         q_lens = batch.query_start_loc[1:] - batch.query_start_loc[:-1]
@@ -180,17 +180,17 @@ def paged_attention(
     if flash is not None:
         out = jax.lax.cond(
             is_long, lambda: _long_request_attention(q, kv_cache, batch, longest, out, gather_kv=impl.gather_kv,
-                                                     flash=flash, sm_scale=sm_scale),
+                                                     flash=flash, sm_scale=sm_scale, kv_scale=kv_scale),
             lambda: out)
     return out, kv_cache
 
 
-def flash_prefill_fn(backend: str, cache_dtype, sliding_window: int | None):
+def flash_prefill_fn(backend: str, sliding_window: int | None):
     """The flash attention a long request's prefill runs with `backend`'s cache, or None where there is
     none: the flash kernels (pallas_kernels/flash_attention: Mosaic GPU on Hopper, Triton elsewhere) with
-    the GPU "pallas" backend, their jnp reference with "reference" (CPU tests), none on TPU, with a sliding
-    window (the flash kernels have none) or an fp8 cache (they read q's dtype)."""
-    if sliding_window is not None or fp8.is_fp8(cache_dtype):
+    the GPU "pallas" backend, their jnp reference with "reference" (CPU tests), none on TPU or with a
+    sliding window (the flash kernels have none). An fp8 cache's K/V are dequantized as they are gathered."""
+    if sliding_window is not None:
         return None
     if backend == "reference":
         from pallas_kernels.flash_attention.reference import flash_attention_reference
@@ -202,18 +202,22 @@ def flash_prefill_fn(backend: str, cache_dtype, sliding_window: int | None):
 
 
 def _long_request_attention(q, kv_cache, batch: ModelBatch, req: jax.Array, out: jax.Array, *, gather_kv,
-                            flash, sm_scale: float) -> jax.Array:
+                            flash, sm_scale: float, kv_scale: jax.Array | None = None) -> jax.Array:
     """`out` [T, N, H] with request `req`'s rows replaced by flash attention over its cached K/V.
 
     The request's K/V come from the cache (this step's rows already written) through its block-table
     row: [1, max_blocks * S, K, H], zeros past its seq_len. Its q_len rows, rotated to the front of q
     (static length T; the rows after them are other requests' or padding, computed and dropped), sit at
-    positions seq_len - q_len + i."""
+    positions seq_len - q_len + i. An fp8 cache's K/V are multiplied by `kv_scale` [2, K] (None: 1) in
+    float32 and rounded to q's dtype, as the ragged kernel widens them."""
     num_tokens = q.shape[0]
     start = batch.query_start_loc[req]
     q_len = batch.query_start_loc[req + 1] - start
     seq_len = batch.seq_lens[req]
     k, v = gather_kv(kv_cache, batch.block_tables[req], seq_len)
+    if fp8.is_fp8(kv_cache.dtype) and kv_scale is not None:
+        scales = kv_scale.astype(jnp.float32).reshape(2, 1, 1, -1, 1)
+        k, v = k.astype(jnp.float32) * scales[0], v.astype(jnp.float32) * scales[1]
     rows = jnp.roll(q, -start, axis=0)[None]  # [1, T, N, H], the request's rows first
     flash_out = flash(rows, k.astype(q.dtype), v.astype(q.dtype), sm_scale=sm_scale,
                       q_offset=(seq_len - q_len)[None])[0]
