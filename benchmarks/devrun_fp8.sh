@@ -21,11 +21,14 @@
 #   tight_b1    (d) benchmarks/tight_loop_decode.py at batch 1 from context 128, 128 steps (mean context 192,
 #               bf16_b1's), its roofline share beside the engine's
 #   ttft_128k   one 131000-token prompt (reported, no target), if time is left
+#   ttft_32k_flash, ttft_128k_flash   the same with --flash-prefill-token-threshold 4096 (a chunk's attention
+#               through the flash kernel over its prefix gathered from the cache); `long` runs these first,
+#               after the flash kernels' GPU tests
 #   tput_bf16, tput_fp8   (f) offline throughput, `jaxserve bench throughput` of 1000 prompts of 1024 in / 256
 #               out (--precompile true: elapsed_s excludes compiling), bf16 then --quantization fp8 (decode
 #               steps on the W8A8 Mosaic GPU kernel over weights held [N, K], prefill steps W8A8 through XLA)
 # Modes: all (every step, in the order above; a step that does not fit is skipped and named "not run"),
-# weights (a, b, d), long (c, e), kv (c) and throughput (f): for separate calls when one did not finish; kernel: the
+# weights (a, b, d), long (the flash GPU tests, e), kv (c) and throughput (f): for separate calls when one did not finish; kernel: the
 # FP8 decode GEMMs' GPU tests (the W8A8 Mosaic GPU kernel, quant.linear over weights held [N, K]) and
 # benchmarks/fp8_gemm_mgpu.py (that kernel against XLA's bf16 dot and the Triton kernel), then
 # benchmarks/fp8_gemm.py (the weight-only Triton kernel, a tensor-parallel engine's, against XLA's bf16 dot and
@@ -41,7 +44,7 @@ SHOW="^Decode:|^steady decode|^TTFT|^roofline|^compiled|^Throughput|^ +(xla|trit
 if [ -n "${SMOKE:-}" ]; then
   CFG="" LONG_CFG=""  # the default config: the embedded model
   B1="--input-len 4 --output-len 16" B64="--batch-size 8 --input-len 4 --output-len 12"
-  KV="--batch-size 8 --input-len 16 --output-len 8" T32K="--input-len 24" T128K="--input-len 28"
+  KV="--batch-size 8 --input-len 16 --output-len 8" T32K="--input-len 24" T128K="--input-len 28" FLASH_MIN=8
   TIGHT="--config-json jaxserve/assets/tiny-adder/config.json --context 4 --steps 8"
   KERNEL="--smoke --rows 1"
 else
@@ -49,7 +52,7 @@ else
   CFG="--config configs/llama3-8b-dummy.yaml" LONG_CFG="--config configs/llama3.1-8b-dummy.yaml"
   B1="--input-len 128 --output-len 128" B64="--batch-size 64 --input-len 128 --output-len 128"
   KV="--max-model-len 8192 --batch-size 64 --input-len 8000 --output-len 192" T32K="--input-len 32768"
-  T128K="--input-len 131000"
+  T128K="--input-len 131000" FLASH_MIN=4096
   TIGHT="--config-json configs/models/llama3-8b/config.json --context 128 --steps 128"
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.total --format=csv,noheader
 fi
@@ -70,6 +73,9 @@ kvfp8_ctx8k() { bench kvfp8_ctx8k "$1" "$2" $CFG $KV --num-iters-warmup 0 --num-
 LONG="$LONG_CFG --batch-size 1 --output-len 2 --num-iters-warmup 1"
 ttft_32k() { bench ttft_32k "$1" "$2" $LONG $T32K --num-iters 3; }
 ttft_128k() { bench ttft_128k "$1" "$2" $LONG $T128K --num-iters 1; }
+FLASH="--flash-prefill-token-threshold $FLASH_MIN"
+ttft_32k_flash() { bench ttft_32k_flash "$1" "$2" $LONG $T32K --num-iters 3 $FLASH; }
+ttft_128k_flash() { bench ttft_128k_flash "$1" "$2" $LONG $T128K --num-iters 1 $FLASH; }
 fp8_gemm() { run fp8_gemm "$1" "$2" $PY benchmarks/fp8_gemm.py $KERNEL --json "$W/fp8_gemm.json"; }
 fp8_mgpu() { run fp8_mgpu "$1" "$2" $PY benchmarks/fp8_gemm_mgpu.py $KERNEL --json "$W/fp8_gemm_mgpu.json"; }
 TPUT="$PY -m jaxserve.cli bench throughput $CFG --num-prompts 1000 --input-len 1024 --output-len 256 --disable-tqdm \
@@ -86,7 +92,8 @@ MODE=${1:-all}
 case "$MODE" in
 all)
   bf16_b1 120 390; fp8w_b1 120 300; bf16_b64 90 240; fp8w_b64 90 180
-  kvbf16_ctx8k 150 100; kvfp8_ctx8k 150 20; ttft_32k 120 10; tight_b1 90 5; ttft_128k 150 5
+  kvbf16_ctx8k 150 100; kvfp8_ctx8k 150 20; ttft_32k_flash 120 10; ttft_32k 120 10; tight_b1 90 5
+  ttft_128k_flash 150 5; ttft_128k 150 5
   tput_bf16 200 5; tput_fp8 200 5
   ;;
 throughput)
@@ -96,7 +103,9 @@ weights)
   bf16_b1 120 230; fp8w_b1 120 150; bf16_b64 90 100; fp8w_b64 90 40; tight_b1 90 5
   ;;
 long)
-  kvbf16_ctx8k 160 280; kvfp8_ctx8k 160 170; ttft_32k 150 30; ttft_128k 200 5
+  run flash_gpu_tests 100 420 $PY -m pytest -q -m gpu tests/test_flash_attention.py tests/test_flash_prefill.py \
+    -p no:cacheprovider
+  ttft_32k_flash 110 300; ttft_32k 110 190; ttft_128k_flash 120 60; ttft_128k 150 5
   ;;
 kv)
   kvbf16_ctx8k 160 160; kvfp8_ctx8k 160 5
