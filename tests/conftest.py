@@ -21,6 +21,8 @@ import jax
 import numpy as np
 import pytest
 
+from tests import compile_groups
+
 # The suite's own process compiles without JAX's persistent compilation cache: XLA:CPU's executable
 # (de)serialization crashes the process now and then (a segfault while reading back a step program), and
 # such a crash ends every test. The server processes the tests start keep theirs (runner.compilation_cache_dir).
@@ -64,6 +66,18 @@ def _release_compiled_programs():
     if _memory_mappings() > MAPPING_BUDGET:
         jax.clear_caches()
         gc.collect()
+
+
+def pytest_collection_modifyitems(items):
+    compile_groups.order_items(items)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` (make test) with the files grouped and ordered by tests/compile_groups.py."""
+    if config.getvalue("dist") == "loadfile":
+        return compile_groups.GroupScheduling(config, log)
+    return None
 
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,0 +1,36 @@
+"""tests/compile_groups.py: GROUPS names test files that exist, each once; collected items come out in
+GROUPS' order with each file's tests together and in their own order."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from tests import compile_groups
+
+pytestmark = pytest.mark.cpu_test
+
+
+def test_groups_name_existing_test_files_once():
+    assert compile_groups.check_groups() == []
+
+
+def test_items_follow_the_groups_order_and_files_stay_together():
+    first, second = (names[0] for names in list(compile_groups.GROUPS.values())[:2])
+    nodeids = ["tests/test_unlisted_a.py::t1", f"tests/{second}::t1", f"tests/{first}::t1",
+               "tests/test_unlisted_b.py::t1", f"tests/{second}::t2", "tests/test_unlisted_a.py::t2",
+               f"tests/{first}::t2"]
+    items = [SimpleNamespace(nodeid=n) for n in nodeids]
+    compile_groups.order_items(items)
+    assert [item.nodeid for item in items] == [
+        f"tests/{first}::t1", f"tests/{first}::t2", f"tests/{second}::t1", f"tests/{second}::t2",
+        "tests/test_unlisted_a.py::t1", "tests/test_unlisted_a.py::t2", "tests/test_unlisted_b.py::t1"]
+
+
+def test_a_group_is_one_scheduling_unit():
+    scheduling = compile_groups.GroupScheduling.__new__(compile_groups.GroupScheduling)
+    group, names = next(iter(compile_groups.GROUPS.items()))
+    scopes = {scheduling._split_scope(f"tests/{name}::test_x[1]") for name in names}
+    assert scopes == {f"group:{group}"}
+    assert scheduling._split_scope("tests/test_unlisted.py::test_x") == "test_unlisted.py"
