@@ -74,7 +74,7 @@ class GroupScheduling(LoadScopeScheduling):
 
 
 def check_groups() -> list[str]:
-    """GROUPS' files that are missing from tests/ or listed twice (tests/test_compile_groups.py)."""
+    """GROUPS' files that are missing from tests/ or listed twice (tests/test_suite_setup.py)."""
     problems = [f"{name}: no such test file" for name in _RANK if not (TESTS / name).is_file()]
     listed = [name for names in GROUPS.values() for name in names]
     problems += [f"{name}: listed twice" for name in sorted({n for n in listed if listed.count(n) > 1})]
