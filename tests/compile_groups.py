@@ -31,22 +31,22 @@ GROUPS: dict[str, list[str]] = {
     ],
     # The embedded model with its draft model and EAGLE heads as proposers.
     "proposers": ["test_spec_draft.py", "test_spec_eagle3.py", "test_kv_tiers_spec.py", "test_kv_tiers_engine.py"],
+    # The HF fixtures through the forward and the engine.
+    "hf-parity": ["test_model_parity.py", "test_fp8_kv.py", "test_engine_parity.py"],
     "composition": ["test_composition.py"],
-    "pd-router": ["test_pd_router.py"],
     # The MoE fixtures over expert-parallel meshes.
     "experts": ["test_expert_parallel_engine.py", "test_eplb_engine.py", "test_kv_tiers_ep.py",
                 "test_expert_parallel.py", "test_moe.py"],
-    # The HF fixtures through the forward and the engine.
-    "hf-parity": ["test_model_parity.py", "test_fp8_kv.py", "test_engine_parity.py"],
+    "pd-router": ["test_pd_router.py"],
     "tensor-parallel": ["test_sharding.py", "test_data_parallel.py", "test_kv_tiers_dp.py", "test_server_dp.py"],
-    "server-load": ["test_server_load.py"],
     "fp8-weights": ["test_fp8_weights.py", "test_fp8_gemm.py"],
     "attention-kernels": ["test_paged_attention_gpu.py", "test_paged_attention_tpu.py"],
+    "server-load": ["test_server_load.py"],
     "multihost": ["test_multihost.py"],
 }
 
 TESTS = Path(__file__).resolve().parent
-_RANK = {name: rank for rank, names in enumerate(GROUPS.values()) for name in names}
+_RANK = {name: (rank, place) for rank, names in enumerate(GROUPS.values()) for place, name in enumerate(names)}
 _GROUP = {name: group for group, names in GROUPS.items() for name in names}
 
 
@@ -56,12 +56,14 @@ def _file(nodeid: str) -> str:
 
 
 def order_items(items: list) -> None:
-    """Sorts collected items in place: the groups' files in GROUPS' order, then the rest in collection
-    order; a file's tests keep their order and stay together (its module fixtures are built once)."""
+    """Sorts collected items in place: the groups' files in GROUPS' order (groups, then files within each),
+    then the rest in collection order; a file's tests keep their order and stay together (its module
+    fixtures are built once)."""
     first = {}
     for index, item in enumerate(items):
         first.setdefault(_file(item.nodeid), index)
-    items.sort(key=lambda item: (_RANK.get(_file(item.nodeid), len(_RANK)), first[_file(item.nodeid)]))
+    unlisted = (len(GROUPS), 0)
+    items.sort(key=lambda item: (*_RANK.get(_file(item.nodeid), unlisted), first[_file(item.nodeid)]))
 
 
 class GroupScheduling(LoadScopeScheduling):

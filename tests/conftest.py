@@ -29,12 +29,6 @@ from tests import compile_groups
 jax.config.update("jax_enable_compilation_cache", False)
 
 
-# Tracing allocates many short-lived objects; at the default thresholds the cyclic collector runs full passes
-# over the suite's large heap (models, engines, compiled programs) again and again while a program is traced.
-# Collecting less often keeps the same objects collectable at a fraction of the passes.
-gc.set_threshold(50_000)
-
-
 def _memory_mappings() -> int:
     """The process's memory mappings (lines of /proc/self/maps); 0 where there is no /proc."""
     try:
@@ -93,7 +87,9 @@ def no_jit_dispatches():
     _forget_jit_dispatches()
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(items):
+    """After pytest's own reordering (which groups tests by session-scoped fixture parameters across files)."""
     compile_groups.order_items(items)
 
 

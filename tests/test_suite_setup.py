@@ -19,15 +19,16 @@ def test_groups_name_existing_test_files_once():
 
 @pytest.mark.cpu_test
 def test_items_follow_the_groups_order_and_files_stay_together():
-    first, second = (names[0] for names in list(compile_groups.GROUPS.values())[:2])
-    nodeids = ["tests/test_unlisted_a.py::t1", f"tests/{second}::t1", f"tests/{first}::t1",
-               "tests/test_unlisted_b.py::t1", f"tests/{second}::t2", "tests/test_unlisted_a.py::t2",
+    (first, second, *_), (third, *_) = list(compile_groups.GROUPS.values())[:2]
+    nodeids = ["tests/test_unlisted_a.py::t1", f"tests/{third}::t1", f"tests/{second}::t1", f"tests/{first}::t1",
+               "tests/test_unlisted_b.py::t1", f"tests/{third}::t2", "tests/test_unlisted_a.py::t2",
                f"tests/{first}::t2"]
     items = [SimpleNamespace(nodeid=n) for n in nodeids]
     compile_groups.order_items(items)
     assert [item.nodeid for item in items] == [
-        f"tests/{first}::t1", f"tests/{first}::t2", f"tests/{second}::t1", f"tests/{second}::t2",
-        "tests/test_unlisted_a.py::t1", "tests/test_unlisted_a.py::t2", "tests/test_unlisted_b.py::t1"]
+        f"tests/{first}::t1", f"tests/{first}::t2", f"tests/{second}::t1", f"tests/{third}::t1",
+        f"tests/{third}::t2", "tests/test_unlisted_a.py::t1", "tests/test_unlisted_a.py::t2",
+        "tests/test_unlisted_b.py::t1"]
 
 
 @pytest.mark.cpu_test
