@@ -10,9 +10,8 @@ listed file order; then every file not listed, alone, in collection order (they 
 each). A worker takes the next unit when it is about to run out of work.
 
 Adding a test module: one that builds engines goes into the group whose configuration it shares (the
-embedded model on configs/tiny.yaml, a speculative proposer, the MoE fixtures over expert parallelism), a
-heavy one with nothing to share gets a group of its own at its place in the order, anything else needs
-no entry.
+embedded model on configs/tiny.yaml, the MoE fixtures over expert parallelism), a heavy one with nothing
+to share gets a group of its own at its place in the order, anything else needs no entry.
 """
 
 from __future__ import annotations
@@ -23,14 +22,14 @@ from xdist.scheduler import LoadScopeScheduling
 
 # name -> test files (relative to tests/), heaviest group first.
 GROUPS: dict[str, list[str]] = {
-    # Engines on the embedded model with configs/tiny.yaml's shapes (tests/test_engine.py: make_llm).
-    "tiny-engines": [
+    # Engines on the embedded model with configs/tiny.yaml's shapes (tests/test_engine.py: make_llm), with
+    # and without a speculative proposer (n-gram, its draft model, its EAGLE heads).
+    "embedded-engines": [
         "test_engine.py", "test_engine_spec.py", "test_spec_sampling.py", "test_prompt_logprobs.py",
         "test_spec_bench.py", "test_kv_tiers_swap.py", "test_bench.py", "test_server_conformance.py",
-        "test_server.py", "test_cli.py", "test_kv_tiers_metrics.py", "test_bench_serve.py",
+        "test_server.py", "test_cli.py", "test_kv_tiers_metrics.py", "test_bench_serve.py", "test_spec_draft.py",
+        "test_spec_eagle3.py", "test_kv_tiers_spec.py", "test_kv_tiers_engine.py",
     ],
-    # The embedded model with its draft model and EAGLE heads as proposers.
-    "proposers": ["test_spec_draft.py", "test_spec_eagle3.py", "test_kv_tiers_spec.py", "test_kv_tiers_engine.py"],
     # The HF fixtures through the forward and the engine.
     "hf-parity": ["test_model_parity.py", "test_fp8_kv.py", "test_engine_parity.py"],
     "composition": ["test_composition.py"],
@@ -68,7 +67,12 @@ def order_items(items: list) -> None:
 
 class GroupScheduling(LoadScopeScheduling):
     """LoadScopeScheduling whose scope is a file's group (a file not in GROUPS: the file). Units are handed
-    out in collection order, which order_items made GROUPS' order."""
+    out in collection order, which order_items made GROUPS' order (not xdist's default order of most tests
+    first, --loadscope-reorder, which this turns off)."""
+
+    def __init__(self, config, log=None):
+        super().__init__(config, log)
+        config.option.loadscopereorder = False
 
     def _split_scope(self, nodeid: str) -> str:
         name = _file(nodeid)
