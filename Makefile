@@ -17,8 +17,9 @@ demo: venv
 	$(VENV)/bin/jaxserve generate --prompt "12+34=" --prompt "999+1=" --prompt "505+250=" --prompt "7+8="
 
 # Two workers (one per core of the CI machine); a test file stays in one worker, so its module fixtures
-# (engines) are built once and its compiled programs are released when it ends. The 15 slowest tests are
-# listed at the end (the suite's budget is about 5 minutes on 2 cores).
+# (engines) are built once, and files whose engines share compiled programs run in one worker, heaviest
+# first (tests/compile_groups.py). The 15 slowest tests are listed at the end (the suite's budget is about
+# 5 minutes on 2 cores).
 test: venv
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 

@@ -21,20 +21,85 @@ import jax
 import numpy as np
 import pytest
 
+from tests import compile_groups
+
 # The suite's own process compiles without JAX's persistent compilation cache: XLA:CPU's executable
 # (de)serialization crashes the process now and then (a segfault while reading back a step program), and
 # such a crash ends every test. The server processes the tests start keep theirs (runner.compilation_cache_dir).
 jax.config.update("jax_enable_compilation_cache", False)
 
 
+def _memory_mappings() -> int:
+    """The process's memory mappings (lines of /proc/self/maps); 0 where there is no /proc."""
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            return sum(1 for _ in maps)
+    except OSError:
+        return 0
+
+
+def _mapping_budget() -> int:
+    try:
+        limit = int(Path("/proc/sys/vm/max_map_count").read_text())
+    except (OSError, ValueError):
+        limit = 65530  # the kernel's default
+    return int(limit * 0.6)
+
+
+MAPPING_BUDGET = _mapping_budget()
+
+
+def _forget_jit_dispatches() -> None:
+    """Empties jit's dispatch caches (the C++ fast path from a call's argument types to its executable) and
+    keeps the traced, lowered and compiled programs behind them: a later call of a jitted function dispatches
+    through Python again, finding its program compiled, and under jax.no_tracing() that Python dispatch
+    raises. (A JAX without this private cache: everything is released.)"""
+    try:
+        from jax._src.lib import _jax
+
+        _jax.PjitFunctionCache.clear_all()
+    except (ImportError, AttributeError):
+        jax.clear_caches()
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
     """Each XLA:CPU executable keeps memory mappings of its code while JAX caches it. The whole suite in one
     process compiles enough programs to pass the kernel's limit on mappings (vm.max_map_count, 65530), and
-    the compile that hits it segfaults: so every test module's programs are released when it ends."""
+    the compile that hits it segfaults. Programs stay cached across modules (later modules build engines of
+    the same shapes and reuse them) until a module ends with the process past MAPPING_BUDGET mappings (60% of
+    the limit: the headroom covers the next module's compiles); then every cached program is released.
+
+    Each module starts with no jit dispatches cached, as in a process of its own: a test asserting that an
+    engine compiles nothing after start-up (jax.no_tracing) sees the programs its engine prepared and those
+    its module ran, never a dispatch another module's engine left behind."""
+    _forget_jit_dispatches()
     yield
-    jax.clear_caches()
-    gc.collect()
+    if _memory_mappings() > MAPPING_BUDGET:
+        jax.clear_caches()
+        gc.collect()
+
+
+@pytest.fixture
+def no_jit_dispatches():
+    """The test starts with no jit dispatches cached, not even its module's earlier tests' (a check that an
+    engine compiles nothing after start-up, as strict as in a fresh process)."""
+    _forget_jit_dispatches()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items):
+    """After pytest's own reordering (which groups tests by session-scoped fixture parameters across files)."""
+    compile_groups.order_items(items)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` (make test) with the files grouped and ordered by tests/compile_groups.py."""
+    if config.getvalue("dist") == "loadfile":
+        return compile_groups.GroupScheduling(config, log)
+    return None
+
 
 ROOT = Path(__file__).resolve().parent.parent
 HF_FIXTURES = ROOT / "tests" / "fixtures" / "hf"

@@ -59,7 +59,7 @@ class TiersMachine(RuleBasedStateMachine):
 
     @initialize(host_slots=st.integers(1, 4), disk_blocks=st.sampled_from([None, 3, 64]), pinned=st.booleans())
     def setup(self, host_slots, disk_blocks, pinned):
-        self.dir = tempfile.mkdtemp(dir="/tmp/kvt")
+        self.dir = tempfile.mkdtemp(prefix="jaxserve-kv-")
         os.chmod(self.dir, 0o700)
         self.tiers = make_tiers(self.dir, host_slots, disk_blocks, pinned=pinned)
         self.pinned = pinned
@@ -255,7 +255,7 @@ def test_manager_hits_through_the_tiers_hold_their_prefix(prompts, num_blocks, h
     """Requests one at a time on a small device pool: every hit, from device, host or disk, holds the
     request's own prefix; evicted blocks come back from the tiers below."""
     size = 2
-    directory = tempfile.mkdtemp(dir="/tmp/kvt")
+    directory = tempfile.mkdtemp(prefix="jaxserve-kv-")
     tiers = make_tiers(directory, host_slots, 64 if disk else None)
     manager = KVCacheManager(num_blocks, size, hash_seed=5, tiers=tiers)
     device = FakeDevice(manager)

@@ -9,6 +9,7 @@ business, which they share with the dense fixtures; their own MLP sees every var
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -19,6 +20,8 @@ from tests.conftest import HF_MOE_NAMES, HF_NAMES
 
 ATOL = 1e-4  # float32; measured differences are ~1e-5
 NEW_TOKENS = 40
+# One program per fixture: the forward traced whole instead of dispatched op by op.
+forward_dense = jax.jit(llama.forward_dense, static_argnames=("cfg", "return_hidden"))
 
 
 def check(fx, result):
@@ -59,7 +62,7 @@ def test_dense_training_forward_matches_hf(hf_fixture):
     full = [prompt + generated for prompt, generated in zip(hf_fixture.prompts, hf_fixture.generated)]
     width = max(map(len, full))  # one batch, each sequence padded at its end (causal: the padding is never seen)
     padded = jnp.asarray([sequence + [0] * (width - len(sequence)) for sequence in full])
-    logits = np.asarray(llama.forward_dense(m.params, m.config, padded))
+    logits = np.asarray(forward_dense(m.params, m.config, padded))
     for i, sequence in enumerate(full):
         np.testing.assert_allclose(logits[i, : len(sequence)], hf_fixture.logits[i], atol=ATOL, rtol=ATOL)
 

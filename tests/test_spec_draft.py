@@ -9,10 +9,6 @@ K/V writes checked against every read), also in test_scheduler_machine's state m
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -254,15 +250,8 @@ def test_bad_draft_configs_are_refused_at_start(tmp_path):
 
 
 @pytest.mark.parametrize("speculative", [spec(k=2), eagle_spec(k=2)], ids=["draft_model", "eagle"])
-def test_no_compiles_after_start_up(speculative, request):
-    # Run in a fresh interpreter: late in the full suite's process, XLA:CPU aborted now and then while
-    # compiling this engine's programs in parallel (not reproduced in a process of its own).
-    if not os.environ.get("JAXSERVE_TEST_CHILD"):
-        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid],
-                                cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True,
-                                env={**os.environ, "JAXSERVE_TEST_CHILD": "1"}, timeout=600)
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-        return
+@pytest.mark.usefixtures("no_jit_dispatches")
+def test_no_compiles_after_start_up(speculative):
     llm = make_llm(speculative_config=speculative, max_num_seqs=4, max_num_batched_tokens=16, token_buckets=[16],
                    request_buckets=[4])
     llm.generate(["1+1="], GREEDY, use_tqdm=False)

@@ -7,9 +7,6 @@ alike, bad heads are refused at start with a message each, and nothing compiles 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -157,15 +154,8 @@ def test_bad_heads_are_refused_at_start(tmp_path):
             make_llm(precompile=False, speculative_config=eagle3_spec(path))
 
 
-def test_no_compiles_after_start_up(request):
-    # A fresh interpreter, as test_spec_draft's: XLA:CPU aborted now and then compiling an engine's
-    # programs in parallel late in the full suite's process.
-    if not os.environ.get("JAXSERVE_TEST_CHILD"):
-        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid],
-                                cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True,
-                                env={**os.environ, "JAXSERVE_TEST_CHILD": "1"}, timeout=600)
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-        return
+@pytest.mark.usefixtures("no_jit_dispatches")
+def test_no_compiles_after_start_up():
     llm = make_llm(speculative_config=eagle3_spec(k=2), max_num_seqs=4, max_num_batched_tokens=16,
                    token_buckets=[16], request_buckets=[4])
     llm.generate(["1+1="], GREEDY, use_tqdm=False)

@@ -268,20 +268,20 @@ def penalised(i: int) -> SamplingParams:
 
 
 PENALISED = [penalised(i) for i in range(len(PROMPTS))]
-# Both engines' step shapes: 16 requests at a time, two token buckets (fewer programs for the precompiled one).
-LADDER = dict(max_num_seqs=16, max_num_batched_tokens=64, token_buckets=[16, 64], request_buckets=[4, 16])
 
 
 @pytest.fixture(scope="module")
 def plain_outputs():
-    llm = make_llm(precompile=False, **LADDER)
+    # Both engines are test_engine_spec's (configs/tiny.yaml, the same n-gram proposer): a worker that ran
+    # that module has their programs compiled.
+    llm = make_llm(precompile=False)
     return [llm.generate(PROMPTS, params, use_tqdm=False) for params in (RANDOM, PENALISED)]
 
 
 def test_engine_random_sampling_with_guesses_is_plain_decoding(plain_outputs):
     """Precompiled, warmed up, then under jax.no_tracing(): the same tokens (and logprobs) as without
     guesses for seeded random rows, with penalties and min_tokens, and guesses accepted."""
-    llm = make_llm(speculative_config=SPEC, **LADDER)
+    llm = make_llm(speculative_config=SPEC)
     llm.generate(["1+1="], RANDOM[0], use_tqdm=False)
     scheduler = llm.engine.scheduler
     vocab_size = llm.engine.runner.cfg.vocab_size
