@@ -31,7 +31,7 @@ GROUPS: dict[str, list[str]] = {
         "test_spec_eagle3.py", "test_kv_tiers_spec.py", "test_kv_tiers_engine.py",
     ],
     # The HF fixtures through the forward and the engine.
-    "hf-parity": ["test_model_parity.py", "test_fp8_kv.py", "test_engine_parity.py"],
+    "hf-parity": ["test_model_parity.py", "test_fp8_kv.py", "test_engine_parity.py", "test_flash_prefill.py"],
     "composition": ["test_composition.py"],
     # The MoE fixtures over expert-parallel meshes.
     "experts": ["test_expert_parallel_engine.py", "test_eplb_engine.py", "test_kv_tiers_ep.py",
@@ -39,7 +39,7 @@ GROUPS: dict[str, list[str]] = {
     "pd-router": ["test_pd_router.py"],
     "tensor-parallel": ["test_sharding.py", "test_data_parallel.py", "test_kv_tiers_dp.py", "test_server_dp.py"],
     "fp8-weights": ["test_fp8_weights.py", "test_fp8_gemm.py"],
-    "attention-kernels": ["test_paged_attention_gpu.py", "test_paged_attention_tpu.py"],
+    "attention-kernels": ["test_paged_attention_gpu.py", "test_paged_attention_tpu.py", "test_flash_attention.py"],
     "server-load": ["test_server_load.py"],
     "multihost": ["test_multihost.py"],
 }
