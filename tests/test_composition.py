@@ -24,6 +24,9 @@ from tests.test_spec_draft import random_eagle_head
 DENSE = "llama3_gqa4_tied"
 MOE = "qwen2_moe_8x4_shared"
 NEW_TOKENS = 12
+# One token bucket for every engine, chunked (a 16-token budget) or not (64): a chunked step is padded to
+# 64 tokens, so engines that differ only in the budget run the same compiled programs.
+TOKEN_BUCKETS = [64]
 
 #        fixture, overlap, prefix caching, forced preemption, chunked prefill, tensor parallel, expert parallel,
 #        speculative guesses
@@ -72,7 +75,7 @@ def test_mechanisms_compose(row, request):
     num_blocks = (prompt_blocks + 3 if ep == 1 else 64 // 4 + 1) if preempt else (2 * final_blocks + 1)
     budget = 16 if chunked else 64
     options = dict(model=fixture.path, dtype="float32", skip_tokenizer_init=True, max_model_len=64, block_size=4,
-                   num_blocks=num_blocks, max_num_batched_tokens=budget, max_num_seqs=4, token_buckets=[budget],
+                   num_blocks=num_blocks, max_num_batched_tokens=budget, max_num_seqs=4, token_buckets=TOKEN_BUCKETS,
                    request_buckets=[4], precompile=False, progress=False, async_scheduling=overlap,
                    enable_prefix_caching=caching, tensor_parallel_size=tp, **{"parallel.expert": ep})
     if guesses == "eagle3_k2":  # (tests/test_spec_eagle3.py)
@@ -162,7 +165,7 @@ def test_kv_tiers_compose(row, request):
     # Expert shards split the prompts: the least max_model_len allows.
     num_blocks = sum(-(-len(p) // 4) for p in prompts) + 3 if ep == 1 else 64 // 4 + 1
     options = dict(model=fixture.path, dtype="float32", skip_tokenizer_init=True, max_model_len=64, block_size=4,
-                   num_blocks=num_blocks, max_num_batched_tokens=budget, max_num_seqs=4, token_buckets=[budget],
+                   num_blocks=num_blocks, max_num_batched_tokens=budget, max_num_seqs=4, token_buckets=TOKEN_BUCKETS,
                    request_buckets=[4], precompile=False, progress=False, async_scheduling=overlap,
                    tensor_parallel_size=tp, host_kv_gib=1 / 1024, preemption_mode=mode, prefix_hash_seed=1,
                    **{"parallel.expert": ep})
@@ -229,7 +232,7 @@ def _fp8_tokens(fixture, overlap, caching, preempt, chunked, tp):
     budget = 16 if chunked else 64
     llm = LLM(model=fixture.path, dtype="float32", quantization="fp8", skip_tokenizer_init=True, max_model_len=64,
               block_size=4, num_blocks=prompt_blocks + 3 if preempt else 2 * final_blocks + 1,
-              max_num_batched_tokens=budget, max_num_seqs=4, token_buckets=[budget], request_buckets=[4],
+              max_num_batched_tokens=budget, max_num_seqs=4, token_buckets=TOKEN_BUCKETS, request_buckets=[4],
               precompile=False, progress=False, async_scheduling=overlap, enable_prefix_caching=caching,
               tensor_parallel_size=tp)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -282,7 +285,7 @@ def _fp8kv_generate(fixture, *, overlap=False, caching=True, preempt=False, chun
         -(-(len(p) + NEW_TOKENS) // 4) for p in prompts) + 1
     budget = 16 if chunked else 64
     options = dict(model=fixture.path, dtype="float32", skip_tokenizer_init=True, max_model_len=64, block_size=4,
-                   num_blocks=num_blocks, max_num_batched_tokens=budget, max_num_seqs=4, token_buckets=[budget],
+                   num_blocks=num_blocks, max_num_batched_tokens=budget, max_num_seqs=4, token_buckets=TOKEN_BUCKETS,
                    request_buckets=[4], precompile=False, progress=False, async_scheduling=overlap,
                    enable_prefix_caching=caching, tensor_parallel_size=tp, kv_cache_dtype="fp8")
     if extra == "swap":
