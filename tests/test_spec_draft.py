@@ -43,6 +43,9 @@ def eagle_spec(model=TINY_EAGLE, k: int = 3) -> dict:
     return spec(model, k, "eagle")
 
 
+# One token and one request bucket (the engines of test_no_compiles_after_start_up): an engine whose test
+# does not depend on its batch shapes compiles each of its programs once.
+ONE_BUCKET = dict(max_num_seqs=4, max_num_batched_tokens=16, token_buckets=[16], request_buckets=[4])
 DRAFT = SpeculativeConfig(method="draft_model", model=str(TINY_DRAFT), num_speculative_tokens=3)
 
 
@@ -166,7 +169,7 @@ def test_trained_proposers_have_guesses_accepted(reference, speculative, rate):
 @pytest.mark.parametrize("speculative", [{**spec(), "draft_tensor_parallel_size": 1}, spec(), eagle_spec()],
                          ids=["draft_whole_on_each_device", "draft_split", "eagle"])
 def test_tensor_parallel_greedy_tokens_identical(reference, speculative):
-    llm = make_llm(precompile=False, tensor_parallel_size=2, speculative_config=speculative)
+    llm = make_llm(precompile=False, tensor_parallel_size=2, speculative_config=speculative, **ONE_BUCKET)
     assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == token_ids(reference["greedy"])
     assert llm.engine.scheduler.num_accepted_tokens > 0
     assert_no_leaks(llm)
@@ -252,8 +255,7 @@ def test_bad_draft_configs_are_refused_at_start(tmp_path):
 @pytest.mark.parametrize("speculative", [spec(k=2), eagle_spec(k=2)], ids=["draft_model", "eagle"])
 @pytest.mark.usefixtures("no_jit_dispatches")
 def test_no_compiles_after_start_up(speculative):
-    llm = make_llm(speculative_config=speculative, max_num_seqs=4, max_num_batched_tokens=16, token_buckets=[16],
-                   request_buckets=[4])
+    llm = make_llm(speculative_config=speculative, **ONE_BUCKET)
     llm.generate(["1+1="], GREEDY, use_tqdm=False)
     with jax.no_tracing():
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
