@@ -156,7 +156,8 @@ def test_trained_proposers_have_guesses_accepted(reference, speculative, rate):
     (teacher-forced; their TRAINING.md): most guesses are accepted, also those made one token behind
     (overlap), those after a first guess, and those after chunked prompts (the head reads each chunk's next
     prompt token from the host)."""
-    llm = make_llm(precompile=False, num_blocks=10, max_num_batched_tokens=5, speculative_config=speculative)
+    llm = make_llm(precompile=False, num_blocks=10, max_num_batched_tokens=5, max_num_seqs=4, request_buckets=[4],
+                   speculative_config=speculative)
     assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == token_ids(reference["greedy"])
     scheduler = llm.engine.scheduler
     assert rate * scheduler.num_draft_tokens <= scheduler.num_accepted_tokens <= scheduler.num_draft_tokens
