@@ -133,7 +133,8 @@ def reference():
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["overlap", "sync"])
 def test_target_as_its_own_draft_is_accepted_with_preemption_and_prefix_caching(reference, async_scheduling):
     llm = make_llm(precompile=False, num_blocks=10, async_scheduling=async_scheduling,
-                   speculative_config=spec(TINY_MODEL))
+                   speculative_config=spec(TINY_MODEL), max_num_seqs=16, max_num_batched_tokens=64,
+                   token_buckets=[64], request_buckets=[16])
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert token_ids(outputs) == token_ids(reference["greedy"])
     scheduler = llm.engine.scheduler
