@@ -138,6 +138,37 @@ def _scatter_rows(cache_sets, ids, shards, rows, *, axes: tuple[int, ...], shard
     return _scatter_sets(cache_sets, ids, shards, datas, axes=axes, sharded=sharded)
 
 
+@functools.lru_cache(maxsize=None)
+def _move_programs(axes: tuple[int, ...], sharded: bool, shapes: tuple[tuple[int, ...], ...],
+                   shardings: tuple[tuple, ...], scalar, pinned, sizes: tuple[int, ...]) -> dict:
+    """The gather and scatter programs of one cache layout (the sets' block axes and block shapes, the
+    caches' shardings), made once per process: every KVTransfer of that layout (engines built again, data
+    parallel replicas in one process) runs the same jits, so each program compiles once.
+
+    pinned None: "gather" and "scatter" of device arrays. Else one gather and one pinned scatter per move
+    size n ("gathers", "pinned_scatters": their outputs or arguments are n pinned rows) and "scatter" of
+    prefetched device rows; "gather" is unused. (A bare device, or a sharding without a memory kind, would
+    keep the pinned arrays' memory.)"""
+    layout = dict(axes=axes, sharded=sharded)
+    caches = [list(s) for s in shardings]
+    if pinned is None:
+        return {"gather": jax.jit(functools.partial(_gather_sets, **layout)),
+                "scatter": jax.jit(functools.partial(_scatter_sets, **layout), donate_argnums=0,
+                                   out_shardings=(caches, scalar))}
+    on_device = pinned.with_memory_kind("device")
+    return {
+        "gather": None,
+        "gathers": {n: jax.jit(functools.partial(_gather_rows, **layout), out_shardings=(pinned,) * n)
+                    for n in sizes},
+        "pinned_scatters": {
+            n: jax.jit(functools.partial(_scatter_rows, **layout, shapes=shapes, on_device=on_device),
+                       donate_argnums=0, in_shardings=(caches, scalar, scalar, (pinned,) * n),
+                       out_shardings=(caches, scalar)) for n in sizes},
+        "scatter": jax.jit(functools.partial(_scatter_rows, **layout, shapes=shapes), donate_argnums=0,
+                           out_shardings=(caches, scalar)),
+    }
+
+
 def _time_loads(loads_done: queue.SimpleQueue, counters) -> None:
     """The load-latency watcher: (dispatch time, the scatter's readiness scalar) per step's loads, until None."""
     while (item := loads_done.get()) is not None:
@@ -278,25 +309,13 @@ class KVTransfer:
         shardings = [[c.sharding for c in s.owner.kv_caches] for s in self.sets]
         first = shardings[0][0]
         scalar = NamedSharding(first.mesh, PartitionSpec()) if isinstance(first, NamedSharding) else first
-        layout = dict(axes=tuple(s.axis for s in self.sets), sharded=self.sharded)
-        if pinned is None:
-            self._gather = jax.jit(functools.partial(_gather_sets, **layout))
-            self._scatter = jax.jit(functools.partial(_scatter_sets, **layout), donate_argnums=0,
-                                    out_shardings=(shardings, scalar))
-        else:
-            # One gather and one pinned scatter per move size: their outputs (gather) or arguments (scatter)
-            # are that many pinned rows; the scatter of prefetched device rows is one jit. (A bare device, or
-            # a sharding without a memory kind, would keep the pinned arrays' memory.)
+        shapes = tuple(s.shape for s in self.sets)
+        programs = _move_programs(tuple(s.axis for s in self.sets), self.sharded, shapes,
+                                  tuple(tuple(s) for s in shardings), scalar, pinned, tuple(self.sizes))
+        self._gather, self._scatter = programs["gather"], programs["scatter"]
+        if pinned is not None:
             self._on_device = on_device = pinned.with_memory_kind("device")
-            shapes = tuple(s.shape for s in self.sets)
-            self._gathers = {n: jax.jit(functools.partial(_gather_rows, **layout), out_shardings=(pinned,) * n)
-                             for n in self.sizes}
-            self._pinned_scatters = {
-                n: jax.jit(functools.partial(_scatter_rows, **layout, shapes=shapes, on_device=on_device),
-                           donate_argnums=0, in_shardings=(shardings, scalar, scalar, (pinned,) * n),
-                           out_shardings=(shardings, scalar)) for n in self.sizes}
-            self._scatter = jax.jit(functools.partial(_scatter_rows, **layout, shapes=shapes), donate_argnums=0,
-                                    out_shardings=(shardings, scalar))
+            self._gathers, self._pinned_scatters = programs["gathers"], programs["pinned_scatters"]
             self._zero_row = jax.device_put(np.zeros(self.row_size, self._dtype), pinned)  # (padding)
             self._zero_device_row = jax.device_put(np.zeros(self.row_size, self._dtype), on_device)
         self._compiled: dict[tuple[str, int], jax.stages.Compiled] = {}
