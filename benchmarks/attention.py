@@ -115,7 +115,7 @@ def decode_section(args) -> list[dict]:
 
         configs = [("ours", None)]
         if args.sweep:
-            configs += [(_label(c), c) for c in _sweep_configs(batch, args.kv_dtype)]
+            configs += [(_label(c, args.kv_dtype), c) for c in _sweep_configs(batch, args.kv_dtype)]
         for name, config in configs:
             fn = lambda q, kv, qsl, lens, bt, config=config: ours(q, kv, qsl, lens, bt, config)
             try:
@@ -153,22 +153,28 @@ def _sweep_configs(batch, kv_dtype="bfloat16"):
     variants = [dict(decode_block_kv=128), dict(decode_block_kv=128, decode_num_warps=8),
                 dict(decode_num_stages=4), dict(decode_block_kv=32, decode_num_stages=4),
                 dict(decode_num_stages=2), dict(decode_num_warps=8)]
-    if kv_dtype != "bfloat16":  # tiles of as many bytes as bf16's hold more tokens
-        variants = [dict(), dict(decode_block_kv=128, decode_num_stages=4),
-                    dict(decode_block_kv=256), dict(decode_block_kv=256, decode_num_warps=8),
-                    dict(decode_block_kv=256, decode_num_stages=2), dict(decode_fp8_dots="float16"),
-                    dict(decode_fp8_dots="float8_e4m3fn"),
-                    dict(decode_fp8_dots="float16", decode_block_kv=128, decode_num_stages=4), *variants]
+    if kv_dtype != "bfloat16":  # the fp8 cache's own tile knobs, around the default (bk=128 st=4 float16 dots)
+        base = dict(decode_fp8_block_kv=128, decode_num_warps=4, decode_fp8_num_stages=4,
+                    decode_fp8_dots="float16")
+        variants = [dict(), dict(decode_fp8_dots="q"), dict(decode_fp8_dots="float8_e4m3fn"),
+                    dict(decode_fp8_block_kv=64, decode_fp8_num_stages=3, decode_fp8_dots="q"),
+                    dict(decode_fp8_block_kv=64, decode_fp8_num_stages=3),
+                    dict(decode_fp8_block_kv=256, decode_fp8_num_stages=3),
+                    dict(decode_fp8_block_kv=256, decode_num_warps=8, decode_fp8_num_stages=3),
+                    dict(decode_fp8_num_stages=3), dict(decode_fp8_num_stages=5), dict(decode_num_warps=8),
+                    dict(decode_fp8_block_kv=128, decode_fp8_num_stages=4, decode_fp8_dots="float8_e4m3fn")]
     splits = (1, 2, 4, 8) if batch >= 64 else (4, 8, 16, 32)
     variants += [dict(decode_splits=s) for s in splits]
     return [gpu.TuningConfig(**{**base, **v}) for v in variants]
 
 
-def _label(config) -> str:
+def _label(config, kv_dtype="bfloat16") -> str:
     splits = "auto" if config.decode_splits is None else config.decode_splits
-    dots = "" if config.decode_fp8_dots == "q" else f" dots={config.decode_fp8_dots}"
-    return (f"sweep bk={config.decode_block_kv} w={config.decode_num_warps} "
-            f"st={config.decode_num_stages} splits={splits}{dots}")
+    if kv_dtype == "bfloat16":
+        return (f"sweep bk={config.decode_block_kv} w={config.decode_num_warps} "
+                f"st={config.decode_num_stages} splits={splits}")
+    return (f"sweep bk={config.decode_fp8_block_kv} w={config.decode_num_warps} "
+            f"st={config.decode_fp8_num_stages} splits={splits} dots={config.decode_fp8_dots}")
 
 
 MIXED_DECODE = (48, 4096)  # (decode rows, context per row)

@@ -81,9 +81,9 @@ DECODE_ONLY = Case(8, 2, 32, 16, dtype="bfloat16", decode_only=True, num_tokens=
 
 @pytest.mark.parametrize("case, config, fast_path", [
     (Case(8, 2, 32, 16, dtype="bfloat16"), SPLIT_OFF, False),
-    (DECODE_ONLY, SPLIT_ON, True),
-    (DECODE_ONLY, dataclasses.replace(SPLIT_ON, decode_fp8_dots="float16"), True),
-], ids=["mixed", "decode_only_split", "decode_only_float16_dots"])  # (split-K partials: the decode-only case)
+    (DECODE_ONLY, dataclasses.replace(SPLIT_ON, decode_fp8_block_kv=32, decode_fp8_dots="q"), True),
+    (DECODE_ONLY, dataclasses.replace(SPLIT_ON, decode_fp8_block_kv=32), True),
+], ids=["mixed", "decode_only_split_q_dots", "decode_only_split_float16_dots"])  # (split-K partials: the decode-only case)
 def test_gpu_kernels_read_fp8_like_the_reference(case, config, fast_path):
     sm_scale = case.head_dim ** -0.5
     for seed in range(1):  # (one compile per case: keep it to one seed)

@@ -90,6 +90,8 @@ class TuningConfig:
     decode_splits: KV splits of the decode kernel; None picks them from static shapes so that
         R * K * splits reaches `target_programs` while each split keeps >= `min_split_tiles` tiles.
     general_rows: query rows (tokens x G') per program of the general kernel.
+    decode_fp8_block_kv / decode_fp8_num_stages: decode_block_kv and decode_num_stages over an fp8 cache
+        (its tiles hold half the bytes of a bf16 tile of as many tokens).
     decode_fp8_dots: over an fp8 cache, the operand dtype of the decode kernel's dots. "q": K/V
         tiles widen to q's dtype. "float16": q is cast to float16 once per program and the tiles widen
         to it (exact: every float8_e4m3fn value is a float16; q keeps more mantissa than in bf16, and
@@ -109,10 +111,12 @@ class TuningConfig:
     general_block_kv: int = 64
     general_num_warps: int = 4
     general_num_stages: int = 2
-    decode_fp8_dots: str = "q"
+    decode_fp8_block_kv: int = 128
+    decode_fp8_num_stages: int = 4
+    decode_fp8_dots: str = "float16"
 
     def __post_init__(self):
-        for name in ("decode_block_kv", "general_block_kv", "general_rows"):
+        for name in ("decode_block_kv", "decode_fp8_block_kv", "general_block_kv", "general_rows"):
             value = getattr(self, name)
             if not _is_pow2(value) or value < MIN_DOT_ROWS:
                 raise ValueError(f"{name}={value} must be a power of two >= {MIN_DOT_ROWS} "
@@ -120,7 +124,7 @@ class TuningConfig:
         for name in ("decode_num_warps", "general_num_warps"):
             if getattr(self, name) not in (1, 2, 4, 8, 16):
                 raise ValueError(f"{name}={getattr(self, name)} must be one of 1, 2, 4, 8, 16")
-        for name in ("decode_num_stages", "general_num_stages"):
+        for name in ("decode_num_stages", "decode_fp8_num_stages", "general_num_stages"):
             if not 1 <= getattr(self, name) <= 6:
                 raise ValueError(f"{name}={getattr(self, name)} must be in 1..6")
         if self.decode_fp8_dots not in FP8_DOT_DTYPES:
@@ -285,7 +289,10 @@ def _decode(q4, kv_cache, qsl, seq_lens, block_tables, kv_scale, *, sm_scale, sl
     group_pad = q4.shape[2]
     num_reqs, max_blocks = block_tables.shape
     rows = max(group_pad, MIN_DOT_ROWS)
-    pages_per_tile = max(1, config.decode_block_kv // page_size)
+    quantized = kv_scale is not None
+    block_kv = config.decode_fp8_block_kv if quantized else config.decode_block_kv
+    num_stages = config.decode_fp8_num_stages if quantized else config.decode_num_stages
+    pages_per_tile = max(1, block_kv // page_size)
     max_tiles = pl.cdiv(max_blocks, pages_per_tile)
     num_splits = decode_splits(config, num_reqs, num_kv_heads, max_tiles)
 
@@ -326,7 +333,7 @@ def _decode(q4, kv_cache, qsl, seq_lens, block_tables, kv_scale, *, sm_scale, sl
     result = pl.pallas_call(
         kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs,
         compiler_params=pltriton.CompilerParams(num_warps=config.decode_num_warps,
-                                                num_stages=config.decode_num_stages),
+                                                num_stages=num_stages),
         interpret=interpret, name="ragged_paged_attention_decode",
     )(qsl, seq_lens, block_tables, q_dec, kv_cache, kv_cache, *scales)
     if num_splits == 1:
