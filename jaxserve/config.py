@@ -153,6 +153,9 @@ class SchedulerConfig:
             raise ValueError(f"scheduler.preemption_mode must be auto, recompute or swap, got {self.preemption_mode!r}")
 
 
+FLASH_PREFILL_DEFAULT_TOKENS = 4096  # runner.flash_prefill_token_threshold: null on the GPU "pallas" backend
+
+
 @dataclasses.dataclass(frozen=True)
 class RunnerConfig:
     attention_backend: str = "auto"  # auto | reference | pallas
@@ -162,16 +165,17 @@ class RunnerConfig:
     compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"  # null disables the persistent cache
     # > 0: a request with at least this many of a prefill step's tokens attends through the flash attention
     # (pallas_kernels/flash_attention: Mosaic GPU on Hopper) over its K/V gathered from the paged cache,
-    # instead of the ragged paged kernel; 0: off. GPU "pallas" and "reference" backends, no sliding window
-    # (docs/ARCHITECTURE.md §6).
-    flash_prefill_token_threshold: int = 0
+    # instead of the ragged paged kernel; 0: off; null: FLASH_PREFILL_DEFAULT_TOKENS on the GPU "pallas"
+    # backend, off elsewhere. GPU "pallas" and "reference" backends, no sliding window (docs/ARCHITECTURE.md §6).
+    flash_prefill_token_threshold: int | None = None
 
     def __post_init__(self):
         check_fields(self, "runner")
         if self.attention_backend not in ("auto", "reference", "pallas"):
             raise ValueError(f"runner.attention_backend must be auto, reference or pallas, got {self.attention_backend!r}")
-        if self.flash_prefill_token_threshold < 0:
-            raise ValueError("runner.flash_prefill_token_threshold must be >= 0 (0 turns the flash prefill off), "
+        if self.flash_prefill_token_threshold is not None and self.flash_prefill_token_threshold < 0:
+            raise ValueError("runner.flash_prefill_token_threshold must be >= 0 (0 turns the flash prefill off; "
+                             "null: on for GPUs), "
                              f"got {self.flash_prefill_token_threshold}")
         for name in ("token_buckets", "request_buckets"):
             value = getattr(self, name)

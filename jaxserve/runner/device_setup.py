@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.config import EngineConfig
+from jaxserve.config import FLASH_PREFILL_DEFAULT_TOKENS, EngineConfig
 from jaxserve.models import kv_scales, loader, quant, registry
 from jaxserve.models.family import ModelConfig
 from jaxserve.models.loader import LoadedModel
@@ -175,6 +175,15 @@ def resolve_attention_backend(name: str, cfg: ModelConfig, block_size: int) -> s
             return "reference"
         return "pallas"
     return name
+
+
+def flash_prefill_threshold(configured: int | None, attention_backend: str) -> int:
+    """runner.flash_prefill_token_threshold as the step programs take it: null is FLASH_PREFILL_DEFAULT_TOKENS
+    with the "pallas" backend on a GPU (the flash kernels), 0 (off) elsewhere."""
+    if configured is not None:
+        return configured
+    on_gpu = attention_backend == "pallas" and jax.default_backend() == "gpu"
+    return FLASH_PREFILL_DEFAULT_TOKENS if on_gpu else 0
 
 
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype_bytes: int, tp: TensorParallel | None = None) -> int:

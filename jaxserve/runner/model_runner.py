@@ -44,9 +44,9 @@ from jaxserve.models import registry
 from jaxserve.models.layers import ModelBatch
 from jaxserve.models.loader import LoadedModel
 from jaxserve.runner import draft_runner, ngram_runner, prompt_logprobs, sampler, spec_verify
-from jaxserve.runner.device_setup import (enable_compilation_cache, kv_cache_dtype, kv_cache_num_blocks,
-                                         load_model, resolve_attention_backend, resolve_max_model_len,
-                                         setup_all_reduce, with_kv_scales)
+from jaxserve.runner.device_setup import (enable_compilation_cache, flash_prefill_threshold, kv_cache_dtype,
+                                         kv_cache_num_blocks, load_model, resolve_attention_backend,
+                                         resolve_max_model_len, setup_all_reduce, with_kv_scales)
 from jaxserve.runner.step_program import forward_fn, pack_step, stage_fn
 from jaxserve.runner.step_types import HostStep, StepHandle, StepRows
 from pallas_kernels.paged_attention import fp8
@@ -88,7 +88,8 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.attention_backend = resolve_attention_backend(config.runner.attention_backend, self.cfg,
                                                            self.block_size)
-        self.flash_prefill_threshold = config.runner.flash_prefill_token_threshold
+        self.flash_prefill_threshold = flash_prefill_threshold(config.runner.flash_prefill_token_threshold,
+                                                               self.attention_backend)
         sched = config.scheduler
         self.buckets = BucketLadders.build(sched.max_num_batched_tokens, sched.max_num_seqs,
                                            config.runner.token_buckets, config.runner.request_buckets)
