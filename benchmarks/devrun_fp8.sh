@@ -17,12 +17,12 @@
 #               about step i, so with 192 out the steps from ~65 to ~192 are pure decode at batch 64, and
 #               the steady decode rate (median pure-decode step) is compile-free without a warm-up
 #   ttft_32k    (e) configs/llama3.1-8b-dummy.yaml, one 32768-token prompt, 2 output tokens, 1 warm-up and 3
-#               timed iterations (TTFT p50)
+#               timed iterations (TTFT p50), the flash prefill off (every row on the ragged kernel)
 #   tight_b1    (d) benchmarks/tight_loop_decode.py at batch 1 from context 128, 128 steps (mean context 192,
 #               bf16_b1's), its roofline share beside the engine's
 #   ttft_128k   one 131000-token prompt (reported, no target), if time is left
-#   ttft_32k_flash, ttft_128k_flash   the same with --flash-prefill-token-threshold 4096 (a chunk's attention
-#               through the flash kernel over its prefix gathered from the cache); `long` runs these first,
+#   ttft_32k_flash, ttft_128k_flash   the same with --flash-prefill-token-threshold 4096, the GPU default (a
+#               chunk's attention through the flash kernel over its prefix gathered from the cache); `long` runs these first,
 #               after the flash kernels' GPU tests
 #   tput_bf16, tput_fp8   (f) offline throughput, `jaxserve bench throughput` of 1000 prompts of 1024 in / 256
 #               out (--precompile true: elapsed_s excludes compiling), bf16 then --quantization fp8 (decode
@@ -71,8 +71,9 @@ fp8w_b64() { bench fp8w_b64 "$1" "$2" $CFG $B64 $ITERS --quantization fp8; }
 kvbf16_ctx8k() { bench kvbf16_ctx8k "$1" "$2" $CFG $KV --num-iters-warmup 0 --num-iters 1; }
 kvfp8_ctx8k() { bench kvfp8_ctx8k "$1" "$2" $CFG $KV --num-iters-warmup 0 --num-iters 1 --kv-cache-dtype fp8; }
 LONG="$LONG_CFG --batch-size 1 --output-len 2 --num-iters-warmup 1"
-ttft_32k() { bench ttft_32k "$1" "$2" $LONG $T32K --num-iters 3; }
-ttft_128k() { bench ttft_128k "$1" "$2" $LONG $T128K --num-iters 1; }
+RAGGED="--flash-prefill-token-threshold 0"
+ttft_32k() { bench ttft_32k "$1" "$2" $LONG $T32K --num-iters 3 $RAGGED; }
+ttft_128k() { bench ttft_128k "$1" "$2" $LONG $T128K --num-iters 1 $RAGGED; }
 FLASH="--flash-prefill-token-threshold $FLASH_MIN"
 ttft_32k_flash() { bench ttft_32k_flash "$1" "$2" $LONG $T32K --num-iters 3 $FLASH; }
 ttft_128k_flash() { bench ttft_128k_flash "$1" "$2" $LONG $T128K --num-iters 1 $FLASH; }
