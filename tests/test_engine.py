@@ -453,6 +453,10 @@ def test_decode_steps_alternate_twin_executables_when_enabled():
     runner = llm.engine.runner
     runner.use_twins = True  # what a GPU platform sets
     runner.precompile(progress=False)
+    slowest = runner.slowest_compiles  # (the bench prints them: where a slow start-up goes)
+    assert 0 < len(slowest) <= 5 and all(s >= 0 for _, s in slowest)
+    assert [s for _, s in slowest] == sorted((s for _, s in slowest), reverse=True)
+    assert {key.split()[0] for key, _ in slowest} <= {"forward", "forward_prompt", "stage", "sample", "verify"}
     calls = {}
 
     def counting(key, fn):

@@ -305,7 +305,8 @@ def roofline(cfg, batch: float, mean_context: float, num_devices: int = 1,
 
 def engine_report(engine: Engine, init_s: float) -> dict[str, Any]:
     return {"num_compiled": engine.num_compiled, "startup_compile_s": engine.startup_seconds,
-            "engine_init_s": init_s, "attention_backend": engine.runner.attention_backend,
+            "slowest_compiles": engine.runner.slowest_compiles, "engine_init_s": init_s,
+            "attention_backend": engine.runner.attention_backend,
             "num_kv_blocks": engine.runner.num_blocks, "num_preemptions": engine.stats().num_preemptions,
             "device": str(jax.devices()[0].device_kind),
             "kv_cache": kv_cache_report(engine), "config": engine.config.to_dict()}
@@ -373,6 +374,8 @@ def print_report(report: dict[str, Any]) -> None:
         print(line)
     print(f"compiled shapes: {engine['num_compiled']}  start-up compile: {engine['startup_compile_s']:.1f} s  "
           f"(engine init {engine['engine_init_s']:.1f} s, {engine['device']}, {engine['attention_backend']})")
+    if engine.get("slowest_compiles"):
+        print("slowest compiles: " + ", ".join(f"{key} {s:.1f} s" for key, s in engine["slowest_compiles"]))
     roof = report["roofline"]
     if "touched_expert_bytes" in roof:
         print(f"experts: {roof['experts_touched_per_layer']:.1f} touched per MoE layer (uniform routing), "

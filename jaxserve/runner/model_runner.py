@@ -88,6 +88,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.attention_backend = resolve_attention_backend(config.runner.attention_backend, self.cfg,
                                                            self.block_size)
+        self.slowest_compiles: list[tuple[str, float]] = []  # precompile(): its slowest jobs (key, seconds)
         self.flash_prefill_threshold = flash_prefill_threshold(config.runner.flash_prefill_token_threshold,
                                                                self.attention_backend)
         sched = config.scheduler

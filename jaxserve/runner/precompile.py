@@ -4,7 +4,9 @@ ahead of time, so that no step traces or compiles."""
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -16,10 +18,20 @@ from jaxserve.runner import model_runner, prompt_logprobs, sampler, spec_verify
 from jaxserve.runner.step_program import gpu_compiler_options, pack_step
 from sharding.tensor_parallel import zeros
 
+logger = logging.getLogger(__name__)
+SLOWEST_LOGGED = 5
+
+
+def _timed(fn, *args):
+    start = time.perf_counter()
+    result = fn(*args)
+    return result, time.perf_counter() - start
+
 
 def precompile(runner, progress: bool = True) -> int:
     """Compile every (T, R) forward bucket, the prompt-logprob variant of each T, and every sampler
-    variant; returns the number compiled.
+    variant; returns the number compiled. `runner.slowest_compiles`: the SLOWEST_LOGGED slowest jobs as
+    (key, seconds), key like "forward 512 16 False" (its kind, T, R, decode-only).
 
     Each one is lowered and compiled ahead of time in a thread pool (XLA compiles without holding
     the GIL, so the shapes compile side by side; warm starts read the persistent cache side by
@@ -95,10 +107,12 @@ def precompile(runner, progress: bool = True) -> int:
     # XLA:CPU crashed now and then serializing them into it (or reading them back).
     draft_jobs = runner.drafter.precompile_jobs(runner) if runner.drafter is not None else {}
     bar = tqdm(total=len(jobs) + len(draft_jobs), desc="compiling buckets", disable=not progress, leave=False)
+    seconds = {}  # job key -> its lowering and compiling time (in a thread, beside the others)
+    start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        futures = {pool.submit(fn, *args): key for key, (fn, args) in jobs.items()}
+        futures = {pool.submit(_timed, fn, *args): key for key, (fn, args) in jobs.items()}
         for future in concurrent.futures.as_completed(futures):
-            result = future.result()
+            result, seconds[futures[future]] = future.result()
             runner._compiled.update(result if isinstance(result, dict) else {futures[future]: result})
             bar.update()
     if draft_jobs:  # (a compile-time floor no compile reaches: nothing is written, so nothing is read back)
@@ -106,9 +120,13 @@ def precompile(runner, progress: bool = True) -> int:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
         try:
             for key, (fn, args) in draft_jobs.items():
-                runner._compiled[key] = fn(*args)
+                runner._compiled[key], seconds[key] = _timed(fn, *args)
                 bar.update()
         finally:
             jax.config.update("jax_persistent_cache_min_compile_time_secs", floor)
     bar.close()
+    slowest = sorted(seconds.items(), key=lambda item: -item[1])[:SLOWEST_LOGGED]
+    runner.slowest_compiles = [(" ".join(map(str, key)), round(s, 2)) for key, s in slowest]
+    logger.info("precompile: %d jobs in %.1f s; slowest: %s", len(seconds), time.perf_counter() - start,
+                ", ".join(f"{key} {s} s" for key, s in runner.slowest_compiles))
     return len(runner._compiled)
