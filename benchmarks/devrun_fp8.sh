@@ -20,6 +20,8 @@
 #               timed iterations (TTFT p50), the flash prefill off (every row on the ragged kernel)
 #   tight_b1    (d) benchmarks/tight_loop_decode.py at batch 1 from context 128, 128 steps (mean context 192,
 #               bf16_b1's), its roofline share beside the engine's
+#   prefill_rates  benchmarks/prefill_rates.py: the matmul rate of a 8192-row chunk's GEMMs and the flash
+#               kernel's rate over a 32K prompt's chunks, each alone: the rates of (e)'s compute bound
 #   ttft_128k   one 131000-token prompt (reported, no target), if time is left
 #   ttft_32k_flash, ttft_128k_flash   the same with --flash-prefill-token-threshold 4096, the GPU default (a
 #               chunk's attention through the flash kernel over its prefix gathered from the cache); `long` runs these first,
@@ -28,7 +30,8 @@
 #               out (--precompile true: elapsed_s excludes compiling), bf16 then --quantization fp8 (decode
 #               steps on the W8A8 Mosaic GPU kernel over weights held [N, K], prefill steps W8A8 through XLA)
 # Modes: all (every step, in the order above; a step that does not fit is skipped and named "not run"),
-# weights (a, b, d), long (the flash GPU tests, e), kv (c) and throughput (f): for separate calls when one did not finish; kernel: the
+# weights (a, b, d), long (the flash GPU tests, e), kv (c), throughput (f) and throughput_fp8 (f's fp8 run alone, with
+# all the call's time): for separate calls when one did not finish; kernel: the
 # FP8 decode GEMMs' GPU tests (the W8A8 Mosaic GPU kernel, quant.linear over weights held [N, K]) and
 # benchmarks/fp8_gemm_mgpu.py (that kernel against XLA's bf16 dot and the Triton kernel), then
 # benchmarks/fp8_gemm.py (the weight-only Triton kernel, a tensor-parallel engine's, against XLA's bf16 dot and
@@ -46,9 +49,9 @@ if [ -n "${SMOKE:-}" ]; then
   B1="--input-len 4 --output-len 16" B64="--batch-size 8 --input-len 4 --output-len 12"
   KV="--batch-size 8 --input-len 16 --output-len 8" T32K="--input-len 24" T128K="--input-len 28" FLASH_MIN=8
   TIGHT="--config-json jaxserve/assets/tiny-adder/config.json --context 4 --steps 8"
-  KERNEL="--smoke --rows 1"
+  KERNEL="--smoke --rows 1" RATES="--smoke"
 else
-  KERNEL="--rows 1,16,64"
+  KERNEL="--rows 1,16,64" RATES="--chunk 8192 --prompt 32768"
   CFG="--config configs/llama3-8b-dummy.yaml" LONG_CFG="--config configs/llama3.1-8b-dummy.yaml"
   B1="--input-len 128 --output-len 128" B64="--batch-size 64 --input-len 128 --output-len 128"
   KV="--max-model-len 8192 --batch-size 64 --input-len 8000 --output-len 192" T32K="--input-len 32768"
@@ -85,6 +88,7 @@ TPUT="$PY -m jaxserve.cli bench throughput $CFG --num-prompts 1000 --input-len 1
   --disable-tqdm --precompile false"
 tput_bf16() { run tput_bf16 "$1" "$2" $TPUT --output-json "$W/tput_bf16.json"; }
 tput_fp8() { run tput_fp8 "$1" "$2" $TPUT --quantization fp8 --output-json "$W/tput_fp8.json"; }
+prefill_rates() { run prefill_rates "$1" "$2" $PY benchmarks/prefill_rates.py $RATES --json "$W/prefill_rates.json"; }
 tight_b1() {
   run tight_b1 "$1" "$2" $PY benchmarks/tight_loop_decode.py $TIGHT --batch-sizes 1 --output-json "$W/tight_b1.json"
 }
@@ -93,20 +97,23 @@ MODE=${1:-all}
 case "$MODE" in
 all)
   bf16_b1 120 390; fp8w_b1 120 300; bf16_b64 90 240; fp8w_b64 90 180
-  kvbf16_ctx8k 150 100; kvfp8_ctx8k 150 20; ttft_32k_flash 120 10; ttft_32k 120 10; tight_b1 90 5
+  kvbf16_ctx8k 150 100; kvfp8_ctx8k 150 20; prefill_rates 60 10; ttft_32k_flash 120 10; ttft_32k 120 10; tight_b1 90 5
   ttft_128k_flash 150 5; ttft_128k 150 5
   tput_bf16 200 5; tput_fp8 200 5
   ;;
 throughput)
   tput_bf16 260 250; tput_fp8 260 5
   ;;
+throughput_fp8)  # fp8 alone: its start-up compile has taken more than 330 s on a fresh machine
+  tput_fp8 530 5
+  ;;
 weights)
   bf16_b1 120 230; fp8w_b1 120 150; bf16_b64 90 100; fp8w_b64 90 40; tight_b1 90 5
   ;;
 long)
-  run flash_gpu_tests 100 420 $PY -m pytest -q -m gpu tests/test_flash_attention.py tests/test_flash_prefill.py \
+  run flash_gpu_tests 120 420 $PY -m pytest -q -m gpu tests/test_flash_attention.py tests/test_flash_prefill.py \
     -p no:cacheprovider
-  ttft_32k_flash 110 300; ttft_32k 110 190; ttft_128k_flash 120 60; ttft_128k 150 5
+  prefill_rates 60 360; ttft_32k_flash 110 250; ttft_32k 110 140; ttft_128k_flash 120 5; ttft_128k 150 5
   ;;
 kv)
   kvbf16_ctx8k 160 160; kvfp8_ctx8k 160 5
@@ -117,7 +124,7 @@ kernel)
   fp8_gemm 200 5
   ;;
 *)
-  echo "unknown mode ${MODE}: all, weights, long, kv, throughput or kernel"; exit 2
+  echo "unknown mode ${MODE}: all, weights, long, kv, throughput, throughput_fp8 or kernel"; exit 2
   ;;
 esac
 echo "== ${SECONDS}s: done"

@@ -1,7 +1,7 @@
 """The table of benchmarks/devrun_fp8.sh: FP8 weights and FP8 KV cache against bf16, batch-1 decode against its
 roofline and the tight loop, and long-prompt TTFT against its compute bound, as ratios within one run.
 
-    python3 benchmarks/fp8_summary.py WORK_DIR [--json summary.json] [--peak-tflops 989]
+    python3 benchmarks/fp8_summary.py WORK_DIR [--json summary.json] [--peak-tflops T] [--attention-tflops T]
 
 WORK_DIR holds `jaxserve bench latency --output-json` reports (a missing one is reported as not run):
     bf16_b1, fp8w_b1       (a) batch 1, bf16 vs fp8 weights            target fp8 / bf16 >= 1.8
@@ -79,18 +79,20 @@ def prefill_flops(hf: dict, tokens: int) -> dict[str, float]:
     return {"weight_flops": weight, "attention_flops": attention}
 
 
-def ttft_row(report: dict | None, peak_tflops: float, attention_tflops: float) -> dict | None:
+def ttft_row(report: dict | None, matmul_tflops: float, attention_tflops: float) -> dict | None:
     if report is None or report.get("ttft_ms") is None:
         return None
     config = report["engine"]["config"]
     hf = json.loads((Path(config["model"]["path"]) / "config.json").read_text())
     tokens = int(report["args"]["input_len"])
     flops = prefill_flops(hf, tokens)
-    bound_s = flops["weight_flops"] / (peak_tflops * 1e12) + flops["attention_flops"] / (attention_tflops * 1e12)
+    bound_s = flops["weight_flops"] / (matmul_tflops * 1e12) + flops["attention_flops"] / (attention_tflops * 1e12)
+    peak_bound_s = (flops["weight_flops"] + flops["attention_flops"]) / (H200_BF16_TFLOPS * 1e12)
     ttft_s = report["ttft_ms"]["p50"] / 1e3
-    return {"prompt_tokens": tokens, **flops, "peak_tflops": peak_tflops, "attention_tflops": attention_tflops,
+    return {"prompt_tokens": tokens, **flops, "matmul_tflops": matmul_tflops, "attention_tflops": attention_tflops,
             "bound_s": bound_s, "ttft_s": ttft_s, "ttft_max_s": report["ttft_ms"]["max"] / 1e3,
             "iterations": report["ttft_ms"]["count"], "ttft_over_bound": ttft_s / bound_s,
+            "peak_bound_s": peak_bound_s, "ttft_over_peak_bound": ttft_s / peak_bound_s,
             "achieved_tflops": (flops["weight_flops"] + flops["attention_flops"]) / ttft_s / 1e12,
             "kv_cache_dtype": config["cache"]["kv_cache_dtype"], "num_compiled": report["engine"]["num_compiled"]}
 
@@ -103,8 +105,13 @@ def tight_row(work: Path) -> dict | None:
     return rows[0] if rows else None
 
 
-def summarise(work: Path, peak_tflops: float, attention_tflops: float) -> dict:
+def summarise(work: Path, matmul_tflops: float | None = None, attention_tflops: float | None = None) -> dict:
+    """The table's content. The TTFT bound's rates: the arguments where given, else the run's
+    prefill_rates.json, else the H200's bf16 peak."""
     summary: dict = {}
+    rates = load(work, "prefill_rates") or {}
+    matmul_tflops = matmul_tflops or rates.get("matmul_tflops") or H200_BF16_TFLOPS
+    attention_tflops = attention_tflops or rates.get("attention_tflops") or matmul_tflops
     for key, (base_name, fp8_name, what, target) in PAIRS.items():
         base, fp8 = decode_row(load(work, base_name)), decode_row(load(work, fp8_name))
         summary[key] = {"what": what, "target": target, base_name: base, fp8_name: fp8,
@@ -113,8 +120,9 @@ def summarise(work: Path, peak_tflops: float, attention_tflops: float) -> dict:
     summary["d"] = {"roofline_share": b1 and b1["roofline_share"], "roofline_target": ROOFLINE_TARGET,
                     "tight_loop": tight,
                     "over_tight_loop": ratio(b1 and b1["tokens_per_s"], tight and tight["tokens_per_s"])}
-    summary["e"] = {name: ttft_row(load(work, name), peak_tflops, attention_tflops) for name in TTFT}
+    summary["e"] = {name: ttft_row(load(work, name), matmul_tflops, attention_tflops) for name in TTFT}
     summary["e"]["target"] = TTFT_TARGET
+    summary["e"]["rates"] = "measured (prefill_rates.json)" if rates else "given or peak"
     summary["f"] = {}
     for name, target in THROUGHPUT.items():
         report = load(work, name)
@@ -183,9 +191,10 @@ def render(summary: dict) -> str:
             continue
         lines.append(f"    {name}: {r['prompt_tokens']} tokens, TTFT {r['ttft_s']:.3f} s (max {r['ttft_max_s']:.3f} s, "
                      f"{r['iterations']} timed), bound {r['bound_s']:.3f} s ({r['weight_flops'] / 1e12:.1f} "
-                     f"weight + {r['attention_flops'] / 1e12:.1f} attention TFLOP at {r['peak_tflops']:g} / "
-                     f"{r['attention_tflops']:g} TFLOP/s): {r['ttft_over_bound']:.2f}x the bound, "
-                     f"{r['achieved_tflops']:.0f} TFLOP/s achieved"
+                     f"weight + {r['attention_flops'] / 1e12:.1f} attention TFLOP at {r['matmul_tflops']:.0f} / "
+                     f"{r['attention_tflops']:.0f} TFLOP/s, {summary['e']['rates']}): {r['ttft_over_bound']:.2f}x "
+                     f"the bound, {r['ttft_over_peak_bound']:.2f}x the bound at the {H200_BF16_TFLOPS:g} TFLOP/s "
+                     f"peak, {r['achieved_tflops']:.0f} TFLOP/s achieved"
                      + (f" (target <= {TTFT_TARGET}: {_met(r['ttft_over_bound'], TTFT_TARGET, False)})"
                         if name.startswith("ttft_32k") else ""))
     lines.append("")
@@ -211,12 +220,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("work", type=Path)
     parser.add_argument("--json", type=Path, help="also write the table as JSON here")
-    parser.add_argument("--peak-tflops", type=float, default=H200_BF16_TFLOPS,
-                        help="the matmul rate of the compute bound (default: the H200's dense bf16 peak)")
+    parser.add_argument("--peak-tflops", type=float,
+                        help="the matmul rate of the compute bound (default: WORK_DIR/prefill_rates.json's, else "
+                             "the H200's dense bf16 peak)")
     parser.add_argument("--attention-tflops", type=float, help="the attention rate of the bound (default: "
-                                                               "--peak-tflops)")
+                                                               "prefill_rates.json's, else the matmul rate)")
     args = parser.parse_args()
-    summary = summarise(args.work, args.peak_tflops, args.attention_tflops or args.peak_tflops)
+    summary = summarise(args.work, args.peak_tflops, args.attention_tflops)
     print(render(summary))
     if args.json is not None:
         args.json.write_text(json.dumps(summary, indent=2) + "\n")

@@ -50,3 +50,21 @@ def test_tiers_summary_reads_a_cut_short_log(tmp_path, monkeypatch):
     text = tiers_summary.render(summary)
     assert "81% of a pinned copy (target >= 70%: met)" in text and "40% of a pinned copy" in text
     assert "recompute  (not run)" in text
+
+
+def test_ttft_bound_takes_the_rates_measured_in_the_run(tmp_path, monkeypatch):
+    fp8_summary = load("fp8_summary", monkeypatch)
+    model = ROOT / "configs" / "models" / "llama3-8b"
+    report = {"args": {"input_len": 32768}, "ttft_ms": {"p50": 1300.0, "max": 1400.0, "count": 3},
+              "engine": {"config": {"model": {"path": str(model)}, "cache": {"kv_cache_dtype": None}},
+                         "num_compiled": 0}}
+    (tmp_path / "ttft_32k_flash.json").write_text(json.dumps(report))
+    flops = fp8_summary.prefill_flops(json.loads((model / "config.json").read_text()), 32768)
+    at_peak = fp8_summary.summarise(tmp_path)["e"]["ttft_32k_flash"]
+    assert at_peak["bound_s"] == pytest.approx((flops["weight_flops"] + flops["attention_flops"]) / 989e12)
+    (tmp_path / "prefill_rates.json").write_text(json.dumps({"matmul_tflops": 650.0, "attention_tflops": 500.0}))
+    row = fp8_summary.summarise(tmp_path)["e"]["ttft_32k_flash"]
+    bound = flops["weight_flops"] / 650e12 + flops["attention_flops"] / 500e12
+    assert row["bound_s"] == pytest.approx(bound) and row["ttft_over_bound"] == pytest.approx(1.3 / bound)
+    assert row["ttft_over_peak_bound"] == pytest.approx(at_peak["ttft_over_bound"])
+    assert "measured (prefill_rates.json)" in fp8_summary.render(fp8_summary.summarise(tmp_path))

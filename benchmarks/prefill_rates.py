@@ -1,0 +1,107 @@
+"""The matmul and flash-attention rates of a long prompt's chunked prefill, measured alone on this device: the
+rates the TTFT compute bound of benchmarks/fp8_summary.py takes (its `--peak-tflops` / `--attention-tflops`,
+or this script's JSON in the run's work directory).
+
+    PYTHONPATH=. python3 benchmarks/prefill_rates.py [--config-json configs/models/llama3.1-8b/config.json]
+        [--chunk 8192] [--prompt 32768] [--json rates.json]
+
+matmul: the prefill step's four projection GEMMs of one layer at `--chunk` rows (bf16 x [T, D] @ [D, out],
+    out = (N + 2K)H for qkv, D for o, 2F for gate/up, then [T, F] @ [F, D] for down), each jitted alone:
+    their FLOPs (2 * T * in * out each) over the sum of their times.
+attention: the flash attention (`pallas_kernels.flash_attention`, as the engine calls it: the Mosaic GPU
+    kernel on Hopper) of each `--chunk`-row chunk of a `--prompt`-token prompt over the chunks before it
+    (q [1, chunk, N, H] at q_offset c * chunk over K/V [1, (c + 1) * chunk, K, H]): the prompt's causal
+    FLOPs (4 * N * H per query-key pair, query i seeing i + 1 keys) over the sum of the chunks' times.
+Each time is the median of `--repeats` calls after one warm-up call. `--smoke`: tiny shapes on a CPU (the
+flash attention in interpret mode), for the plumbing only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.flash_attention import flash_attention
+
+
+def median_s(fn, *args, repeats: int) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def matmul_rate(cfg: dict, chunk: int, repeats: int) -> dict:
+    d, h = cfg["hidden_size"], cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    n, k, f = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["intermediate_size"]
+    shapes = {"qkv": (d, (n + 2 * k) * h), "o": (n * h, d), "gate_up": (d, 2 * f), "down": (f, d)}
+    dot = jax.jit(jnp.dot)
+    key = jax.random.key(0)
+    flops = seconds = 0.0
+    per = {}
+    for name, (inner, outer) in shapes.items():
+        x = jax.random.normal(key, (chunk, inner), jnp.bfloat16)
+        w = jax.random.normal(key, (inner, outer), jnp.bfloat16) * inner ** -0.5
+        s = median_s(dot, x, w, repeats=repeats)
+        per[name] = {"us": s * 1e6, "tflops": 2 * chunk * inner * outer / s / 1e12}
+        flops, seconds = flops + 2 * chunk * inner * outer, seconds + s
+    return {"tflops": flops / seconds / 1e12, "gemms": per}
+
+
+def attention_rate(cfg: dict, chunk: int, prompt: int, repeats: int, interpret: bool) -> dict:
+    n, k = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    h = cfg.get("head_dim") or cfg["hidden_size"] // n
+    key = jax.random.key(1)
+    attend = jax.jit(lambda q, kk, v, off: flash_attention(q, kk, v, q_offset=off, interpret=interpret))
+    seconds, per = 0.0, []
+    for c in range(prompt // chunk):
+        q = jax.random.normal(key, (1, chunk, n, h), jnp.bfloat16)
+        kv = jax.random.normal(key, (2, 1, (c + 1) * chunk, k, h), jnp.bfloat16)
+        s = median_s(attend, q, kv[0], kv[1], jnp.asarray([c * chunk], jnp.int32), repeats=repeats)
+        per.append({"offset": c * chunk, "us": s * 1e6})
+        seconds += s
+    tokens = prompt // chunk * chunk
+    flops = 4 * n * h * tokens * (tokens + 1) / 2
+    return {"tflops": flops / seconds / 1e12, "chunks": per}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config-json", type=Path, default=Path("configs/models/llama3.1-8b/config.json"))
+    parser.add_argument("--chunk", type=int, default=8192, help="prefill rows per step (max_num_batched_tokens)")
+    parser.add_argument("--prompt", type=int, default=32768)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode: a CPU check")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    cfg = json.loads(args.config_json.read_text())
+    if args.smoke:
+        cfg = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+               "intermediate_size": 128}
+        args.chunk, args.prompt, args.repeats = 32, 64, 1
+    result = {"device": jax.devices()[0].device_kind, "chunk": args.chunk, "prompt": args.prompt,
+              "matmul": matmul_rate(cfg, args.chunk, args.repeats),
+              "attention": attention_rate(cfg, args.chunk, args.prompt, args.repeats, interpret=args.smoke)}
+    result["matmul_tflops"] = result["matmul"]["tflops"]
+    result["attention_tflops"] = result["attention"]["tflops"]
+    for name, gemm in result["matmul"]["gemms"].items():
+        print(f"matmul {name:8s} {args.chunk} rows: {gemm['us']:9.1f} us  {gemm['tflops']:6.1f} TFLOP/s")
+    for part in result["attention"]["chunks"]:
+        print(f"flash chunk at {part['offset']:6d}: {part['us']:9.1f} us")
+    print(f"prefill rates: matmul {result['matmul_tflops']:.1f} TFLOP/s, flash attention "
+          f"{result['attention_tflops']:.1f} TFLOP/s ({result['device']})")
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
