@@ -9,7 +9,7 @@ every prompt twice to put both pools under pressure); speculative decoding: n-gr
 (lookups of 1-3 tokens, so guesses are made), a draft model (the fixture drafting for itself) or an EAGLE
 head (random), greedy: the tokens must not change. The rows cover every pair of settings across the
 two fixtures rather than the full product, which would cost minutes of compiling. A mechanism added later
-(KV tiers, FP8) gets a column here; a combination that cannot work is refused at start, and
+(KV tiers, FP8, the flash prefill of long chunks) gets a column here; a combination that cannot work is refused at start, and
 its row asserts the message.
 """
 
@@ -62,6 +62,12 @@ def _id(row) -> str:
 
 @pytest.mark.parametrize("row", MATRIX, ids=[_id(row) for row in MATRIX])
 def test_mechanisms_compose(row, request):
+    _run_row(row, request)
+
+
+def _run_row(row, request, **extra):
+    """One MATRIX row (`extra`: more LLM options) against HF's greedy tokens; returns the LLM (None where the
+    row is refused)."""
     name, overlap, caching, preempt, chunked, tp, ep, guesses = row
     if tp * ep > len(jax.devices()):
         pytest.skip(f"needs {tp * ep} devices")
@@ -77,7 +83,7 @@ def test_mechanisms_compose(row, request):
     options = dict(model=fixture.path, dtype="float32", skip_tokenizer_init=True, max_model_len=64, block_size=4,
                    num_blocks=num_blocks, max_num_batched_tokens=budget, max_num_seqs=4, token_buckets=TOKEN_BUCKETS,
                    request_buckets=[4], precompile=False, progress=False, async_scheduling=overlap,
-                   enable_prefix_caching=caching, tensor_parallel_size=tp, **{"parallel.expert": ep})
+                   enable_prefix_caching=caching, tensor_parallel_size=tp, **{"parallel.expert": ep}, **extra)
     if guesses == "eagle3_k2":  # (tests/test_spec_eagle3.py)
         from tests.test_spec_eagle3 import random_eagle3_head
         head = random_eagle3_head(fixture.path, request.getfixturevalue("tmp_path") / "eagle3")
@@ -94,11 +100,11 @@ def test_mechanisms_compose(row, request):
     if name == DENSE and ep > 1:
         with pytest.raises(ValueError, match="shards the experts of MoE layers, but LlamaForCausalLM has none"):
             LLM(**options)
-        return
+        return None
     if guesses and ep > 1:
         with pytest.raises(ValueError, match="speculative decoding is not supported yet with parallel.expert"):
             LLM(**options)
-        return
+        return None
     llm = LLM(**options)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     requests = [{"prompt_token_ids": p} for p in prompts] * (2 if ep > 1 else 1)
@@ -124,6 +130,51 @@ def test_mechanisms_compose(row, request):
         assert stats.spec_draft_tokens > 0, "the proposer was meant to make guesses"
     else:
         assert stats.spec_draft_tokens == 0
+    return llm
+
+
+# ---------------------------------------------------------------- the flash prefill column
+# runner.flash_prefill_token_threshold (on by default on GPUs): with a 16-token budget the 17- and
+# 33-token prompts prefill in chunks, and a chunk of at least 8 rows of one request attends to its cached
+# prefix through the flash attention (the jnp reference on a CPU) inside lax.cond. Each row checks, by a
+# callback on the flash branch, that the branch ran, with the mechanisms of its MATRIX-style settings.
+FLASH_THRESHOLD = 8
+FLASH_MATRIX = [
+    (DENSE, True, True, True, True, 2, 1, "draft2"),
+    (DENSE, False, True, False, True, 1, 1, 3),
+    (DENSE, True, True, True, True, 1, 1, "eagle3_k2"),
+    (MOE, True, True, True, True, 2, 1, 0),
+    (MOE, False, True, True, True, 1, 2, 0),
+]
+_FLASH_RUNS = []  # one entry per execution of the flash branch (any engine of this module)
+
+
+@pytest.fixture
+def flash_runs(monkeypatch):
+    """Executions of the flash prefill branch so far: its flash attention wrapped (at trace time) with a
+    callback, which runs only when lax.cond takes the branch."""
+    from jaxserve.models import layers
+
+    original = layers.flash_prefill_fn
+
+    def counted(*args):
+        flash = original(*args)
+
+        def run(q, k, v, **kwargs):
+            jax.debug.callback(lambda: _FLASH_RUNS.append(1))
+            return flash(q, k, v, **kwargs)
+        return run
+
+    monkeypatch.setattr(layers, "flash_prefill_fn", counted)
+    return lambda: len(_FLASH_RUNS)
+
+
+@pytest.mark.parametrize("row", FLASH_MATRIX, ids=[_id(row) for row in FLASH_MATRIX])
+def test_flash_prefill_composes(row, request, flash_runs):
+    before = flash_runs()
+    llm = _run_row(row, request, flash_prefill_token_threshold=FLASH_THRESHOLD)
+    assert llm.engine.runner.flash_prefill_threshold == FLASH_THRESHOLD
+    assert flash_runs() > before, "no chunk took the flash prefill branch"
 
 
 # ---------------------------------------------------------------- the KV cache tiers column
@@ -268,6 +319,7 @@ FP8KV_MATRIX = [
     (MOE, True, True, True, True, 1, "ngram3"),
     (MOE, False, False, False, True, 2, None),
     (DENSE, True, True, True, True, 2, "fp8w"),  # FP8 weights too: against a plain engine with both
+    (MOE, True, True, True, True, 2, "flash"),  # the flash prefill over dequantized fp8 K/V
 ]
 _fp8kv_baselines: dict[tuple[str, bool], list[list[int]]] = {}
 
@@ -295,6 +347,8 @@ def _fp8kv_generate(fixture, *, overlap=False, caching=True, preempt=False, chun
                                          "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     elif extra == "fp8w":
         options["quantization"] = "fp8"
+    elif extra == "flash":
+        options["flash_prefill_token_threshold"] = FLASH_THRESHOLD
     llm = LLM(**options)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     requests = [{"prompt_token_ids": p} for p in prompts]
@@ -303,7 +357,7 @@ def _fp8kv_generate(fixture, *, overlap=False, caching=True, preempt=False, chun
 
 
 @pytest.mark.parametrize("row", FP8KV_MATRIX, ids=[_fp8kv_id(row) for row in FP8KV_MATRIX])
-def test_fp8kv_composes(row, request):
+def test_fp8kv_composes(row, request, flash_runs):
     name, overlap, caching, preempt, chunked, tp, extra = row
     if tp > len(jax.devices()):
         pytest.skip(f"needs {tp} devices")
@@ -312,8 +366,10 @@ def test_fp8kv_composes(row, request):
     if key not in _fp8kv_baselines:
         _fp8kv_baselines[key] = _fp8kv_generate(fixture, extra="fp8w" if key[1] else None)[1][0]
     want = _fp8kv_baselines[key]
+    flash_before = flash_runs()
     llm, rounds = _fp8kv_generate(fixture, overlap=overlap, caching=caching, preempt=preempt, chunked=chunked,
                                   tp=tp, extra=extra)
+    assert (flash_runs() > flash_before) == (extra == "flash"), "the flash branch runs in the flash row only"
     assert all(c.dtype == jax.numpy.float8_e4m3fn for c in llm.engine.runner.kv_caches)
     for tokens in rounds:
         assert tokens == want, _fp8kv_id(row)
