@@ -299,7 +299,7 @@ def _decode(q4, kv_cache, qsl, seq_lens, block_tables, kv_scale, *, sm_scale, sl
     # The single query row of each request (others: any in-bounds row), padded to M dot rows.
     q_dec = jnp.take(q4, qsl[:num_reqs], axis=0, mode="clip")  # [R, K, G', H]
     q_dec = jnp.pad(q_dec, ((0, 0), (0, 0), (0, rows - group_pad), (0, 0))).astype(_dot_dtype(q4, kv_cache))
-    if kv_scale is not None and config.decode_fp8_dots == "float16":
+    if quantized and config.decode_fp8_dots == "float16":
         f16_max = float(jnp.finfo(jnp.float16).max)
         q_dec = jnp.clip(q_dec.astype(jnp.float32), -f16_max, f16_max).astype(jnp.float16)
 
@@ -328,8 +328,8 @@ def _decode(q4, kv_cache, qsl, seq_lens, block_tables, kv_scale, *, sm_scale, sl
                      pl.BlockSpec((None, None, None, group_pad), lambda r, h, s: (s, r, h, 0)))
     kernel = functools.partial(_decode_kernel, sm_scale=sm_scale, sliding_window=sliding_window,
                                pages_per_tile=pages_per_tile, num_splits=num_splits,
-                               group_pad=group_pad, quantized=kv_scale is not None,
-                               fp8_dots=kv_scale is not None and config.decode_fp8_dots == "float8_e4m3fn")
+                               group_pad=group_pad, quantized=quantized,
+                               fp8_dots=quantized and config.decode_fp8_dots == "float8_e4m3fn")
     result = pl.pallas_call(
         kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs,
         compiler_params=pltriton.CompilerParams(num_warps=config.decode_num_warps,
