@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 
 import httpx
 import pytest
@@ -43,12 +44,21 @@ def _fresh(i: int) -> str:
     return f"{i:07d}+7654321+11111+222="
 KEY = proto.derive_key(None)  # the instances run without server.kv_transfer_token (loopback only)
 INSTANCES = ("prefill0", "prefill1", "decode0", "decode1")
+# The server processes: unbuffered, and with Python's fault handler, which writes every thread's stack to
+# stderr on SIGABRT (the module's teardown sends it when a test failed, to show where a process hung).
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
+
+
+def _log_tail(process: subprocess.Popen, size: int = 3000) -> str:
+    """The end of a process's stderr (a file: `_processes`)."""
+    with open(process.log_path, "rb") as log:
+        return log.read().decode(errors="replace")[-size:]
 
 
 def _wait_up(process: subprocess.Popen, url: str, what: str) -> None:
     deadline = time.monotonic() + 240
     while True:
-        assert process.poll() is None, f"{what} exited: " + process.stderr.read().decode()[-3000:]
+        assert process.poll() is None, f"{what} exited: " + _log_tail(process)
         assert time.monotonic() < deadline, f"{what} did not start"
         try:
             if httpx.get(url + "/health").status_code == 200:
@@ -58,8 +68,17 @@ def _wait_up(process: subprocess.Popen, url: str, what: str) -> None:
         time.sleep(0.2)
 
 
+def _popen(command: list[str], log_path, env=None) -> subprocess.Popen:
+    """A server process whose stderr goes to a file: a pipe nobody reads while the tests run would fill
+    up and block the process the first time it logs much (errors under a slow machine, say)."""
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log, env=env)
+    process.log_path = log_path
+    return process
+
+
 @contextlib.contextmanager
-def _processes():
+def _processes(log_dir):
     started, urls = {}, {}
     try:
         for name in INSTANCES:
@@ -69,8 +88,7 @@ def _processes():
                        "--precompile", "false"]  # (shapes compile as the tests first use them)
             if name == "prefill0":  # prefill1 sends device to device (the default), prefill0 through the host
                 command += ["--kv-transfer-method", "host"]
-            started[name] = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            started[name] = _popen(command, log_dir / f"{name}.log", env=ENV)
             urls[name] = f"http://127.0.0.1:{port}"
         for name in INSTANCES:
             _wait_up(started[name], urls[name], name)
@@ -78,7 +96,7 @@ def _processes():
         command = [sys.executable, "-m", "jaxserve.cli", "router", "--port", str(port), "--log-level", "error"]
         for name in INSTANCES:
             command += [f"--{name[:-1]}", urls[name]]
-        started["router"] = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        started["router"] = _popen(command, log_dir / "router.log", env=ENV)
         urls["router"] = f"http://127.0.0.1:{port}"
         _wait_up(started["router"], urls["router"], "router")
         yield started, urls
@@ -90,11 +108,22 @@ def _processes():
 
 
 @pytest.fixture(scope="module")
-def pd():
-    with _processes() as (processes, urls):
+def pd(request, tmp_path_factory):
+    failed = request.session.testsfailed
+    with _processes(tmp_path_factory.mktemp("pd-logs")) as (processes, urls):
         start = {name: _free_blocks(urls[name]) for name in INSTANCES}
         expected = {p: _completion(urls["decode0"], p) for p in PROMPTS + [LONG]}  # colocated answers
         yield processes, urls, start, expected
+        if request.session.testsfailed > failed:  # the processes' own account, in the run's warnings summary
+            for process in processes.values():  # every thread's stack into its log (PYTHONFAULTHANDLER)
+                if process.poll() is None:
+                    process.send_signal(signal.SIGABRT)
+            for process in processes.values():
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(timeout=10)
+            tails = "".join(f"\n--- {name} stderr, its last 16000 characters ---\n{_log_tail(process, 16000)}"
+                            for name, process in processes.items())
+            warnings.warn("a PD test failed; the server processes' logs:" + tails, stacklevel=1)
 
 
 def _free_blocks(url: str) -> int:
