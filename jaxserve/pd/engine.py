@@ -336,6 +336,8 @@ class PDEngine:
     # ---- prefill side: outgoing transfers ----
     def _send_reserve(self, out: _Outgoing) -> dict:
         remaining = out.deadline - time.monotonic()
+        if remaining <= 0:  # (a sender thread busy past the deadline: nothing was sent)
+            raise proto.ProtocolError(f"transfer {out.transfer_id}: its deadline passed before the reserve was sent")
         message = proto.encode(self.key, "reserve", out.transfer_id, token_ids=out.token_ids,
                                cache_salt=out.cache_salt, timeout_s=remaining, layout=self.mover.layout)
         return proto.request(out.decode_address, self.key, message, min(remaining, CONTROL_TIMEOUT_S))
@@ -397,6 +399,10 @@ class PDEngine:
                            "did not answer" if timed_out else "unreachable", out.transfer_id, err)
             self._resolve(out, "timeout" if timed_out else "unreachable", tell_decode=timed_out)
             return
+        except Exception:  # noqa: BLE001 - a sender's failure ends its transfer, never the engine
+            logger.exception("PD: the reserve of transfer %s failed", out.transfer_id)
+            self._resolve(out, "failed", tell_decode=True)
+            return
         if reply["type"] == "refused":
             logger.info("PD: decode instance %s refused transfer %s: %s", out.decode_address, out.transfer_id,
                         reply.get("reason"))
@@ -427,6 +433,10 @@ class PDEngine:
             reply = out.send.result()
         except (OSError, proto.ProtocolError) as err:
             logger.warning("PD: sending transfer %s to %s failed: %s", out.transfer_id, out.decode_address, err)
+            self._resolve(out, "failed", tell_decode=True)
+            return
+        except Exception:  # noqa: BLE001 - a sender's failure ends its transfer, never the engine
+            logger.exception("PD: sending transfer %s failed", out.transfer_id)
             self._resolve(out, "failed", tell_decode=True)
             return
         if reply["type"] == "ack":
