@@ -123,6 +123,9 @@ class PDEngine:
             self._transfers: dict[str, _Outgoing] = {}  # by request id
             self._released: list[RequestOutput] = []
             self._senders = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="jaxserve-pd-send")
+            # aborts are best effort (a reservation expires on its own) and may wait CONTROL_TIMEOUT_S on a
+            # busy decode instance: their own threads, so that they never hold up a live transfer's reserve
+            self._aborts = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="jaxserve-pd-abort")
             if self.method == "device":  # started now: a backend without transfer support fails at start
                 self._device_endpoint()
 
@@ -225,6 +228,7 @@ class PDEngine:
             self.control.close()
         else:
             self._senders.shutdown(wait=False, cancel_futures=True)
+            self._aborts.shutdown(wait=False, cancel_futures=True)
 
     # ---- engine-thread plumbing ----
     def _notify(self) -> None:
@@ -362,7 +366,7 @@ class PDEngine:
                               CONTROL_TIMEOUT_S)
             except (OSError, proto.ProtocolError) as err:  # its reservation expires on its own
                 logger.info("PD: abort of transfer %s not delivered: %s", out.transfer_id, err)
-        self._senders.submit(send)
+        self._aborts.submit(send)
 
     def _hold_finished(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         kept = []
