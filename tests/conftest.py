@@ -145,6 +145,19 @@ def hf_fixture_by_name():
     return _fixture
 
 
+@pytest.fixture(scope="module")
+def fast_cpu_compiles():
+    """For a module of interpret-mode kernel tests (`pytest.mark.usefixtures`): those kernels are big XLA
+    programs run once on tiny data, so on a CPU the module's compiles skip XLA's optimisations."""
+    if jax.default_backend() != "cpu":
+        yield
+        return
+    previous = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", previous)
+
+
 @pytest.fixture(scope="session")
 def tiny_model():
     from jaxserve.models import loader

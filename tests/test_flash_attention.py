@@ -17,22 +17,10 @@ from pallas_kernels.flash_attention import FlashAttentionConfig, flash_attention
 from pallas_kernels.flash_attention import mosaic_gpu, on_hopper
 
 # NOTE: JAX 0.11 warns on every Triton lowering that the backend is deprecated.
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"), pytest.mark.usefixtures("fast_cpu_compiles")]
 
 TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 1e-2}  # relative L2 error
 reference = jax.jit(flash_attention_reference, static_argnames=("causal", "sm_scale"))
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _fast_cpu_compiles():
-    """Interpret-mode kernels are big XLA programs run once on tiny data: skip XLA's optimisations."""
-    if jax.default_backend() != "cpu":
-        yield
-        return
-    previous = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", previous)
 
 
 def _inputs(seed, batch, tokens, q_heads, kv_heads, head_dim, dtype, kv_tokens=None):

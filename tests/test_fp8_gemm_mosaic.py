@@ -21,17 +21,7 @@ import pytest
 from pallas_kernels.fp8_gemm.mosaic_gpu import (
     FP8, Fp8GemvConfig, choose_config, fp8_gemv, fp8_gemv_quantized, padded_rows, quantize_rows)
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _fast_cpu_compiles():
-    """Interpret-mode kernels are big XLA programs run once on tiny data: skip XLA's optimisations."""
-    if jax.default_backend() != "cpu":
-        yield
-        return
-    previous = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", previous)
+pytestmark = pytest.mark.usefixtures("fast_cpu_compiles")
 
 
 def _weights(rng, n, k):
