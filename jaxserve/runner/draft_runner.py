@@ -166,10 +166,11 @@ class DraftRunner:
         t_pad, r_pad = step.batch.token_ids.shape[-1], step.batch.seq_lens.shape[-1]
         staged = runner._staged[(t_pad, r_pad)]
         sampling = step.sampling is not None
-        rows = jax.device_put(self.rows(runner, step), self.on_device) if sampling else self._no_rows
+        # Host arrays go into the calls as they are (a call copies them in for less host time than a device_put).
+        rows = self.rows(runner, step) if sampling else self._no_rows
         if sampling and step.guesses is not None and step.guesses.device:  # positions moved on device
-            moved_by = jax.device_put(step.guesses.row_moved_by, self.on_device)
-            rows = (runner._compiled.get(("draft_moved_rows",)) or moved_rows)(rows, moved_by, prev_accepted)
+            rows = (runner._compiled.get(("draft_moved_rows",)) or moved_rows)(rows, step.guesses.row_moved_by,
+                                                                               prev_accepted)
         num_accepted = handle.num_accepted if handle.num_accepted is not None else self._no_guesses
         if self.joined:
             tokens = handle.tokens if sampling else self._no_guesses

@@ -75,7 +75,7 @@ class EagleRunner(DraftRunner):
         if step is None:
             next_tokens = jax.ShapeDtypeStruct(staged.token_ids.shape, jnp.int32, sharding=self.on_device)
         else:
-            next_tokens = jax.device_put(self.next_tokens(runner, step), self.on_device)
+            next_tokens = self.next_tokens(runner, step)  # (copied in by the call)
         return (self.params, runner.model.params, staged, hidden, self.kv_caches, next_tokens, num_accepted, rows)
 
 

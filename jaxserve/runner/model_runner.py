@@ -412,8 +412,8 @@ class ModelRunner:
             if step.guesses is not None:
                 synthetic = (None if self.synthetic_acceptance is None else
                              spec_verify.synthetic_inputs(md, self.synthetic_acceptance, self.max_rows))
-                tokens, num_accepted = spec_verify.run(self._compiled, result.token_ids, step.guesses,
-                                                       self.on_device, synthetic, (prev_drafts, prev_accepted))
+                tokens, num_accepted = spec_verify.run(self._compiled, result.token_ids, step.guesses, synthetic,
+                                                       (prev_drafts, prev_accepted))
             tokens.copy_to_host_async()
             handle = StepHandle(step.request_ids, step.rows, step.generations, tokens, result.logprobs,
                                 tokens, prompt=prompt, index=step.index, guesses=step.guesses,

@@ -274,15 +274,15 @@ def pack(guesses: Guesses, max_rows: int, synthetic: tuple[np.ndarray, np.ndarra
     return packed
 
 
-def run(compiled: dict, sampled: jax.Array, guesses: Guesses, on_device,
+def run(compiled: dict, sampled: jax.Array, guesses: Guesses,
         synthetic: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
         prev: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, jax.Array]:
     """The step's verification (`compiled`: the runner's precompiled executables, by key) on the sampler's
-    tokens -> (tokens, num_accepted), both copying to the host: one transfer of its host inputs and one
-    program. `synthetic`: synthetic_inputs(...), for the bench's synthetic acceptance. `prev`: the previous
+    tokens -> (tokens, num_accepted), both copying to the host: one program, its host inputs in one array
+    that the call copies in (a call takes a host array for less host time than a device_put of it). `synthetic`: synthetic_inputs(...), for the bench's synthetic acceptance. `prev`: the previous
     step's (drafts, num_accepted) on device, read by device-guessed rows (guesses.device)."""
     device, synth = bool(guesses.device), synthetic is not None
-    packed = jax.device_put(pack(guesses, len(guesses.checks), synthetic), on_device)
+    packed = pack(guesses, len(guesses.checks), synthetic)
     args = (sampled, packed, *(prev if device else ()))
     program = compiled.get(("verify", device, synth))
     tokens, num_accepted = (program(*args) if program is not None
