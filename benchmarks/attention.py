@@ -153,16 +153,14 @@ def _sweep_configs(batch, kv_dtype="bfloat16"):
     variants = [dict(decode_block_kv=128), dict(decode_block_kv=128, decode_num_warps=8),
                 dict(decode_num_stages=4), dict(decode_block_kv=32, decode_num_stages=4),
                 dict(decode_num_stages=2), dict(decode_num_warps=8)]
-    if kv_dtype != "bfloat16":  # the fp8 cache's own tile knobs, around the default (bk=128 st=4 float16 dots)
-        base = dict(decode_fp8_block_kv=128, decode_num_warps=4, decode_fp8_num_stages=4,
+    if kv_dtype != "bfloat16":  # the fp8 cache's own tile knobs, around the default (bk=128 st=5 float16 dots)
+        base = dict(decode_fp8_block_kv=128, decode_num_warps=4, decode_fp8_num_stages=5,
                     decode_fp8_dots="float16")
         variants = [dict(), dict(decode_fp8_dots="q"), dict(decode_fp8_dots="float8_e4m3fn"),
-                    dict(decode_fp8_block_kv=64, decode_fp8_num_stages=3, decode_fp8_dots="q"),
                     dict(decode_fp8_block_kv=64, decode_fp8_num_stages=3),
                     dict(decode_fp8_block_kv=256, decode_fp8_num_stages=3),
-                    dict(decode_fp8_block_kv=256, decode_num_warps=8, decode_fp8_num_stages=3),
-                    dict(decode_fp8_num_stages=3), dict(decode_fp8_num_stages=5), dict(decode_num_warps=8),
-                    dict(decode_fp8_block_kv=128, decode_fp8_num_stages=4, decode_fp8_dots="float8_e4m3fn")]
+                    dict(decode_fp8_num_stages=4), dict(decode_fp8_num_stages=6), dict(decode_num_warps=8),
+                    dict(decode_fp8_block_kv=64, decode_fp8_num_stages=6)]
     splits = (1, 2, 4, 8) if batch >= 64 else (4, 8, 16, 32)
     variants += [dict(decode_splits=s) for s in splits]
     return [gpu.TuningConfig(**{**base, **v}) for v in variants]

@@ -112,7 +112,7 @@ class TuningConfig:
     general_num_warps: int = 4
     general_num_stages: int = 2
     decode_fp8_block_kv: int = 128
-    decode_fp8_num_stages: int = 4
+    decode_fp8_num_stages: int = 5
     decode_fp8_dots: str = "float16"
 
     def __post_init__(self):
