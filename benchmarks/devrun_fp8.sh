@@ -1,6 +1,7 @@
 # FP8 weights, FP8 KV cache and long-prompt prefill on an H200 (Llama-3-8B shape, random weights), one call
 # under 9 minutes; the table is printed last.
-#   bash benchmarks/devrun_fp8.sh [all|weights|long|kv|throughput|kernel]     on the device (default: all)
+#   bash benchmarks/devrun_fp8.sh [all|weights|long|kv|throughput|throughput_fp8|fp8_prefill|kernel]   on the device
+#       (default: all)
 #   SMOKE=1 PYTHON=/path/to/python bash benchmarks/devrun_fp8.sh [MODE]    the same plumbing on a CPU: the
 #       embedded model (jaxserve/assets/tiny-adder, float32), tiny shapes, a couple of minutes
 # Steps (logged under $OUT/work, each under its own timeout and never past DEADLINE, 540 s), most important
@@ -31,7 +32,9 @@
 #               steps on the W8A8 Mosaic GPU kernel over weights held [N, K], prefill steps W8A8 through XLA)
 # Modes: all (every step, in the order above; a step that does not fit is skipped and named "not run"),
 # weights (a, b, d), long (the flash GPU tests, e), kv (c), throughput (f) and throughput_fp8 (f's fp8 run alone, with
-# all the call's time): for separate calls when one did not finish; kernel: the
+# all the call's time): for separate calls when one did not finish; fp8_prefill: benchmarks/prefill_rates.py
+# --fp8 (the W8A8 GEMMs of an 8192-row step at the engine's compile options and autotuned, with compile times)
+# and the TTFT of one 8000-token prompt, bf16 then fp8 weights (ttft_8k_bf16, ttft_8k_fp8); kernel: the
 # FP8 decode GEMMs' GPU tests (the W8A8 Mosaic GPU kernel, quant.linear over weights held [N, K]) and
 # benchmarks/fp8_gemm_mgpu.py (that kernel against XLA's bf16 dot and the Triton kernel), then
 # benchmarks/fp8_gemm.py (the weight-only Triton kernel, a tensor-parallel engine's, against XLA's bf16 dot and
@@ -43,19 +46,19 @@ set -o pipefail
 OUT=${OUT:-/tmp/devrun_fp8}
 DEADLINE=${DEADLINE:-540}
 source benchmarks/devrun_common.sh
-SHOW="^Decode:|^steady decode|^TTFT|^roofline|^compiled|^Throughput|^ +(xla|triton|mosaic)|^[a-z_]+ +K |passed|failed|^ *blkh |^[a-z_]+ +rows "
+SHOW="^fp8 |^Decode:|^steady decode|^TTFT|^roofline|^compiled|^Throughput|^ +(xla|triton|mosaic)|^[a-z_]+ +K |passed|failed|^ *blkh |^[a-z_]+ +rows "
 if [ -n "${SMOKE:-}" ]; then
   CFG="" LONG_CFG=""  # the default config: the embedded model
   B1="--input-len 4 --output-len 16" B64="--batch-size 8 --input-len 4 --output-len 12"
   KV="--batch-size 8 --input-len 16 --output-len 8" T32K="--input-len 24" T128K="--input-len 28" FLASH_MIN=8
   TIGHT="--config-json jaxserve/assets/tiny-adder/config.json --context 4 --steps 8"
-  KERNEL="--smoke --rows 1" RATES="--smoke"
+  KERNEL="--smoke --rows 1" RATES="--smoke" T8K="--input-len 24"
 else
   KERNEL="--rows 1,16,64" RATES="--chunk 8192 --prompt 32768"
   CFG="--config configs/llama3-8b-dummy.yaml" LONG_CFG="--config configs/llama3.1-8b-dummy.yaml"
   B1="--input-len 128 --output-len 128" B64="--batch-size 64 --input-len 128 --output-len 128"
   KV="--max-model-len 8192 --batch-size 64 --input-len 8000 --output-len 192" T32K="--input-len 32768"
-  T128K="--input-len 131000" FLASH_MIN=4096
+  T128K="--input-len 131000" FLASH_MIN=4096 T8K="--max-model-len 8192 --input-len 8000"
   TIGHT="--config-json configs/models/llama3-8b/config.json --context 128 --steps 128"
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.total --format=csv,noheader
 fi
@@ -89,6 +92,10 @@ TPUT="$PY -m jaxserve.cli bench throughput $CFG --num-prompts 1000 --input-len 1
 tput_bf16() { run tput_bf16 "$1" "$2" $TPUT --output-json "$W/tput_bf16.json"; }
 tput_fp8() { run tput_fp8 "$1" "$2" $TPUT --quantization fp8 --output-json "$W/tput_fp8.json"; }
 prefill_rates() { run prefill_rates "$1" "$2" $PY benchmarks/prefill_rates.py $RATES --json "$W/prefill_rates.json"; }
+fp8_rates() { run fp8_rates "$1" "$2" $PY benchmarks/prefill_rates.py $RATES --fp8 --json "$W/fp8_rates.json"; }
+PROMPT8K="$CFG --batch-size 1 --output-len 2 --num-iters-warmup 1 --num-iters 3 $T8K"
+ttft_8k_bf16() { bench ttft_8k_bf16 "$1" "$2" $PROMPT8K; }
+ttft_8k_fp8() { bench ttft_8k_fp8 "$1" "$2" $PROMPT8K --quantization fp8; }
 tight_b1() {
   run tight_b1 "$1" "$2" $PY benchmarks/tight_loop_decode.py $TIGHT --batch-sizes 1 --output-json "$W/tight_b1.json"
 }
@@ -107,6 +114,9 @@ throughput)
 throughput_fp8)  # fp8 alone: its start-up compile has taken more than 330 s on a fresh machine
   tput_fp8 530 5
   ;;
+fp8_prefill)  # FP8 weights on prefill-sized steps: the W8A8 GEMMs alone, then one 8000-token prompt's TTFT
+  fp8_rates 300 200; ttft_8k_bf16 100 100; ttft_8k_fp8 100 5
+  ;;
 weights)
   bf16_b1 120 230; fp8w_b1 120 150; bf16_b64 90 100; fp8w_b64 90 40; tight_b1 90 5
   ;;
@@ -124,7 +134,7 @@ kernel)
   fp8_gemm 200 5
   ;;
 *)
-  echo "unknown mode ${MODE}: all, weights, long, kv, throughput, throughput_fp8 or kernel"; exit 2
+  echo "unknown mode ${MODE}: all, weights, long, kv, throughput, throughput_fp8, fp8_prefill or kernel"; exit 2
   ;;
 esac
 echo "== ${SECONDS}s: done"

@@ -3,7 +3,7 @@ rates the TTFT compute bound of benchmarks/fp8_summary.py takes (its `--peak-tfl
 or this script's JSON in the run's work directory).
 
     PYTHONPATH=. python3 benchmarks/prefill_rates.py [--config-json configs/models/llama3.1-8b/config.json]
-        [--chunk 8192] [--prompt 32768] [--json rates.json]
+        [--chunk 8192] [--prompt 32768] [--fp8] [--json rates.json]
 
 matmul: the prefill step's four projection GEMMs of one layer at `--chunk` rows (bf16 x [T, D] @ [D, out],
     out = (N + 2K)H for qkv, D for o, 2F for gate/up, then [T, F] @ [F, D] for down), each jitted alone:
@@ -12,6 +12,10 @@ attention: the flash attention (`pallas_kernels.flash_attention`, as the engine 
     kernel on Hopper) of each `--chunk`-row chunk of a `--prompt`-token prompt over the chunks before it
     (q [1, chunk, N, H] at q_offset c * chunk over K/V [1, (c + 1) * chunk, K, H]): the prompt's causal
     FLOPs (4 * N * H per query-key pair, query i seeing i + 1 keys) over the sum of the chunks' times.
+fp8 (`--fp8`): the same four GEMMs as the engine runs them with FP8 weights on a prefill-sized step
+    (quant.w8a8: per-row fp8 activations times the fp8 weight held [N, K], W8A8 through XLA), compiled with
+    the engine's step options (step_program.gpu_compiler_options: autotune level 0) and with XLA's default
+    autotuning, each with its compile time.
 Each time is the median of `--repeats` calls after one warm-up call. `--smoke`: tiny shapes on a CPU (the
 flash attention in interpret mode), for the plumbing only.
 """
@@ -27,6 +31,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from jaxserve.models import quant
+from jaxserve.runner.step_program import gpu_compiler_options
 from pallas_kernels.flash_attention import flash_attention
 
 
@@ -40,21 +46,51 @@ def median_s(fn, *args, repeats: int) -> float:
     return statistics.median(times)
 
 
-def matmul_rate(cfg: dict, chunk: int, repeats: int) -> dict:
+def gemm_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
+    """A layer's projection GEMMs as (in, out)."""
     d, h = cfg["hidden_size"], cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     n, k, f = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["intermediate_size"]
-    shapes = {"qkv": (d, (n + 2 * k) * h), "o": (n * h, d), "gate_up": (d, 2 * f), "down": (f, d)}
+    return {"qkv": (d, (n + 2 * k) * h), "o": (n * h, d), "gate_up": (d, 2 * f), "down": (f, d)}
+
+
+def matmul_rate(cfg: dict, chunk: int, repeats: int) -> dict:
     dot = jax.jit(jnp.dot)
     key = jax.random.key(0)
     flops = seconds = 0.0
     per = {}
-    for name, (inner, outer) in shapes.items():
+    for name, (inner, outer) in gemm_shapes(cfg).items():
         x = jax.random.normal(key, (chunk, inner), jnp.bfloat16)
         w = jax.random.normal(key, (inner, outer), jnp.bfloat16) * inner ** -0.5
         s = median_s(dot, x, w, repeats=repeats)
         per[name] = {"us": s * 1e6, "tflops": 2 * chunk * inner * outer / s / 1e12}
         flops, seconds = flops + 2 * chunk * inner * outer, seconds + s
     return {"tflops": flops / seconds / 1e12, "gemms": per}
+
+
+def fp8_rates(cfg: dict, chunk: int, repeats: int) -> dict:
+    """The W8A8 GEMMs (quant.w8a8 over weights held [N, K]) at the engine's step options and at XLA's
+    default autotuning: per options, each GEMM's time, rate and compile seconds, and the four's rate."""
+    key = jax.random.key(0)
+    w8a8 = jax.jit(lambda x, q, scale: quant.w8a8(x, q, scale, transposed=True))
+    gemms = {}
+    for name, (inner, outer) in gemm_shapes(cfg).items():
+        x = jax.random.normal(key, (chunk, inner), jnp.bfloat16)
+        w = quant.quantize(jax.random.normal(key, (inner, outer), jnp.bfloat16) * inner ** -0.5, 1)
+        gemms[name] = (x, w.q.T, w.scale.reshape(outer))  # (q held [N, K], as the engine holds it)
+    result = {}
+    for label, options in (("engine", gpu_compiler_options(True)), ("autotuned", gpu_compiler_options(False))):
+        flops = seconds = 0.0
+        per = {}
+        for name, (x, q, scale) in gemms.items():
+            start = time.perf_counter()
+            program = w8a8.lower(x, q, scale).compile(options)
+            compile_s = time.perf_counter() - start
+            s = median_s(program, x, q, scale, repeats=repeats)
+            gemm_flops = 2 * x.shape[0] * x.shape[1] * q.shape[0]
+            per[name] = {"us": s * 1e6, "tflops": gemm_flops / s / 1e12, "compile_s": compile_s}
+            flops, seconds = flops + gemm_flops, seconds + s
+        result[label] = {"options": options, "tflops": flops / seconds / 1e12, "gemms": per}
+    return result
 
 
 def attention_rate(cfg: dict, chunk: int, prompt: int, repeats: int, interpret: bool) -> dict:
@@ -80,6 +116,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=8192, help="prefill rows per step (max_num_batched_tokens)")
     parser.add_argument("--prompt", type=int, default=32768)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--fp8", action="store_true", help="also the W8A8 GEMMs of an FP8-weight prefill step")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode: a CPU check")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -91,12 +128,19 @@ def main() -> None:
     result = {"device": jax.devices()[0].device_kind, "chunk": args.chunk, "prompt": args.prompt,
               "matmul": matmul_rate(cfg, args.chunk, args.repeats),
               "attention": attention_rate(cfg, args.chunk, args.prompt, args.repeats, interpret=args.smoke)}
+    if args.fp8:
+        result["fp8"] = fp8_rates(cfg, args.chunk, args.repeats)
     result["matmul_tflops"] = result["matmul"]["tflops"]
     result["attention_tflops"] = result["attention"]["tflops"]
     for name, gemm in result["matmul"]["gemms"].items():
         print(f"matmul {name:8s} {args.chunk} rows: {gemm['us']:9.1f} us  {gemm['tflops']:6.1f} TFLOP/s")
     for part in result["attention"]["chunks"]:
         print(f"flash chunk at {part['offset']:6d}: {part['us']:9.1f} us")
+    for label, rates in result.get("fp8", {}).items():
+        for name, gemm in rates["gemms"].items():
+            print(f"fp8 {label:9s} {name:8s} {args.chunk} rows: {gemm['us']:9.1f} us  {gemm['tflops']:6.1f} "
+                  f"TFLOP/s  (compile {gemm['compile_s']:.1f} s)")
+        print(f"fp8 {label}: {rates['tflops']:.1f} TFLOP/s {rates['options']}")
     print(f"prefill rates: matmul {result['matmul_tflops']:.1f} TFLOP/s, flash attention "
           f"{result['attention_tflops']:.1f} TFLOP/s ({result['device']})")
     if args.json is not None:
