@@ -12,10 +12,10 @@ attention: the flash attention (`pallas_kernels.flash_attention`, as the engine 
     kernel on Hopper) of each `--chunk`-row chunk of a `--prompt`-token prompt over the chunks before it
     (q [1, chunk, N, H] at q_offset c * chunk over K/V [1, (c + 1) * chunk, K, H]): the prompt's causal
     FLOPs (4 * N * H per query-key pair, query i seeing i + 1 keys) over the sum of the chunks' times.
-fp8 (`--fp8`): the same four GEMMs as the engine runs them with FP8 weights on a prefill-sized step
-    (quant.w8a8: per-row fp8 activations times the fp8 weight held [N, K], W8A8 through XLA), compiled with
-    the engine's step options (step_program.gpu_compiler_options: autotune level 0) and with XLA's default
-    autotuning, each with its compile time.
+fp8 (`--fp8`, first): the same four GEMMs as the engine runs them with FP8 weights on a prefill-sized step
+    (quant.w8a8: per-row fp8 activations times the fp8 weight held [N, K], W8A8 through XLA), compiled under
+    each option set of `fp8_option_sets` (the engine's step options: autotune level 0; XLA's Triton GEMMs
+    off, so cuBLASLt runs the fp8 dots; default autotuning), each with its compile time.
 Each time is the median of `--repeats` calls after one warm-up call. `--smoke`: tiny shapes on a CPU (the
 flash attention in interpret mode), for the plumbing only.
 """
@@ -67,9 +67,18 @@ def matmul_rate(cfg: dict, chunk: int, repeats: int) -> dict:
     return {"tflops": flops / seconds / 1e12, "gemms": per}
 
 
+def fp8_option_sets() -> dict[str, dict]:
+    """The compile options fp8_rates compares, fastest to compile first: the engine's FP8 step options,
+    the same with XLA's Triton GEMMs off (the fp8 dots go to cuBLASLt), that at XLA's default autotuning,
+    and the default options (Triton GEMMs, autotuned)."""
+    no_triton = {"xla_gpu_enable_triton_gemm": False}
+    return {"engine": gpu_compiler_options(True), "cublas": {**gpu_compiler_options(True), **no_triton},
+            "cublas_tuned": {**gpu_compiler_options(False), **no_triton}, "autotuned": gpu_compiler_options(False)}
+
+
 def fp8_rates(cfg: dict, chunk: int, repeats: int) -> dict:
-    """The W8A8 GEMMs (quant.w8a8 over weights held [N, K]) at the engine's step options and at XLA's
-    default autotuning: per options, each GEMM's time, rate and compile seconds, and the four's rate."""
+    """The W8A8 GEMMs (quant.w8a8 over weights held [N, K]) under each of fp8_option_sets: per option set,
+    each GEMM's time, rate and compile seconds, and the four's rate; printed as each set finishes."""
     key = jax.random.key(0)
     w8a8 = jax.jit(lambda x, q, scale: quant.w8a8(x, q, scale, transposed=True))
     gemms = {}
@@ -78,7 +87,7 @@ def fp8_rates(cfg: dict, chunk: int, repeats: int) -> dict:
         w = quant.quantize(jax.random.normal(key, (inner, outer), jnp.bfloat16) * inner ** -0.5, 1)
         gemms[name] = (x, w.q.T, w.scale.reshape(outer))  # (q held [N, K], as the engine holds it)
     result = {}
-    for label, options in (("engine", gpu_compiler_options(True)), ("autotuned", gpu_compiler_options(False))):
+    for label, options in fp8_option_sets().items():
         flops = seconds = 0.0
         per = {}
         for name, (x, q, scale) in gemms.items():
@@ -89,7 +98,10 @@ def fp8_rates(cfg: dict, chunk: int, repeats: int) -> dict:
             gemm_flops = 2 * x.shape[0] * x.shape[1] * q.shape[0]
             per[name] = {"us": s * 1e6, "tflops": gemm_flops / s / 1e12, "compile_s": compile_s}
             flops, seconds = flops + gemm_flops, seconds + s
+            print(f"fp8 {label:12s} {name:8s} {chunk} rows: {s * 1e6:9.1f} us  {per[name]['tflops']:6.1f} "
+                  f"TFLOP/s  (compile {compile_s:.1f} s)", flush=True)
         result[label] = {"options": options, "tflops": flops / seconds / 1e12, "gemms": per}
+        print(f"fp8 {label}: {result[label]['tflops']:.1f} TFLOP/s {options}", flush=True)
     return result
 
 
@@ -125,22 +137,17 @@ def main() -> None:
         cfg = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
                "intermediate_size": 128}
         args.chunk, args.prompt, args.repeats = 32, 64, 1
-    result = {"device": jax.devices()[0].device_kind, "chunk": args.chunk, "prompt": args.prompt,
-              "matmul": matmul_rate(cfg, args.chunk, args.repeats),
-              "attention": attention_rate(cfg, args.chunk, args.prompt, args.repeats, interpret=args.smoke)}
-    if args.fp8:
+    result = {"device": jax.devices()[0].device_kind, "chunk": args.chunk, "prompt": args.prompt}
+    if args.fp8:  # (first: its lines print as they come, the slowest compiles last)
         result["fp8"] = fp8_rates(cfg, args.chunk, args.repeats)
+    result |= {"matmul": matmul_rate(cfg, args.chunk, args.repeats),
+               "attention": attention_rate(cfg, args.chunk, args.prompt, args.repeats, interpret=args.smoke)}
     result["matmul_tflops"] = result["matmul"]["tflops"]
     result["attention_tflops"] = result["attention"]["tflops"]
     for name, gemm in result["matmul"]["gemms"].items():
         print(f"matmul {name:8s} {args.chunk} rows: {gemm['us']:9.1f} us  {gemm['tflops']:6.1f} TFLOP/s")
     for part in result["attention"]["chunks"]:
         print(f"flash chunk at {part['offset']:6d}: {part['us']:9.1f} us")
-    for label, rates in result.get("fp8", {}).items():
-        for name, gemm in rates["gemms"].items():
-            print(f"fp8 {label:9s} {name:8s} {args.chunk} rows: {gemm['us']:9.1f} us  {gemm['tflops']:6.1f} "
-                  f"TFLOP/s  (compile {gemm['compile_s']:.1f} s)")
-        print(f"fp8 {label}: {rates['tflops']:.1f} TFLOP/s {rates['options']}")
     print(f"prefill rates: matmul {result['matmul_tflops']:.1f} TFLOP/s, flash attention "
           f"{result['attention_tflops']:.1f} TFLOP/s ({result['device']})")
     if args.json is not None:
