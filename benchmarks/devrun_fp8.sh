@@ -1,7 +1,7 @@
 # FP8 weights, FP8 KV cache and long-prompt prefill on an H200 (Llama-3-8B shape, random weights), one call
 # under 9 minutes; the table is printed last.
-#   bash benchmarks/devrun_fp8.sh [all|weights|long|kv|throughput|throughput_fp8|fp8_prefill|kernel]   on the device
-#       (default: all)
+#   bash benchmarks/devrun_fp8.sh [all|weights|long|kv|throughput|throughput_fp8|throughput_tuned|fp8_prefill|kernel]
+#       on the device (default: all)
 #   SMOKE=1 PYTHON=/path/to/python bash benchmarks/devrun_fp8.sh [MODE]    the same plumbing on a CPU: the
 #       embedded model (jaxserve/assets/tiny-adder, float32), tiny shapes, a couple of minutes
 # Steps (logged under $OUT/work, each under its own timeout and never past DEADLINE, 540 s), most important
@@ -32,7 +32,8 @@
 #               steps on the W8A8 Mosaic GPU kernel over weights held [N, K], prefill steps W8A8 through XLA)
 # Modes: all (every step, in the order above; a step that does not fit is skipped and named "not run"),
 # weights (a, b, d), long (the flash GPU tests, e), kv (c), throughput (f) and throughput_fp8 (f's fp8 run alone, with
-# all the call's time): for separate calls when one did not finish; fp8_prefill: benchmarks/prefill_rates.py
+# all the call's time): for separate calls when one did not finish; throughput_tuned: tput_bf16, then tput_bf16_512
+# (the same on a config of 512 sequences and 16384 tokens per step); fp8_prefill: benchmarks/prefill_rates.py
 # --fp8 (the W8A8 GEMMs of an 8192-row step at the engine's compile options and autotuned, with compile times)
 # and the TTFT of one 8000-token prompt, bf16 then fp8 weights (ttft_8k_bf16, ttft_8k_fp8); kernel: the
 # FP8 decode GEMMs' GPU tests (the W8A8 Mosaic GPU kernel, quant.linear over weights held [N, K]) and
@@ -90,6 +91,17 @@ TPUT="$PY -m jaxserve.cli bench throughput $CFG --num-prompts 1000 --input-len 1
 [ -z "${SMOKE:-}" ] || TPUT="$PY -m jaxserve.cli bench throughput --num-prompts 16 --input-len 4 --output-len 8 \
   --disable-tqdm --precompile false"
 tput_bf16() { run tput_bf16 "$1" "$2" $TPUT --output-json "$W/tput_bf16.json"; }
+# The same bench on a config with vLLM's offline batch limits for H100-class GPUs (max_num_seqs 512 here, the
+# most whose 1024 + 256-token requests fit the KV pool, and max_num_batched_tokens 16384): decode steps of
+# twice the rows, prefill steps of twice the tokens. Written from configs/llama3-8b-dummy.yaml into $W.
+tput_bf16_512() {
+  local file=$W/offline512.yaml
+  sed -e "s|path: models/llama3-8b|path: $PWD/configs/models/llama3-8b|" -e "s|max_num_seqs: 256|max_num_seqs: 512|" \
+      -e "s|max_num_batched_tokens: 8192|max_num_batched_tokens: 16384|" \
+      -e "s|token_buckets: \[.*\]|token_buckets: [16, 64, 256, 512, 1024, 4096, 8192, 16384]|" \
+      -e "s|request_buckets: \[.*\]|request_buckets: [1, 4, 16, 64, 256, 512]|" configs/llama3-8b-dummy.yaml > "$file"
+  run tput_bf16_512 "$1" "$2" ${TPUT/$CFG/--config $file} --output-json "$W/tput_bf16_512.json"
+}
 tput_fp8() { run tput_fp8 "$1" "$2" $TPUT --quantization fp8 --output-json "$W/tput_fp8.json"; }
 prefill_rates() { run prefill_rates "$1" "$2" $PY benchmarks/prefill_rates.py $RATES --json "$W/prefill_rates.json"; }
 fp8_rates() { run fp8_rates "$1" "$2" $PY benchmarks/prefill_rates.py $RATES --fp8 --json "$W/fp8_rates.json"; }
@@ -114,6 +126,9 @@ throughput)
 throughput_fp8)  # fp8 alone: its start-up compile has taken more than 330 s on a fresh machine
   tput_fp8 530 5
   ;;
+throughput_tuned)  # bf16 at today's batch limits, then at 512 sequences / 16384 tokens
+  tput_bf16 260 250; tput_bf16_512 260 5
+  ;;
 fp8_prefill)  # FP8 weights on prefill-sized steps: the W8A8 GEMMs alone, then one 8000-token prompt's TTFT
   fp8_rates 300 200; ttft_8k_bf16 100 100; ttft_8k_fp8 100 5
   ;;
@@ -134,7 +149,8 @@ kernel)
   fp8_gemm 200 5
   ;;
 *)
-  echo "unknown mode ${MODE}: all, weights, long, kv, throughput, throughput_fp8, fp8_prefill or kernel"; exit 2
+  echo "unknown mode ${MODE}: all, weights, long, kv, throughput, throughput_fp8, throughput_tuned, fp8_prefill or" \
+    "kernel"; exit 2
   ;;
 esac
 echo "== ${SECONDS}s: done"

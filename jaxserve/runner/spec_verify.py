@@ -279,8 +279,9 @@ def run(compiled: dict, sampled: jax.Array, guesses: Guesses,
         prev: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, jax.Array]:
     """The step's verification (`compiled`: the runner's precompiled executables, by key) on the sampler's
     tokens -> (tokens, num_accepted), both copying to the host: one program, its host inputs in one array
-    that the call copies in (a call takes a host array for less host time than a device_put of it). `synthetic`: synthetic_inputs(...), for the bench's synthetic acceptance. `prev`: the previous
-    step's (drafts, num_accepted) on device, read by device-guessed rows (guesses.device)."""
+    that the call copies in (a call takes a host array for less host time than a device_put of it).
+    `synthetic`: synthetic_inputs(...), for the bench's synthetic acceptance. `prev`: the previous step's
+    (drafts, num_accepted) on device, read by device-guessed rows (guesses.device)."""
     device, synth = bool(guesses.device), synthetic is not None
     packed = pack(guesses, len(guesses.checks), synthetic)
     args = (sampled, packed, *(prev if device else ()))
