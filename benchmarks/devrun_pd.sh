@@ -19,7 +19,13 @@
 #       every server precompiles its step shapes before it answers /health (a shape compiled on first use
 #       would show as a TTFT and ITL spike). The steps' time limits are shares of DEADLINE.
 # The summary (both JSONs side by side) is printed last and written to $OUT/summary.json.
+#   bash benchmarks/devrun_pd.sh mps     (b) only, the disaggregated pair under CUDA MPS: a control daemon of
+#       this script's own (pipe and log directories under $OUT/work, stopped at exit) lets the two instances'
+#       kernels run side by side instead of time-slicing the GPU; the prefill instance is held to
+#       PREFILL_SM_PERCENT (default 60) of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), the decode instance
+#       takes any. Where nvidia-cuda-mps-control is missing, the mode says so and stops.
 set -o pipefail
+MODE=${1:-all}
 OUT=${OUT:-/tmp/devrun_pd}
 DEADLINE=${DEADLINE:-530}
 source benchmarks/devrun_common.sh
@@ -49,7 +55,20 @@ else
   DURATION=${DURATION:-60} VOCAB=32000
 fi
 
+if [ "$MODE" = mps ]; then
+  command -v nvidia-cuda-mps-control > /dev/null || { echo "mps: nvidia-cuda-mps-control is not installed"; exit 1; }
+  export CUDA_MPS_PIPE_DIRECTORY=$W/mps-pipe CUDA_MPS_LOG_DIRECTORY=$W/mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d || { echo "mps: the control daemon did not start"; exit 1; }
+  trap 'cleanup; echo quit | nvidia-cuda-mps-control' EXIT
+  PREFILL_ENV="CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=${PREFILL_SM_PERCENT:-60}"
+  echo "== mps: control daemon started (prefill instance at ${PREFILL_SM_PERCENT:-60}% of the SMs)"
+elif [ "$MODE" != all ]; then
+  echo "unknown mode $MODE: all or mps"; exit 2
+fi
+
 # (a) transfer bandwidth
+[ "$MODE" = mps ] || {
 echo "== ${SECONDS}s: transfer ($TOKENS tokens)"
 P=$(port)
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.47 $PY benchmarks/pd_bench.py transfer --role recv --config "$W/half.yaml" \
@@ -65,6 +84,7 @@ for M in device host; do
     || { echo "   transfer ($M) failed"; tail -n 5 "$W/send_$M.log" "$W/recv.log"; }
 done
 kill $RECV 2>/dev/null; wait $RECV 2>/dev/null
+}
 
 SERVE="$PY -m jaxserve.cli serve --log-level warning --access-log false --precompile true"
 MIXED="$PY benchmarks/pd_bench.py mixed --streams $STREAMS --short-len $SHORT --out-tokens $OUTTOK \
@@ -89,7 +109,7 @@ PP=$(port); DP=$(port); RP=$(port)
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.47 $SERVE --config "$W/half.yaml" --port "$DP" --pd-role decode \
   > "$W/decode.log" 2>&1 &
 PIDS+=($!); D=$!
-XLA_PYTHON_CLIENT_MEM_FRACTION=0.47 $SERVE --config "$W/half.yaml" --port "$PP" --pd-role prefill \
+env ${PREFILL_ENV:-} XLA_PYTHON_CLIENT_MEM_FRACTION=0.47 $SERVE --config "$W/half.yaml" --port "$PP" --pd-role prefill \
   > "$W/prefill.log" 2>&1 &
 PIDS+=($!); PF=$!
 $PY -m jaxserve.cli router --prefill "http://127.0.0.1:$PP" --decode "http://127.0.0.1:$DP" --port "$RP" \
