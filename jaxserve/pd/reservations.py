@@ -102,10 +102,6 @@ class DecodeReservations(_Holder):
         self.headroom_blocks = headroom_blocks
         self._open: dict[str, Reservation] = {}
 
-    def next_deadline(self) -> float | None:
-        deadlines = [r.deadline for r in self._open.values() if r.state is not State.CLAIMED]
-        return min(deadlines, default=None)
-
     def reserve(self, transfer_id: str, token_ids: Sequence[int], cache_salt: str | None,
                 timeout_s: float) -> Reservation:
         """Holds the prompt's usable blocks until `timeout_s` from now; the same id again returns the open
@@ -201,9 +197,6 @@ class PrefillLeases(_Holder):
     def __init__(self, kv_cache: KVCacheManager, clock: Callable[[], float] = time.monotonic):
         super().__init__(kv_cache, clock)
         self._open: dict[str, Lease] = {}
-
-    def next_deadline(self) -> float | None:
-        return min((lease.deadline for lease in self._open.values()), default=None)
 
     def pin(self, transfer_id: str, token_ids: Sequence[int], cache_salt: str | None, skip: int,
             timeout_s: float) -> list[int] | None:

@@ -83,10 +83,6 @@ class Instance:
         self.kv_address = None
 
 
-class NoInstance(Exception):
-    pass
-
-
 class Router:
     def __init__(self, prefill: list[str], decode: list[str], token: str | None, *,
                  transfer_timeout_s: float = 10.0, request_timeout_s: float = 600.0):

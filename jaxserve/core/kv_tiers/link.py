@@ -256,10 +256,6 @@ class TierLink:
                 host.pin(key)
         self.tiers.counters.host_bytes_in += len(keys) * host.block_bytes
 
-    def abort_saves(self, keys: Sequence[Hashable]) -> None:
-        for key in keys:
-            self.tiers.host.abort(key)
-
     def device_only(self, shard: int = 0) -> list[tuple[int, Hashable, int]]:
         """(block id, key, `shard`) of every block cached on the device that no tier below holds (nor is
         loading)."""

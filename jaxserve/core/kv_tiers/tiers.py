@@ -159,10 +159,6 @@ class KVTiers:
             usage += (("disk", min(1.0, self.disk.used_bytes / self.disk.capacity_bytes)),)
         return usage
 
-    @property
-    def num_reads(self) -> int:
-        return len(self._reads)
-
     def close(self) -> None:
         """Waits for queued disk IO and stops the IO thread."""
         if self._io is not None:
