@@ -19,6 +19,11 @@
 #       every server precompiles its step shapes before it answers /health (a shape compiled on first use
 #       would show as a TTFT and ITL spike). The steps' time limits are shares of DEADLINE.
 # The summary (both JSONs side by side) is printed last and written to $OUT/summary.json.
+#   GPUS=2 bash benchmarks/devrun_pd.sh  on a machine of two GPUs: the prefill side (sender, prefill instance)
+#       on GPU 0 and the decode side (receiver, decode instance) on GPU 1 (CUDA_VISIBLE_DEVICES), each with a
+#       whole GPU's memory (gpu_memory_utilization 0.9); (a) adds a plain peer copy GPU 0 -> GPU 1 of the same
+#       bytes in one process (pd_bench.py peer -> peer_copy.json); colocated is one server data-parallel over
+#       both GPUs (T=1 x D=2)
 #   bash benchmarks/devrun_pd.sh mps     (b) only, the disaggregated pair under CUDA MPS: a control daemon of
 #       this script's own (pipe and log directories under $OUT/work, stopped at exit) lets the two instances'
 #       kernels run side by side instead of time-slicing the GPU; the prefill instance is held to
@@ -54,6 +59,14 @@ else
   TOKENS=8192 REPS=5 STREAMS=${STREAMS:-32} SHORT=64 OUTTOK=256 LONG=${LONG:-4096} RATE=${RATE:-0.5}
   DURATION=${DURATION:-60} VOCAB=32000
 fi
+# Where each side runs: one GPU shared by both (half the memory each), or GPUS=2 (a whole GPU each).
+PREFILL_ENV=() DECODE_ENV=() COLOCATED_FLAGS=() HALF_MEM=0.47
+if [ "${GPUS:-1}" = 2 ]; then
+  PREFILL_ENV=(CUDA_VISIBLE_DEVICES=0) DECODE_ENV=(CUDA_VISIBLE_DEVICES=1) COLOCATED_FLAGS=(--data-parallel-size 2)
+  HALF_MEM=0.92
+  if [ -n "${SMOKE:-}" ]; then export XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=2"
+  else sed -i "s|gpu_memory_utilization: 0.45|gpu_memory_utilization: 0.9|" "$W/half.yaml"; fi
+fi
 
 if [ "$MODE" = mps ]; then
   command -v nvidia-cuda-mps-control > /dev/null || { echo "mps: nvidia-cuda-mps-control is not installed"; exit 1; }
@@ -61,7 +74,7 @@ if [ "$MODE" = mps ]; then
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
   nvidia-cuda-mps-control -d || { echo "mps: the control daemon did not start"; exit 1; }
   trap 'cleanup; echo quit | nvidia-cuda-mps-control' EXIT
-  PREFILL_ENV="CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=${PREFILL_SM_PERCENT:-60}"
+  PREFILL_ENV+=("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=${PREFILL_SM_PERCENT:-60}")
   echo "== mps: control daemon started (prefill instance at ${PREFILL_SM_PERCENT:-60}% of the SMs)"
 elif [ "$MODE" != all ]; then
   echo "unknown mode $MODE: all or mps"; exit 2
@@ -71,19 +84,24 @@ fi
 [ "$MODE" = mps ] || {
 echo "== ${SECONDS}s: transfer ($TOKENS tokens)"
 P=$(port)
-XLA_PYTHON_CLIENT_MEM_FRACTION=0.47 $PY benchmarks/pd_bench.py transfer --role recv --config "$W/half.yaml" \
-  --port "$P" > "$W/recv.log" 2>&1 &
+env "${DECODE_ENV[@]}" XLA_PYTHON_CLIENT_MEM_FRACTION=$HALF_MEM $PY benchmarks/pd_bench.py transfer --role recv \
+  --config "$W/half.yaml" --port "$P" > "$W/recv.log" 2>&1 &
 PIDS+=($!); RECV=$!
 t=0; until grep -q "receiver ready" "$W/recv.log"; do
   kill -0 $RECV 2>/dev/null || break; sleep 1; t=$((t + 1)); [ $t -lt 240 ] || break
 done
 for M in device host; do
-  XLA_PYTHON_CLIENT_MEM_FRACTION=0.47 timeout "$(limit $((DEADLINE * 62 / 100)))" $PY benchmarks/pd_bench.py transfer --role send \
+  env "${PREFILL_ENV[@]}" XLA_PYTHON_CLIENT_MEM_FRACTION=$HALF_MEM timeout "$(limit $((DEADLINE * 62 / 100)))" \
+    $PY benchmarks/pd_bench.py transfer --role send \
     --config "$W/half.yaml" --peer "127.0.0.1:$P" --tokens $TOKENS --reps $REPS --method $M \
     --json "$OUT/transfer_$M.json" > "$W/send_$M.log" 2>&1 \
     || { echo "   transfer ($M) failed"; tail -n 5 "$W/send_$M.log" "$W/recv.log"; }
 done
 kill $RECV 2>/dev/null; wait $RECV 2>/dev/null
+if [ "${GPUS:-1}" = 2 ]; then
+  timeout "$(limit $((DEADLINE * 55 / 100)))" $PY benchmarks/pd_bench.py peer --mib 1024 --reps $REPS \
+    --json "$OUT/peer_copy.json" > "$W/peer.log" 2>&1 || { echo "   peer copy failed"; tail -n 5 "$W/peer.log"; }
+fi
 }
 
 SERVE="$PY -m jaxserve.cli serve --log-level warning --access-log false --precompile true"
@@ -93,7 +111,8 @@ MIXED="$PY benchmarks/pd_bench.py mixed --streams $STREAMS --short-len $SHORT --
 # (b1) colocated
 echo "== ${SECONDS}s: mixed, colocated"
 P=$(port)
-XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 $SERVE --config "$W/full.yaml" --port "$P" > "$W/colocated.log" 2>&1 &
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 $SERVE --config "$W/full.yaml" "${COLOCATED_FLAGS[@]}" --port "$P" \
+  > "$W/colocated.log" 2>&1 &
 PIDS+=($!); C=$!
 if wait_up "http://127.0.0.1:$P" $C 300; then
   timeout "$(limit $((DEADLINE * 30 / 100)))" $MIXED --url "http://127.0.0.1:$P" --label colocated --json "$OUT/mixed_colocated.json" \
@@ -106,10 +125,12 @@ kill $C 2>/dev/null; wait $C 2>/dev/null
 # (b2) disaggregated: the same total memory
 echo "== ${SECONDS}s: mixed, disaggregated"
 PP=$(port); DP=$(port); RP=$(port)
-XLA_PYTHON_CLIENT_MEM_FRACTION=0.47 $SERVE --config "$W/half.yaml" --port "$DP" --pd-role decode \
+env "${DECODE_ENV[@]}" XLA_PYTHON_CLIENT_MEM_FRACTION=$HALF_MEM $SERVE --config "$W/half.yaml" --port "$DP" \
+  --pd-role decode \
   > "$W/decode.log" 2>&1 &
 PIDS+=($!); D=$!
-env ${PREFILL_ENV:-} XLA_PYTHON_CLIENT_MEM_FRACTION=0.47 $SERVE --config "$W/half.yaml" --port "$PP" --pd-role prefill \
+env "${PREFILL_ENV[@]}" XLA_PYTHON_CLIENT_MEM_FRACTION=$HALF_MEM $SERVE --config "$W/half.yaml" --port "$PP" \
+  --pd-role prefill \
   > "$W/prefill.log" 2>&1 &
 PIDS+=($!); PF=$!
 $PY -m jaxserve.cli router --prefill "http://127.0.0.1:$PP" --decode "http://127.0.0.1:$DP" --port "$RP" \
@@ -130,7 +151,7 @@ $PY - "$OUT" <<'EOF' | tee "$OUT/summary.json"
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
 summary = {}
-for name in ("transfer_device", "transfer_host", "mixed_colocated", "mixed_pd"):
+for name in ("transfer_device", "transfer_host", "peer_copy", "mixed_colocated", "mixed_pd"):
     path = out / f"{name}.json"
     summary[name] = json.loads(path.read_text()) if path.exists() else None
 print(json.dumps(summary, indent=1))

@@ -18,6 +18,9 @@
                                                     long prompt every 1/RATE s; reports the steady streams'
                                                     inter-token latency p50/p99, TTFT of both kinds and the
                                                     generated tokens per second
+    peer --mib N --reps R --json OUT                two GPUs in one process: a plain copy of N MiB from the
+                                                    first to the second (jax.device_put), the ceiling of the
+                                                    transfer between instances on two GPUs
 
 Prompts are token ids (random, seed 0), so any tokenizer serves. GB/s = 1e9 bytes/s.
 """
@@ -217,6 +220,27 @@ async def _mixed(args) -> dict:
             "long_requests": len(long_ttft), "output_tokens_per_s": tokens[0] / elapsed}
 
 
+def peer(args) -> int:
+    import jax
+    import jax.numpy as jnp
+
+    devices = jax.devices()
+    if len(devices) < 2:
+        print(f"error: peer needs two devices in this process, it sees {len(devices)}", file=sys.stderr)
+        return 2
+    nbytes = args.mib * 2**20
+    source = jax.device_put(jnp.zeros(nbytes // 2, jnp.bfloat16), devices[0]).block_until_ready()
+    jax.device_put(source, devices[1]).block_until_ready()  # (warm-up)
+    seconds = statistics.median(_timed(lambda: jax.device_put(source, devices[1]).block_until_ready(), args.reps))
+    report = {"bytes": nbytes, "seconds": seconds, "gbps": nbytes / seconds / 1e9,
+              "devices": [str(d) for d in devices[:2]], "device": devices[0].device_kind}
+    print(json.dumps(report, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
 def mixed(args) -> int:
     report = asyncio.run(_mixed(args))
     print(json.dumps(report, indent=1))
@@ -252,9 +276,15 @@ def main(argv: list[str]) -> int:
     m.add_argument("--warmup-s", type=float, default=2.0)
     m.add_argument("--vocab", type=int, default=32000)
     m.add_argument("--json")
+    p = sub.add_parser("peer")
+    p.add_argument("--mib", type=int, default=1024)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--json")
     args = parser.parse_args(argv)
     if args.command == "mixed":
         return mixed(args)
+    if args.command == "peer":
+        return peer(args)
     return transfer_send(args) if args.role == "send" else transfer_recv(args)
 
 
