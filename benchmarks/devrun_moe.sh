@@ -1,5 +1,5 @@
 # Mixture-of-experts figures on an H200, each mode one call under 9 minutes; the table is printed last.
-#   bash benchmarks/devrun_moe.sh [latency|gemm|throughput]     on the device (default: latency)
+#   bash benchmarks/devrun_moe.sh [latency|gemm|throughput|ep|ep_tput|eplb]   on the device (default: latency)
 #   SMOKE=1 PYTHON=/path/to/python bash benchmarks/devrun_moe.sh [MODE]    the same plumbing on a CPU: the
 #       tiny Qwen3-MoE fixture (tests/fixtures/hf/qwen3_moe_8x2_sparse2) and a dense Qwen3 fixture,
 #       float32, a few tokens; the grouped GEMM step only imports its script
@@ -14,13 +14,20 @@
 #               (about 3 minutes, XLA's ragged_dot compiles slowly there), then down at 1, 8, 64 tokens
 #   throughput  `jaxserve bench throughput`, TPUT_N prompts (default 200) of 1024 in / 256 out, dense
 #               peer first (the MoE compiles ~8 shapes of ~25 s each on a cold cache)
+# Expert parallelism, on a machine of two GPUs (issue 22's run 2; the E=2 config is written into $W from the
+# MoE one with parallel.expert 2):
+#   ep          batch 1 and batch 64 (as in latency) at E=1, then at E=2
+#   ep_tput     throughput (as above) at E=1, then at E=2
+#   eplb        benchmarks/eplb_bench.py at E=2 (a skewed workload: device load max/mean and tokens/s before
+#               and after a rebalance), then benchmarks/profile_step.py at E=2, batch 64 (the all-to-all and
+#               collective kernels' time per step in its kernel table; per layer: / 48)
 # Then the table (benchmarks/moe_summary.py) to stdout and $OUT/summary.txt, $OUT/summary.json, and every
 # log and report in $OUT/moe_logs.tar.gz (the device tool returns at most 8 files).
 set -o pipefail
 OUT=${OUT:-/tmp/devrun_moe}
 DEADLINE=${DEADLINE:-565}
 source benchmarks/devrun_common.sh
-SHOW="^Decode:|^steady decode|^roofline|^experts:|^Throughput|^compiled|^(down|gate_up) +T="
+SHOW="^Decode:|^steady decode|^roofline|^experts:|^Throughput|^compiled|^(down|gate_up) +T=|^before|^after|^rebalance|nccl|all_to_all|all-to-all"
 TPUT_N=${TPUT_N:-200}
 if [ -n "${SMOKE:-}" ]; then
   MOE="--config configs/qwen3-30b-a3b-dummy.yaml --model tests/fixtures/hf/qwen3_moe_8x2_sparse2 --dtype float32
@@ -37,6 +44,12 @@ else
 fi
 BENCH="$PY -m jaxserve.cli bench"
 COMMON="--disable-tqdm --precompile false"
+# The MoE config at E=2 (parallel.expert 2), for the ep modes
+sed -e "s|path: models/qwen3-30b-a3b|path: $PWD/configs/models/qwen3-30b-a3b|" configs/qwen3-30b-a3b-dummy.yaml \
+  > "$W/moe_ep2.yaml"
+printf 'parallel:\n  expert: 2\n' >> "$W/moe_ep2.yaml"
+MOE_EP2=${MOE/--config configs\/qwen3-30b-a3b-dummy.yaml/--config $W/moe_ep2.yaml}
+[ -z "${SMOKE:-}" ] || export XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=2"
 
 gemm() {  # NAME MAX_S ARGS...: benchmarks/grouped_gemm.py (only imported in SMOKE mode)
   local name=$1 max=$2; shift 2
@@ -66,8 +79,28 @@ throughput)
   run dense_tput 120 10 $BENCH throughput $DENSE $COMMON --num-prompts $TPUT_N $TPUT --output-json $W/dense_tput.json
   run moe_tput 420 5 $BENCH throughput $MOE $COMMON --num-prompts $TPUT_N $TPUT --output-json $W/moe_tput.json
   ;;
+ep)
+  for e in 1 2; do
+    cfg=$MOE; [ $e = 1 ] || cfg=$MOE_EP2
+    run moe_e${e}_b1 150 10 $BENCH latency $cfg $COMMON --batch-size 1 $B1 --num-iters-warmup 1 --num-iters 2 \
+      --output-json $W/moe_e${e}_b1.json
+    run moe_e${e}_b64 150 10 $BENCH latency $cfg $COMMON $B64 --num-iters-warmup 1 --num-iters 1 \
+      --output-json $W/moe_e${e}_b64.json
+  done
+  ;;
+ep_tput)
+  run moe_tput 270 270 $BENCH throughput $MOE $COMMON --num-prompts $TPUT_N $TPUT --output-json $W/moe_tput.json
+  run moe_e2_tput 270 5 $BENCH throughput $MOE_EP2 $COMMON --num-prompts $TPUT_N $TPUT \
+    --output-json $W/moe_e2_tput.json
+  ;;
+eplb)
+  EPLB="--config $W/moe_ep2.yaml --expert 2"; [ -z "${SMOKE:-}" ] || EPLB="--smoke --redundant-experts 2"
+  run eplb 300 200 $PY benchmarks/eplb_bench.py $EPLB --json $W/eplb.json
+  run profile_e2 200 5 $PY benchmarks/profile_step.py $MOE_EP2 $COMMON $B64 --num-iters-warmup 1 --num-iters 1 \
+    --top 30
+  ;;
 *)
-  echo "unknown mode ${1}: latency, gemm or throughput"; exit 2
+  echo "unknown mode ${1}: latency, gemm, throughput, ep, ep_tput or eplb"; exit 2
   ;;
 esac
 echo "== ${SECONDS}s: done"
