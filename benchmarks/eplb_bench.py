@@ -25,12 +25,6 @@ import time
 from pathlib import Path
 
 
-def workload(count: int, length: int, vocab: int, seed: int) -> list[dict]:
-    import numpy as np
-    rng = np.random.default_rng(seed)
-    return [{"prompt_token_ids": rng.integers(0, vocab, length).tolist()} for _ in range(count)]
-
-
 def run_phase(engine, prompts: list[dict], params) -> dict:
     from jaxserve.bench import common
     result = common.run_batch(engine, prompts, [params] * len(prompts), progress=False)
@@ -63,6 +57,8 @@ def main() -> int:
                       "max_num_seqs": 4, "max_num_batched_tokens": 64, "token_buckets": [64], "request_buckets": [4],
                       "precompile": False}
         args.num_prompts, args.input_len, args.output_len = 8, 16, 8
+    import numpy as np
+
     from jaxserve import SamplingParams
     from jaxserve.bench import common
     from jaxserve.config import load_config
@@ -70,7 +66,8 @@ def main() -> int:
     config = load_config(args.config, **overrides)
     engine, init_s = common.make_engine(config, progress=False)
     vocab = args.skew_vocab or engine.vocab_size
-    prompts = workload(args.num_prompts, args.input_len, min(vocab, engine.vocab_size), args.seed)
+    prompts = common.random_prompts(np.random.default_rng(args.seed), args.num_prompts, args.input_len,
+                                    min(vocab, engine.vocab_size))
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
     run_phase(engine, prompts, params)  # warm-up
     before = run_phase(engine, prompts, params)

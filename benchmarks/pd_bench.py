@@ -70,6 +70,14 @@ def transfer_recv(args) -> int:
     return 0
 
 
+def _emit(report: dict, path: str | None) -> None:
+    """A subcommand's report to stdout, and to `path` (--json) when given."""
+    print(json.dumps(report, indent=1))
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
+
+
 def _timed(fn, reps: int) -> list[float]:
     times = []
     for _ in range(reps):
@@ -138,10 +146,7 @@ def transfer_send(args) -> int:
               "device_copy_seconds": statistics.median(copies)}
     report["gbps"] = {name: nbytes / seconds / 1e9 for name, seconds in report["seconds"].items()}
     report["gbps"]["device_copy"] = nbytes / report["device_copy_seconds"] / 1e9
-    print(json.dumps(report, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    _emit(report, args.json)
     return 0
 
 
@@ -234,19 +239,13 @@ def peer(args) -> int:
     seconds = statistics.median(_timed(lambda: jax.device_put(source, devices[1]).block_until_ready(), args.reps))
     report = {"bytes": nbytes, "seconds": seconds, "gbps": nbytes / seconds / 1e9,
               "devices": [str(d) for d in devices[:2]], "device": devices[0].device_kind}
-    print(json.dumps(report, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    _emit(report, args.json)
     return 0
 
 
 def mixed(args) -> int:
     report = asyncio.run(_mixed(args))
-    print(json.dumps(report, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    _emit(report, args.json)
     return 1 if report["errors"] else 0
 
 
