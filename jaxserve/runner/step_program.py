@@ -139,10 +139,11 @@ GPU_COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 1024}
 # The decode step's twin executable (ModelRunner._run_forward): the same merges (no weight pair is near
 # 1 GB), a different option set, so XLA compiles (and the persistent cache keeps) a second executable.
 TWIN_COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 1025}
-# With FP8 weights: XLA's autotuner compiles and times many Triton configurations for each FP8 GEMM shape of
-# a prefill-sized step (quant.w8a8), minutes per step shape (benchmarks/RESULTS.md); level 0 takes
-# cuBLASLt's own choice of kernel.
-FP8_COMPILER_OPTIONS = {"xla_gpu_autotune_level": 0}
+# With FP8 weights, the fp8 x fp8 GEMMs of a prefill-sized step (quant.w8a8) go to cuBLASLt: XLA's Triton
+# GEMMs for them run at a small fraction of cuBLASLt's rate untuned, and tuning them (compiling and timing
+# many Triton configurations per shape) takes minutes per step shape (benchmarks/RESULTS.md, the W8A8
+# prefill GEMMs). Level 0 takes cuBLASLt's own choice of algorithm without timing.
+FP8_COMPILER_OPTIONS = {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False}
 
 
 def gpu_compiler_options(fp8_weights: bool, twin: bool = False) -> dict:
