@@ -8,6 +8,8 @@ K/V writes checked against every read), also in test_scheduler_machine's state m
 
 from __future__ import annotations
 
+import collections
+import functools
 import json
 
 import jax
@@ -254,16 +256,36 @@ def test_bad_draft_configs_are_refused_at_start(tmp_path):
         make_llm(precompile=False, speculative_config=eagle_spec(other))
 
 
-@pytest.mark.parametrize("speculative", [spec(k=2), eagle_spec(k=2)], ids=["draft_model", "eagle"])
+@pytest.mark.parametrize("speculative, twins", [(spec(k=2), False), (eagle_spec(k=2), False), (spec(k=2), True)],
+                         ids=["draft_model", "eagle", "draft_model-twins"])
 @pytest.mark.usefixtures("no_jit_dispatches")
-def test_no_compiles_after_start_up(speculative):
-    llm = make_llm(speculative_config=speculative, **ONE_BUCKET)
+def test_no_compiles_after_start_up(reference, speculative, twins):
+    """Every program a speculating engine runs was compiled at start-up. `twins`: as on a GPU (`use_twins`),
+    where the target's steps and the draft's fill_propose each alternate between two executables of a
+    shape (so that back-to-back calls under overlap keep their temporaries apart): both twins run, and the
+    tokens do not change."""
+    llm = make_llm(speculative_config=speculative, precompile=not twins, **ONE_BUCKET)
+    runner = llm.engine.runner
+    calls = collections.Counter()
+    if twins:
+        runner.use_twins = True  # what a GPU platform sets
+        runner.precompile(progress=False)
+        for key, program in list(runner._compiled.items()):
+            if key[0] == "draft_fill_propose":
+                runner._compiled[key] = functools.partial(_counted, program, calls, key)
     llm.generate(["1+1="], GREEDY, use_tqdm=False)
     with jax.no_tracing():
-        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == token_ids(reference["greedy"])
         llm.generate(*_workload(), use_tqdm=False)
     assert llm.engine.scheduler.num_accepted_tokens > 0
+    if twins:
+        assert {key[-1] for key, count in calls.items() if count > 0} == {False, True}, calls
     assert_no_leaks(llm)
+
+
+def _counted(program, calls: collections.Counter, key, *args):
+    calls[key] += 1
+    return program(*args)
 
 
 def test_joined_fill_batch_appends_next_tokens_and_drops_rejected_guesses():

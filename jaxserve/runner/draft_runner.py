@@ -10,7 +10,9 @@ its KV cache, and its part of every step (the programs are in spec_decode/draft_
                           bucket), copying to the host with the step's tokens, when the step samples
     ModelRunner._collect  read(handle, num_rows) -> each sampling row's k drafts (RunnerOutput.draft_token_ids)
     ModelRunner.precompile  precompile_jobs(runner): a fill_propose per step shape (EAGLE heads: a fill and
-                          a fill_propose per step shape)
+                          a fill_propose per step shape); on a GPU each fill_propose twice, as twin
+                          executables that the steps alternate between (the target step's reason:
+                          ModelRunner._run_forward)
 
 The draft runs on the target's devices: split over them as the target is (draft_tensor_parallel_size =
 parallel.model), or whole on every one of them (1: its parameters and cache replicated).
@@ -29,6 +31,7 @@ from jaxserve.models import loader, registry
 from jaxserve.runner import spec_verify
 from jaxserve.runner.device_setup import (hold_fp8_transposed, holds_fp8_transposed, kv_block_bytes,
                                          resolve_attention_backend)
+from jaxserve.runner.step_program import gpu_compiler_options
 from jaxserve.spec_decode import draft_model
 from sharding import TENSOR_PARALLEL, AxisRules, TensorParallel
 from sharding.tensor_parallel import zeros
@@ -94,6 +97,7 @@ class DraftRunner:
         self.cfg, self.params = self._load(config.speculative.model, target, max_model_len)
         self.attention_backend = resolve_attention_backend(config.runner.attention_backend, self.cfg, self.block_size)
         self.kv_caches: list[jax.Array] = []
+        self._twin: dict[tuple[int, int], bool] = {}  # the twin the last fill_propose of a (T, R) ran
 
     @staticmethod
     def _parallel(config: EngineConfig, tp: TensorParallel | None) -> TensorParallel | None:
@@ -172,9 +176,12 @@ class DraftRunner:
             rows = (runner._compiled.get(("draft_moved_rows",)) or moved_rows)(rows, step.guesses.row_moved_by,
                                                                                prev_accepted)
         num_accepted = handle.num_accepted if handle.num_accepted is not None else self._no_guesses
+        program = None
+        if self.joined or sampling:  # fill_propose, alternating between its twins where they exist
+            twin = self._twin[(t_pad, r_pad)] = runner.use_twins and not self._twin.get((t_pad, r_pad), True)
+            program = runner._compiled.get(("draft_fill_propose", t_pad, r_pad, twin))
         if self.joined:
             tokens = handle.tokens if sampling else self._no_guesses
-            program = runner._compiled.get(("draft_fill_propose", t_pad, r_pad))
             args = (self.params, staged, self.kv_caches, tokens, num_accepted, rows)
             self.kv_caches, drafts = (program(*args) if program is not None
                                       else draft_model.fill_propose(*args, **self._propose_static()))
@@ -184,7 +191,6 @@ class DraftRunner:
                 fill = runner._compiled.get(("draft_fill", t_pad, r_pad))
                 self.kv_caches, _ = fill(*args) if fill is not None else self.fill_program(*args, **self._static())
                 return None
-            program = runner._compiled.get(("draft_fill_propose", t_pad, r_pad))
             self.kv_caches, drafts = (program(*args, handle.tokens) if program is not None
                                       else self.fill_propose_program(*args, handle.tokens, **self._propose_static()))
         if not sampling:
@@ -200,7 +206,11 @@ class DraftRunner:
 
     def precompile_jobs(self, runner) -> dict:
         """runner.precompile's jobs for the draft (their executables go into runner._compiled): a joined
-        fill_propose per step shape (EAGLE heads: a fill and a fill_propose per step shape)."""
+        fill_propose per step shape (EAGLE heads: a fill and a fill_propose per step shape). A job returns
+        {key: executable}: on a GPU fill_propose's twins ("draft_fill_propose", T, R, twin False and True),
+        compiled with the target step's options (step_program.gpu_compiler_options) of the draft's weights."""
+        fp8_weights = getattr(self.cfg, "quantization", None) is not None
+
         def abstract(shape, dtype=jnp.int32, sharding=runner.batch_sharding):
             return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
@@ -213,16 +223,24 @@ class DraftRunner:
 
         def fill(t_pad: int, r_pad: int):
             args = self._fill_args(runner, None, *inputs(t_pad, r_pad), tokens, rows)
-            return self.fill_program.lower(*args, **self._static()).compile()
+            lowered = self.fill_program.lower(*args, **self._static())
+            options = gpu_compiler_options(fp8_weights) if runner.use_twins else None
+            return {("draft_fill", t_pad, r_pad): lowered.compile(options)}
 
         def fill_propose(t_pad: int, r_pad: int):
             if self.joined:
                 args = (self.params, inputs(t_pad, r_pad)[0], self.kv_caches, tokens, tokens, rows)
-                return draft_model.fill_propose.lower(*args, **self._propose_static()).compile()
-            args = (*self._fill_args(runner, None, *inputs(t_pad, r_pad), tokens, rows), tokens)
-            return self.fill_propose_program.lower(*args, **self._propose_static()).compile()
+                lowered = draft_model.fill_propose.lower(*args, **self._propose_static())
+            else:
+                args = (*self._fill_args(runner, None, *inputs(t_pad, r_pad), tokens, rows), tokens)
+                lowered = self.fill_propose_program.lower(*args, **self._propose_static())
+            if not runner.use_twins:
+                return {("draft_fill_propose", t_pad, r_pad, False): lowered.compile()}
+            return {("draft_fill_propose", t_pad, r_pad, twin): lowered.compile(gpu_compiler_options(fp8_weights, twin))
+                    for twin in (False, True)}
 
-        jobs = {("draft_moved_rows",): (lambda: moved_rows.lower(rows, tokens, tokens).compile(), ())}
+        moved = ("draft_moved_rows",)
+        jobs = {moved: (lambda: {moved: moved_rows.lower(rows, tokens, tokens).compile()}, ())}
         for t_pad, r_pad in runner._step_shapes:
             jobs[("draft_fill_propose", t_pad, r_pad)] = (fill_propose, (t_pad, r_pad))
             if not self.joined:

@@ -119,8 +119,9 @@ def precompile(runner, progress: bool = True) -> int:
         floor = jax.config.jax_persistent_cache_min_compile_time_secs
         jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
         try:
-            for key, (fn, args) in draft_jobs.items():
-                runner._compiled[key], seconds[key] = _timed(fn, *args)
+            for key, (fn, args) in draft_jobs.items():  # (each job's result: {key: executable})
+                result, seconds[key] = _timed(fn, *args)
+                runner._compiled.update(result)
                 bar.update()
         finally:
             jax.config.update("jax_persistent_cache_min_compile_time_secs", floor)
