@@ -12,6 +12,13 @@ for the same model shape.
         -> RMSNorm -> lm_head (float32 logits) -> argmax (greedy)
     --steps steps are dispatched back to back (sampled tokens stay on the device), from position
     `context`; tokens/s = B * steps / time (median of 3 runs, after a warm-up that also compiles)
+    --executables 1: the step is one jitted executable, as plainly written. 2: two executables of the same
+    step, compiled from one lowering, that the steps alternate between, with XLA's sibling-dot merging
+    allowed for the 8B shape's weights (the GPU options of jaxserve/runner/step_program.py). XLA:GPU runs a
+    step as a CUDA graph and re-records the nodes whose buffers moved since its last call; a step
+    dispatched while the one before still holds its temporaries gets other addresses, so one executable
+    re-records nearly its whole graph every step and two keep theirs. Both are measured by default, and
+    the faster is the peer the engine's benchmarks compare against.
 
 Roofline (the formula of jaxserve/bench/common.py):
     bytes per step = W + B * C * num_layers * 2 * K * H * dtype bytes,  roofline tokens/s = B * 4.3e12 / bytes
@@ -28,6 +35,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import json
 import statistics
 import time
@@ -154,21 +162,38 @@ def decode_step(params, caches, tokens, positions, s: Shape, layout: str):
     return jnp.argmax(logits, -1).astype(jnp.int32), new_caches, positions + 1
 
 
-def measure(s: Shape, params, batch: int, context: int, steps: int, layout: str) -> dict:
-    """Seconds per decode step at `batch` rows from position `context` (median of REPEATS runs)."""
+# XLA:GPU options of the two executables (--executables 2): sibling dots merged up to 1 GB of weights,
+# and the same with a value that changes nothing but makes a separate executable.
+TWIN_OPTIONS = ({"xla_gpu_dot_merger_threshold_mb": 1024}, {"xla_gpu_dot_merger_threshold_mb": 1025})
+
+
+def step_programs(params, caches, tokens, positions, s: Shape, layout: str, executables: int) -> list:
+    """The decode steps the loop cycles through: decode_step itself, or two executables of one lowering
+    (XLA:GPU options only on a GPU)."""
+    if executables == 1:
+        return [functools.partial(decode_step, s=s, layout=layout)]
+    lowered = decode_step.lower(params, caches, tokens, positions, s=s, layout=layout)
+    on_gpu = jax.devices()[0].platform == "gpu"
+    return [lowered.compile(options if on_gpu else None) for options in TWIN_OPTIONS]
+
+
+def measure(s: Shape, params, batch: int, context: int, steps: int, layout: str, executables: int = 1) -> dict:
+    """Seconds per decode step at `batch` rows from position `context` (median of REPEATS runs), the
+    steps cycling through `executables` executables (step_programs)."""
     caches = make_caches(s, batch, context + max(steps, WARMUP_STEPS), layout, jax.random.key(1))
     first_tokens = jax.random.randint(jax.random.key(2), (batch,), 0, s.vocab, jnp.int32)
     first_positions = jnp.full((batch,), context, jnp.int32)
+    programs = step_programs(params, caches, first_tokens, first_positions, s, layout, executables)
     tokens, positions = first_tokens, first_positions
-    for _ in range(WARMUP_STEPS):
-        tokens, caches, positions = decode_step(params, caches, tokens, positions, s, layout)
+    for i in range(WARMUP_STEPS):
+        tokens, caches, positions = programs[i % len(programs)](params, caches, tokens, positions)
     tokens.block_until_ready()
     times = []
     for _ in range(REPEATS):
         tokens, positions = first_tokens, first_positions
         start = time.perf_counter()
-        for _ in range(steps):
-            tokens, caches, positions = decode_step(params, caches, tokens, positions, s, layout)
+        for i in range(steps):
+            tokens, caches, positions = programs[i % len(programs)](params, caches, tokens, positions)
         tokens.block_until_ready()
         times.append(time.perf_counter() - start)
     del caches
@@ -177,7 +202,8 @@ def measure(s: Shape, params, batch: int, context: int, steps: int, layout: str)
     kv_bytes_per_token = s.num_layers * 2 * s.num_kv_heads * s.head_dim * jnp.dtype(DTYPES[s.dtype]).itemsize
     step_bytes = weight_bytes + batch * (context + steps / 2) * kv_bytes_per_token
     roofline = batch * HBM_BYTES_PER_S / step_bytes
-    return {"layout": layout, "batch": batch, "context": context, "steps": steps, "ms_per_step": step_s * 1e3,
+    return {"layout": layout, "executables": executables, "batch": batch, "context": context, "steps": steps,
+            "ms_per_step": step_s * 1e3,
             "tokens_per_s": batch / step_s, "bytes_per_step": step_bytes, "roofline_tokens_per_s": roofline,
             "roofline_share": batch / step_s / roofline}
 
@@ -199,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="auto", help="auto (the config's torch_dtype) | bfloat16 | float16 | float32")
     parser.add_argument("--cache-layout", default="blkh",
                         help="comma-separated cache layouts to measure: blkh ([B, L, K, H]) and/or bklh")
+    parser.add_argument("--executables", type=int_list, default=[1, 2],
+                        help="comma-separated: 1 (one jitted step) and/or 2 (two alternating executables)")
     parser.add_argument("--output-json", type=Path)
     args = parser.parse_args(argv)
     contexts = args.context * len(args.batch_sizes) if len(args.context) == 1 else args.context
@@ -208,19 +236,22 @@ def main(argv: list[str] | None = None) -> int:
     layouts = args.cache_layout.split(",")
     if any(layout not in LAYOUTS for layout in layouts) or args.steps < 1:
         parser.error(f"--cache-layout must list {' or '.join(LAYOUTS)} and --steps must be >= 1")
+    if any(n not in (1, 2) for n in args.executables):
+        parser.error(f"--executables takes 1 and/or 2, got {args.executables}")
 
     s = Shape.from_hf(args.config_json, args.dtype)
     params = make_params(s, jax.random.key(0))
     print(f"{args.config_json}: {s.num_layers} layers, D={s.width}, N/K={s.num_heads}/{s.num_kv_heads}, "
           f"H={s.head_dim}, F={s.ffw}, V={s.vocab}, {s.dtype}; {jax.devices()[0].device_kind}")
-    print(f"{'layout':>6} {'batch':>5} {'context':>7} {'ms/step':>9} {'tokens/s':>10} {'GB/step':>8} "
+    print(f"{'layout':>6} {'exe':>3} {'batch':>5} {'context':>7} {'ms/step':>9} {'tokens/s':>10} {'GB/step':>8} "
           f"{'roofline tok/s':>14} {'share':>6}")
     rows = []
-    for layout in layouts:
+    for layout, executables in itertools.product(layouts, args.executables):
         for batch, context in zip(args.batch_sizes, contexts):
-            row = measure(s, params, batch, context, args.steps, layout)
+            row = measure(s, params, batch, context, args.steps, layout, executables)
             rows.append(row)
-            print(f"{layout:>6} {batch:5d} {context:7d} {row['ms_per_step']:9.3f} {row['tokens_per_s']:10.1f} "
+            print(f"{layout:>6} {executables:3d} {batch:5d} {context:7d} {row['ms_per_step']:9.3f} "
+                  f"{row['tokens_per_s']:10.1f} "
                   f"{row['bytes_per_step'] / 1e9:8.2f} {row['roofline_tokens_per_s']:14.1f} "
                   f"{row['roofline_share']:6.1%}")
     if args.output_json:

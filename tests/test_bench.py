@@ -213,7 +213,7 @@ def test_tight_loop_decode_smoke(tmp_path, monkeypatch):
     assert module.main(["--config-json", str(FIXTURE / "config.json"), "--batch-sizes", "2", "--context", "4",
                         "--steps", "2", "--output-json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["batch"], r["context"], r["steps"]) for r in rows] == [(2, 4, 2)]
+    assert [(r["batch"], r["context"], r["steps"], r["executables"]) for r in rows] == [(2, 4, 2, 1), (2, 4, 2, 2)]
     for r in rows:
         assert r["tokens_per_s"] == pytest.approx(r["batch"] / (r["ms_per_step"] / 1e3))
         assert r["roofline_share"] == pytest.approx(r["tokens_per_s"] / r["roofline_tokens_per_s"])
