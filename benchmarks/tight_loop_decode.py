@@ -44,6 +44,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from jaxserve.runner.step_program import GPU_COMPILER_OPTIONS, TWIN_COMPILER_OPTIONS
+
 HBM_BYTES_PER_S = 4.3e12  # H200 device-to-device copy bandwidth, measured
 REPEATS = 3
 WARMUP_STEPS = 8
@@ -162,9 +164,8 @@ def decode_step(params, caches, tokens, positions, s: Shape, layout: str):
     return jnp.argmax(logits, -1).astype(jnp.int32), new_caches, positions + 1
 
 
-# XLA:GPU options of the two executables (--executables 2): sibling dots merged up to 1 GB of weights,
-# and the same with a value that changes nothing but makes a separate executable.
-TWIN_OPTIONS = ({"xla_gpu_dot_merger_threshold_mb": 1024}, {"xla_gpu_dot_merger_threshold_mb": 1025})
+# XLA:GPU options of the two executables (--executables 2): the engine's step and its twin's.
+TWIN_OPTIONS = (GPU_COMPILER_OPTIONS, TWIN_COMPILER_OPTIONS)
 
 
 def step_programs(params, caches, tokens, positions, s: Shape, layout: str, executables: int) -> list:
