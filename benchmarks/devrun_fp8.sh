@@ -19,7 +19,8 @@
 #               the steady decode rate (median pure-decode step) is compile-free without a warm-up
 #   ttft_32k    (e) configs/llama3.1-8b-dummy.yaml, one 32768-token prompt, 2 output tokens, 1 warm-up and 3
 #               timed iterations (TTFT p50), the flash prefill off (every row on the ragged kernel)
-#   bf16_b1_exact  (d) bf16_b1 on the config with token rungs [1, 4, 16, ...] (weights mode, last)
+#   bf16_b1_exact, fp8w_b1_exact   (a, d) bf16_b1 and fp8w_b1 on the config with token rungs [1, 4, 16, ...]
+#               (weights mode, last)
 #   tight_b1    (d) benchmarks/tight_loop_decode.py at batch 1 from context 128, 128 steps (mean context 192,
 #               bf16_b1's), its roofline share beside the engine's
 #   prefill_rates  benchmarks/prefill_rates.py: the matmul rate of a 8192-row chunk's GEMMs and the flash
@@ -74,9 +75,10 @@ bench() {
 ITERS="--num-iters-warmup 1 --num-iters 2"
 # Each step: MAX_S RESERVE_S (the reserve keeps time for the steps after it in the mode's order).
 bf16_b1() { bench bf16_b1 "$1" "$2" $CFG --batch-size 1 $B1 $ITERS; }
-# The same on a config whose token rungs start with the request rungs (1, 4), so a batch-1 decode step runs
-# its matmuls on 1 row instead of the 16 of the smallest token rung. Written from the config into $W.
-bf16_b1_exact() {
+fp8w_b1() { bench fp8w_b1 "$1" "$2" $CFG --batch-size 1 $B1 $ITERS --quantization fp8; }
+# bf16_b1 and fp8w_b1 on a config whose token rungs start with the request rungs (1, 4), so a batch-1 decode
+# step runs its matmuls on 1 row instead of the 16 of the smallest token rung. Written from the config into $W.
+exact_rungs() {
   local file=$W/exact_rungs.yaml
   if [ -n "${SMOKE:-}" ]; then
     sed -e "s|token_buckets: \[|token_buckets: [1, |" jaxserve/configs/tiny.yaml > "$file"
@@ -84,9 +86,10 @@ bf16_b1_exact() {
     sed -e "s|path: models/llama3-8b|path: $PWD/configs/models/llama3-8b|" \
         -e "s|token_buckets: \[16,|token_buckets: [1, 4, 16,|" configs/llama3-8b-dummy.yaml > "$file"
   fi
-  bench bf16_b1_exact "$1" "$2" --config "$file" --batch-size 1 $B1 $ITERS
+  echo "$file"
 }
-fp8w_b1() { bench fp8w_b1 "$1" "$2" $CFG --batch-size 1 $B1 $ITERS --quantization fp8; }
+bf16_b1_exact() { bench bf16_b1_exact "$1" "$2" --config "$(exact_rungs)" --batch-size 1 $B1 $ITERS; }
+fp8w_b1_exact() { bench fp8w_b1_exact "$1" "$2" --config "$(exact_rungs)" --batch-size 1 $B1 $ITERS --quantization fp8; }
 bf16_b64() { bench bf16_b64 "$1" "$2" $CFG $B64 $ITERS; }
 fp8w_b64() { bench fp8w_b64 "$1" "$2" $CFG $B64 $ITERS --quantization fp8; }
 kvbf16_ctx8k() { bench kvbf16_ctx8k "$1" "$2" $CFG $KV --num-iters-warmup 0 --num-iters 1; }
@@ -147,7 +150,8 @@ fp8_prefill)  # FP8 weights on prefill-sized steps: the W8A8 GEMMs alone, then o
   fp8_rates 260 240; ttft_8k_bf16 80 110; ttft_8k_fp8 100 5
   ;;
 weights)
-  bf16_b1 120 270; fp8w_b1 120 190; bf16_b64 90 140; fp8w_b64 90 80; tight_b1 90 40; bf16_b1_exact 90 5
+  bf16_b1 120 300; fp8w_b1 120 220; bf16_b64 90 170; fp8w_b64 90 110; tight_b1 90 70; bf16_b1_exact 90 40
+  fp8w_b1_exact 90 5
   ;;
 long)
   run flash_gpu_tests 120 420 $PY -m pytest -q -m gpu tests/test_flash_attention.py tests/test_flash_prefill.py \

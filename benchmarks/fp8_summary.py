@@ -10,8 +10,8 @@ WORK_DIR holds `jaxserve bench latency --output-json` reports (a missing one is 
     ttft_32k, ttft_128k    (e) TTFT of one long prompt (the _flash runs: the flash prefill on)
 and tput_bf16.json, tput_bf16_512.json, tput_fp8.json, `jaxserve bench throughput` reports (f: elapsed
 seconds, targets <= 38 s bf16 and <= 30 s fp8 for 1000 x 1024 / 256), and tight_b1.json,
-benchmarks/tight_loop_decode.py's --output-json at batch 1 (d), beside bf16_b1_exact (bf16_b1 with token
-rungs that start at 1 row).
+benchmarks/tight_loop_decode.py's --output-json at batch 1 (d), beside bf16_b1_exact and fp8w_b1_exact
+(bf16_b1 and fp8w_b1 with token rungs that start at 1 row: a and d).
 
     decode rate   = the bench's steady decode tokens/s (pure-decode steps at the full batch, median step:
                     compile-free), else its decode tokens/s over the whole window
@@ -121,7 +121,8 @@ def summarise(work: Path, matmul_tflops: float | None = None, attention_tflops: 
                         "ratio": ratio(fp8 and fp8["tokens_per_s"], base and base["tokens_per_s"])}
     b1, tight = summary["a"]["bf16_b1"], tight_row(work)
     summary["d"] = {"roofline_share": b1 and b1["roofline_share"], "roofline_target": ROOFLINE_TARGET,
-                    "exact_rungs": decode_row(load(work, "bf16_b1_exact")), "tight_loop": tight,
+                    "exact_rungs": decode_row(load(work, "bf16_b1_exact")),
+                    "fp8_exact_rungs": decode_row(load(work, "fp8w_b1_exact")), "tight_loop": tight,
                     "over_tight_loop": ratio(b1 and b1["tokens_per_s"], tight and tight["tokens_per_s"])}
     summary["e"] = {name: ttft_row(load(work, name), matmul_tflops, attention_tflops) for name in TTFT}
     summary["e"]["target"] = TTFT_TARGET
@@ -177,10 +178,13 @@ def render(summary: dict) -> str:
     lines.append(f"(d) bf16 batch 1: {_f(d['roofline_share'] and 100 * d['roofline_share'], '.1f')}% of the roofline "
                  f"(target >= {100 * ROOFLINE_TARGET:.0f}%: {_met(d['roofline_share'], ROOFLINE_TARGET)}); "
                  f"{_f(d['over_tight_loop'])}x the tight loop (target >= 1.0: {_met(d['over_tight_loop'], 1.0)})")
-    exact = d["exact_rungs"]
+    exact, fp8_exact = d["exact_rungs"], d["fp8_exact_rungs"]
     if exact is not None:
         lines.append(f"    with token rungs from 1 row (bf16_b1_exact): {_f(exact['tokens_per_s'], '.1f')} tokens/s, "
                      f"{_f(exact['roofline_share'] and 100 * exact['roofline_share'], '.1f')}% of the roofline")
+    if exact is not None and fp8_exact is not None:
+        lines.append(f"    fp8 weights on those rungs (fp8w_b1_exact): {_f(fp8_exact['tokens_per_s'], '.1f')} tokens/s, "
+                     f"{_f(ratio(fp8_exact['tokens_per_s'], exact['tokens_per_s']))}x bf16_b1_exact")
     if tight is None:
         not_run.append("tight_b1")
         lines.append("    tight loop: (not run)")
