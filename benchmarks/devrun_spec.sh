@@ -21,9 +21,11 @@
 # Then the table (benchmarks/spec_summary.py) to stdout and $OUT/summary.txt, $OUT/summary.json, and every
 # log and report in $OUT/spec_logs.tar.gz.
 #   bash benchmarks/devrun_spec.sh profile     instead: where a speculating step's time goes, host and device
-#       (benchmarks/profile_step.py --host-top 45 on the batch-1 config, precompiled), n-gram with overlap off
-#       at A = 0 (every step's host work in series with its device work) and the draft model at A = 0.8;
-#       their output in $OUT/profile_*.txt
+#       (benchmarks/profile_step.py --host-top 45 on the batch-1 config, precompiled): speculation off, then
+#       n-gram, both with overlap off (every step's host work in series with its device work), n-gram at
+#       A = 0 (every guess scored: the verify step's kernels beside the plain step's), then the draft model at
+#       A = 0.8; their output in $OUT/profile_*.txt. (The profiler runs each kernel on its own, without
+#       CUDA graphs: its device times hold, its host times are not the graphs'.)
 set -o pipefail
 OUT=${OUT:-/tmp/devrun_spec}
 DEADLINE=${DEADLINE:-530}
@@ -62,10 +64,11 @@ bench() {
 
 if [ "${1:-}" = profile ]; then
   PROFILE="$PY benchmarks/profile_step.py $(cfg 1) --disable-tqdm --batch-size 1 $B1 --num-iters-warmup 1 --num-iters 1
-    --top 20 --host-top 45"
-  run profile_ngram_sync 240 200 $PROFILE $SPEC --async-scheduling false --spec-synthetic-acceptance 0
-  run profile_draft 240 5 $PROFILE $DRAFT --spec-synthetic-acceptance 0.8
-  for name in profile_ngram_sync profile_draft; do
+    --top 30 --host-top 45"
+  run profile_plain_sync 150 380 $PROFILE --async-scheduling false
+  run profile_ngram_sync 200 200 $PROFILE $SPEC --async-scheduling false --spec-synthetic-acceptance 0
+  run profile_draft 200 5 $PROFILE $DRAFT --spec-synthetic-acceptance 0.8
+  for name in profile_plain_sync profile_ngram_sync profile_draft; do
     grep -v "^W[0-9]\|^I[0-9]" "$W/$name.log" > "$OUT/$name.txt"; tail -25 "$OUT/$name.txt"
   done
   exit 0
