@@ -29,6 +29,9 @@
 #       kernels run side by side instead of time-slicing the GPU; the prefill instance is held to
 #       PREFILL_SM_PERCENT (default 60) of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), the decode instance
 #       takes any. Where nvidia-cuda-mps-control is missing, the mode says so and stops.
+#   PREFILL_CHUNK=N (any mode): the prefill instance's steps hold at most N tokens (max_num_batched_tokens,
+#       token rungs up to N), so a long prompt is prefilled in N-token chunks: shorter kernels for the decode
+#       instance to wait behind on a shared GPU
 set -o pipefail
 MODE=${1:-all}
 OUT=${OUT:-/tmp/devrun_pd}
@@ -123,13 +126,25 @@ fi
 kill $C 2>/dev/null; wait $C 2>/dev/null
 
 # (b2) disaggregated: the same total memory
+PREFILL_CFG=$W/half.yaml
+if [ -n "${PREFILL_CHUNK:-}" ]; then
+  PREFILL_CFG=$W/prefill.yaml
+  $PY - "$W/half.yaml" "$PREFILL_CFG" "$PREFILL_CHUNK" <<'PYEOF'
+import re, sys
+text, chunk = open(sys.argv[1]).read(), int(sys.argv[3])
+text = re.sub(r"max_num_batched_tokens: \d+", f"max_num_batched_tokens: {chunk}", text)
+rungs = lambda m: "token_buckets: [" + ", ".join(str(t) for t in map(int, m.group(1).split(",")) if t <= chunk) + "]"
+open(sys.argv[2], "w").write(re.sub(r"token_buckets: \[([^\]]*)\]", rungs, text))
+PYEOF
+  echo "   prefill instance: $PREFILL_CHUNK-token steps ($(grep token_buckets "$PREFILL_CFG" | xargs))"
+fi
 echo "== ${SECONDS}s: mixed, disaggregated"
 PP=$(port); DP=$(port); RP=$(port)
 env "${DECODE_ENV[@]}" XLA_PYTHON_CLIENT_MEM_FRACTION=$HALF_MEM $SERVE --config "$W/half.yaml" --port "$DP" \
   --pd-role decode \
   > "$W/decode.log" 2>&1 &
 PIDS+=($!); D=$!
-env "${PREFILL_ENV[@]}" XLA_PYTHON_CLIENT_MEM_FRACTION=$HALF_MEM $SERVE --config "$W/half.yaml" --port "$PP" \
+env "${PREFILL_ENV[@]}" XLA_PYTHON_CLIENT_MEM_FRACTION=$HALF_MEM $SERVE --config "$PREFILL_CFG" --port "$PP" \
   --pd-role prefill \
   > "$W/prefill.log" 2>&1 &
 PIDS+=($!); PF=$!
