@@ -65,9 +65,9 @@ bench() {
 if [ "${1:-}" = profile ]; then
   PROFILE="$PY benchmarks/profile_step.py $(cfg 1) --disable-tqdm --batch-size 1 $B1 --num-iters-warmup 1 --num-iters 1
     --top 30 --host-top 45"
-  run profile_plain_sync 150 380 $PROFILE --async-scheduling false
-  run profile_ngram_sync 200 200 $PROFILE $SPEC --async-scheduling false --spec-synthetic-acceptance 0
-  run profile_draft 200 5 $PROFILE $DRAFT --spec-synthetic-acceptance 0.8
+  run profile_plain_sync 120 400 $PROFILE --async-scheduling false
+  run profile_ngram_sync 180 230 $PROFILE $SPEC --async-scheduling false --spec-synthetic-acceptance 0
+  run profile_draft 230 5 $PROFILE $DRAFT --spec-synthetic-acceptance 0.8
   for name in profile_plain_sync profile_ngram_sync profile_draft; do
     grep -v "^W[0-9]\|^I[0-9]" "$W/$name.log" > "$OUT/$name.txt"; tail -25 "$OUT/$name.txt"
   done
@@ -75,7 +75,7 @@ if [ "${1:-}" = profile ]; then
 fi
 bench plain_b1 1 200 330 $B1 --num-iters-warmup 1 --num-iters 3
 bench spec_b1 1 180 230 $B1 --num-iters-warmup 1 --num-iters 3 $SPEC --spec-synthetic-acceptance 0,0.8,0.2,0.5,0.9
-bench draft_b1 1 150 150 $B1 --num-iters-warmup 1 --num-iters 2 $DRAFT --spec-synthetic-acceptance 0.8,0.5,0
+bench draft_b1 1 220 150 $B1 --num-iters-warmup 1 --num-iters 2 $DRAFT --spec-synthetic-acceptance 0.8,0.5,0
 for B in $BATCHES; do
   bench plain_b$B "$B" 90 60 $BN --num-iters-warmup 1 --num-iters 2
   bench spec_b$B "$B" 120 30 $BN --num-iters-warmup 1 --num-iters 2 $SPEC --spec-synthetic-acceptance 0.8,0.5,0.2,0.9,0
