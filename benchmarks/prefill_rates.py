@@ -14,8 +14,8 @@ attention: the flash attention (`pallas_kernels.flash_attention`, as the engine 
     FLOPs (4 * N * H per query-key pair, query i seeing i + 1 keys) over the sum of the chunks' times.
 fp8 (`--fp8`, first): the same four GEMMs as the engine runs them with FP8 weights on a prefill-sized step
     (quant.w8a8: per-row fp8 activations times the fp8 weight held [N, K], W8A8 through XLA), compiled under
-    each option set of `fp8_option_sets` (the engine's step options: autotune level 0; XLA's Triton GEMMs
-    off, so cuBLASLt runs the fp8 dots; default autotuning), each with its compile time.
+    each option set of `fp8_option_sets` (the engine's FP8 step options: cuBLASLt at autotune level 0; the
+    same with cuBLASLt's algorithms timed; XLA's default Triton GEMMs, autotuned), each with its compile time.
 Each time is the median of `--repeats` calls after one warm-up call. `--smoke`: tiny shapes on a CPU (the
 flash attention in interpret mode), for the plumbing only.
 """

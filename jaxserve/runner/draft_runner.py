@@ -211,6 +211,9 @@ class DraftRunner:
         compiled with the target step's options (step_program.gpu_compiler_options) of the draft's weights."""
         fp8_weights = getattr(self.cfg, "quantization", None) is not None
 
+        def build(lowered, twin: bool = False):  # (XLA:GPU options where XLA:GPU compiles: use_twins)
+            return lowered.compile(gpu_compiler_options(fp8_weights, twin) if runner.use_twins else None)
+
         def abstract(shape, dtype=jnp.int32, sharding=runner.batch_sharding):
             return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
@@ -223,9 +226,7 @@ class DraftRunner:
 
         def fill(t_pad: int, r_pad: int):
             args = self._fill_args(runner, None, *inputs(t_pad, r_pad), tokens, rows)
-            lowered = self.fill_program.lower(*args, **self._static())
-            options = gpu_compiler_options(fp8_weights) if runner.use_twins else None
-            return {("draft_fill", t_pad, r_pad): lowered.compile(options)}
+            return {("draft_fill", t_pad, r_pad): build(self.fill_program.lower(*args, **self._static()))}
 
         def fill_propose(t_pad: int, r_pad: int):
             if self.joined:
@@ -234,10 +235,8 @@ class DraftRunner:
             else:
                 args = (*self._fill_args(runner, None, *inputs(t_pad, r_pad), tokens, rows), tokens)
                 lowered = self.fill_propose_program.lower(*args, **self._propose_static())
-            if not runner.use_twins:
-                return {("draft_fill_propose", t_pad, r_pad, False): lowered.compile()}
-            return {("draft_fill_propose", t_pad, r_pad, twin): lowered.compile(gpu_compiler_options(fp8_weights, twin))
-                    for twin in (False, True)}
+            twins = (False, True) if runner.use_twins else (False,)
+            return {("draft_fill_propose", t_pad, r_pad, twin): build(lowered, twin) for twin in twins}
 
         moved = ("draft_moved_rows",)
         jobs = {moved: (lambda: {moved: moved_rows.lower(rows, tokens, tokens).compile()}, ())}
