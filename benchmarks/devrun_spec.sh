@@ -20,12 +20,15 @@
 # prompts in one step; max_num_batched_tokens).
 # Then the table (benchmarks/spec_summary.py) to stdout and $OUT/summary.txt, $OUT/summary.json, and every
 # log and report in $OUT/spec_logs.tar.gz.
+#   bash benchmarks/devrun_spec.sh verify      instead: the attention kernels' GPU tests, then plain_b1, spec_b1,
+#       plain_b16 and spec_b16 alone (the verify step's cost and the n-gram curve at batch 1 and 16), and the table
 #   bash benchmarks/devrun_spec.sh profile     instead: where a speculating step's time goes, host and device
 #       (benchmarks/profile_step.py --host-top 45 on the batch-1 config, precompiled): speculation off, then
 #       n-gram, both with overlap off (every step's host work in series with its device work), n-gram at
 #       A = 0 (every guess scored: the verify step's kernels beside the plain step's), then the draft model at
-#       A = 0.8; their output in $OUT/profile_*.txt. (The profiler runs each kernel on its own, without
-#       CUDA graphs: its device times hold, its host times are not the graphs'.)
+#       A = 0.8; their output in $OUT/profile_*.txt; `profile ngram` (or plain, draft, a comma list): those
+#       alone. (The profiler runs each kernel on its own, without CUDA graphs: its device times hold, its
+#       host times are not the graphs'.)
 set -o pipefail
 OUT=${OUT:-/tmp/devrun_spec}
 DEADLINE=${DEADLINE:-530}
@@ -65,12 +68,28 @@ bench() {
 if [ "${1:-}" = profile ]; then
   PROFILE="$PY benchmarks/profile_step.py $(cfg 1) --disable-tqdm --batch-size 1 $B1 --num-iters-warmup 1 --num-iters 1
     --top 30 --host-top 45"
-  run profile_plain_sync 120 400 $PROFILE --async-scheduling false
-  run profile_ngram_sync 180 230 $PROFILE $SPEC --async-scheduling false --spec-synthetic-acceptance 0
-  run profile_draft 230 5 $PROFILE $DRAFT --spec-synthetic-acceptance 0.8
+  ONLY=${2:-plain,ngram,draft}  # (profile ngram: that one alone)
+  [[ $ONLY == *plain* ]] && run profile_plain_sync 120 400 $PROFILE --async-scheduling false
+  [[ $ONLY == *ngram* ]] && run profile_ngram_sync 180 230 $PROFILE $SPEC --async-scheduling false \
+    --spec-synthetic-acceptance 0
+  [[ $ONLY == *draft* ]] && run profile_draft 230 5 $PROFILE $DRAFT --spec-synthetic-acceptance 0.8
   for name in profile_plain_sync profile_ngram_sync profile_draft; do
+    [ -f "$W/$name.log" ] || continue
     grep -v "^W[0-9]\|^I[0-9]" "$W/$name.log" > "$OUT/$name.txt"; tail -25 "$OUT/$name.txt"
   done
+  exit 0
+fi
+if [ "${1:-}" = verify ]; then
+  [ -n "${SMOKE:-}" ] || run gpu_tests 150 300 $PY -m pytest -q -m gpu -p no:cacheprovider \
+    tests/test_paged_attention_gpu.py tests/test_fp8_kv.py tests/test_engine_pallas.py
+  [ -f "$W/gpu_tests.log" ] && tail -3 "$W/gpu_tests.log"
+  bench plain_b1 1 120 200 $B1 --num-iters-warmup 1 --num-iters 3
+  bench spec_b1 1 120 100 $B1 --num-iters-warmup 1 --num-iters 3 $SPEC --spec-synthetic-acceptance 0,0.8,0.5
+  B=${BATCHES%% *}
+  bench plain_b$B "$B" 90 50 $BN --num-iters-warmup 1 --num-iters 2
+  bench spec_b$B "$B" 120 5 $BN --num-iters-warmup 1 --num-iters 2 $SPEC --spec-synthetic-acceptance 0.8,0
+  tar -czf "$OUT/spec_logs.tar.gz" -C "$OUT" work
+  $PY benchmarks/spec_summary.py "$W" --json "$OUT/summary.json" | tee "$OUT/summary.txt"
   exit 0
 fi
 bench plain_b1 1 200 330 $B1 --num-iters-warmup 1 --num-iters 3
