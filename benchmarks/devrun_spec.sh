@@ -27,7 +27,8 @@
 #       n-gram, both with overlap off (every step's host work in series with its device work), n-gram at
 #       A = 0 (every guess scored: the verify step's kernels beside the plain step's), then the draft model at
 #       A = 0.8; their output in $OUT/profile_*.txt; `profile ngram` (or plain, draft, a comma list): those
-#       alone. (The profiler runs each kernel on its own, without CUDA graphs: its device times hold, its
+#       alone; plain_async and ngram_async (only when named): the same two with overlap on, whose host side
+#       (--host-top) is the engine's own dispatch while the previous step runs. (The profiler runs each kernel on its own, without CUDA graphs: its device times hold, its
 #       host times are not the graphs'.)
 set -o pipefail
 OUT=${OUT:-/tmp/devrun_spec}
@@ -68,12 +69,14 @@ bench() {
 if [ "${1:-}" = profile ]; then
   PROFILE="$PY benchmarks/profile_step.py $(cfg 1) --disable-tqdm --batch-size 1 $B1 --num-iters-warmup 1 --num-iters 1
     --top 30 --host-top 45"
-  ONLY=${2:-plain,ngram,draft}  # (profile ngram: that one alone)
-  [[ $ONLY == *plain* ]] && run profile_plain_sync 120 400 $PROFILE --async-scheduling false
-  [[ $ONLY == *ngram* ]] && run profile_ngram_sync 180 230 $PROFILE $SPEC --async-scheduling false \
+  ONLY=,${2:-plain,ngram,draft},  # (profile ngram: that one alone)
+  [[ $ONLY == *,plain,* ]] && run profile_plain_sync 120 400 $PROFILE --async-scheduling false
+  [[ $ONLY == *,ngram,* ]] && run profile_ngram_sync 180 230 $PROFILE $SPEC --async-scheduling false \
     --spec-synthetic-acceptance 0
-  [[ $ONLY == *draft* ]] && run profile_draft 230 5 $PROFILE $DRAFT --spec-synthetic-acceptance 0.8
-  for name in profile_plain_sync profile_ngram_sync profile_draft; do
+  [[ $ONLY == *,plain_async,* ]] && run profile_plain_async 120 200 $PROFILE
+  [[ $ONLY == *,ngram_async,* ]] && run profile_ngram_async 180 150 $PROFILE $SPEC --spec-synthetic-acceptance 0
+  [[ $ONLY == *,draft,* ]] && run profile_draft 230 5 $PROFILE $DRAFT --spec-synthetic-acceptance 0.8
+  for name in profile_plain_sync profile_ngram_sync profile_plain_async profile_ngram_async profile_draft; do
     [ -f "$W/$name.log" ] || continue
     grep -v "^W[0-9]\|^I[0-9]" "$W/$name.log" > "$OUT/$name.txt"; tail -25 "$OUT/$name.txt"
   done
