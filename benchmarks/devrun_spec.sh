@@ -12,6 +12,7 @@
 #               (a) the verify step's cost at acceptance 0, (b) the speed-up at 0.8
 #   draft_b1    the same with a Llama-3.2-1B-shape draft model proposing (configs/models/llama3.2-1b, random
 #               weights like the target's), acceptance 0.8, 0.5, 0: (c) the speed-up at 0.8
+#   draft_fp8_b1   the same draft quantized to FP8 at load (speculative quantization fp8), acceptance 0.8, 0
 #   plain_b16, spec_b16, plain_b64, spec_b64    the curve at batch 16 and 64 (128 in, 64 out)
 #   spec_b1_sync   batch 1 with overlap off, acceptance 0 and 0.8
 # Each batch size B runs configs/llama3-8b-dummy.yaml with buckets of its own, so that precompiling is short
@@ -22,6 +23,7 @@
 # log and report in $OUT/spec_logs.tar.gz.
 #   bash benchmarks/devrun_spec.sh verify      instead: the attention kernels' GPU tests, then plain_b1, spec_b1,
 #       plain_b16 and spec_b16 alone (the verify step's cost and the n-gram curve at batch 1 and 16), and the table
+#   bash benchmarks/devrun_spec.sh draft       instead: plain_b1, draft_b1 and draft_fp8_b1 alone, and the table
 #   bash benchmarks/devrun_spec.sh profile     instead: where a speculating step's time goes, host and device
 #       (benchmarks/profile_step.py --host-top 45 on the batch-1 config, precompiled): speculation off, then
 #       n-gram, both with overlap off (every step's host work in series with its device work), n-gram at
@@ -59,6 +61,7 @@ else
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.total --format=csv,noheader
 fi
 DRAFT="--speculative-config {\"method\":\"draft_model\",\"model\":\"$DRAFT_DIR\",\"num_speculative_tokens\":$K}"
+DRAFT_FP8="--speculative-config {\"method\":\"draft_model\",\"model\":\"$DRAFT_DIR\",\"num_speculative_tokens\":$K,\"quantization\":\"fp8\"}"
 BENCH="$PY -m jaxserve.cli bench latency --disable-tqdm"
 # bench NAME B MAX_S RESERVE_S ARGS...: one bench process at batch size B (run), its report in $W/NAME.json
 bench() {
@@ -82,6 +85,14 @@ if [ "${1:-}" = profile ]; then
   done
   exit 0
 fi
+if [ "${1:-}" = draft ]; then
+  bench plain_b1 1 120 300 $B1 --num-iters-warmup 1 --num-iters 3
+  bench draft_b1 1 220 150 $B1 --num-iters-warmup 1 --num-iters 2 $DRAFT --spec-synthetic-acceptance 0.8,0
+  bench draft_fp8_b1 1 220 5 $B1 --num-iters-warmup 1 --num-iters 2 $DRAFT_FP8 --spec-synthetic-acceptance 0.8,0
+  tar -czf "$OUT/spec_logs.tar.gz" -C "$OUT" work
+  $PY benchmarks/spec_summary.py "$W" --json "$OUT/summary.json" | tee "$OUT/summary.txt"
+  exit 0
+fi
 if [ "${1:-}" = verify ]; then
   [ -n "${SMOKE:-}" ] || run gpu_tests 150 300 $PY -m pytest -q -m gpu -p no:cacheprovider \
     tests/test_paged_attention_gpu.py tests/test_fp8_kv.py tests/test_engine_pallas.py
@@ -98,6 +109,7 @@ fi
 bench plain_b1 1 200 330 $B1 --num-iters-warmup 1 --num-iters 3
 bench spec_b1 1 180 230 $B1 --num-iters-warmup 1 --num-iters 3 $SPEC --spec-synthetic-acceptance 0,0.8,0.2,0.5,0.9
 bench draft_b1 1 220 150 $B1 --num-iters-warmup 1 --num-iters 2 $DRAFT --spec-synthetic-acceptance 0.8,0.5,0
+bench draft_fp8_b1 1 220 120 $B1 --num-iters-warmup 1 --num-iters 2 $DRAFT_FP8 --spec-synthetic-acceptance 0.8,0
 for B in $BATCHES; do
   bench plain_b$B "$B" 90 60 $BN --num-iters-warmup 1 --num-iters 2
   bench spec_b$B "$B" 120 30 $BN --num-iters-warmup 1 --num-iters 2 $SPEC --spec-synthetic-acceptance 0.8,0.5,0.2,0.9,0

@@ -5,8 +5,9 @@ SYNTHETIC acceptance (outputs not meaningful), as ratios to speculation off in t
 
 WORK_DIR holds `jaxserve bench latency --output-json` reports: plain_b{B}.json (speculation off) and
 spec_b{B}.json (n-gram, synthetic acceptance swept in one engine: its `synthetic_sweep`), and optionally
-spec_b{B}_sync.json (the same with overlap off) and draft_b{B}.json (a draft model proposing, its guesses
-accepted at the same synthetic rates). A missing one is reported as not run.
+spec_b{B}_sync.json (the same with overlap off), draft_b{B}.json (a draft model proposing, its guesses
+accepted at the same synthetic rates) and draft_fp8_b{B}.json (the same draft quantized to FP8 at load). A
+missing one is reported as not run.
 
     step ms       = TPOT x tokens per verified step (the mean accepted length; 1 with speculation off):
                     the time of one step as a request sees it, host work included
@@ -25,12 +26,12 @@ import json
 import re
 from pathlib import Path
 
-KINDS = {"spec": "ngram", "spec_sync": "ngram-sync", "draft": "draft"}  # run kind -> its label
-NAME = re.compile(r"^(plain|spec|draft)_b(\d+)(_sync)?\.json$")
+KINDS = {"spec": "ngram", "spec_sync": "ngram-sync", "draft": "draft", "draft_fp8": "draft-fp8"}  # kind -> label
+NAME = re.compile(r"^(plain|spec|draft|draft_fp8)_b(\d+)(_sync)?\.json$")
 
 
 def load_runs(work: Path) -> dict[tuple[str, int], dict]:
-    """(kind, batch) -> report, kind plain | spec | spec_sync | draft."""
+    """(kind, batch) -> report, kind plain | spec | spec_sync | draft | draft_fp8."""
     runs = {}
     for path in sorted(work.glob("*.json")):
         m = NAME.match(path.name)
@@ -114,7 +115,9 @@ def render(table: dict) -> str:
                  f"time (target <= 1.1)")
     lines.append(f"(b) acceptance 0.8, batch 1: {fmt(fast and fast['speedup'])}x tokens/s (target >= 2.5)")
     draft = lookup(table, 1, 0.8, "draft")
-    lines.append(f"(c) acceptance 0.8, batch 1, draft model: {fmt(draft and draft['speedup'])}x tokens/s (target >= 1.8)")
+    draft8 = lookup(table, 1, 0.8, "draft_fp8")
+    lines.append(f"(c) acceptance 0.8, batch 1, draft model: {fmt(draft and draft['speedup'])}x tokens/s (target >= 1.8); "
+                 f"its FP8 draft: {fmt(draft8 and draft8['speedup'])}x")
     lines.append("")
     lines.append(f"{'batch':>5} {'mode':9} {'accept':>6} {'tok/step':>8} {'(expect)':>8} {'tok/s':>9} {'speedup':>7} "
                  f"{'step ms':>8} {'step x':>6} {'device ms':>9}")

@@ -337,6 +337,9 @@ class SpeculativeConfig:
     # draft_model / eagle / eagle3: the draft's tensor-parallel size, 1 (every device runs the whole draft) or
     # parallel.model (split as the target is); null: parallel.model.
     draft_tensor_parallel_size: int | None = None
+    # draft_model: fp8 quantizes a float draft checkpoint's dense weights at load, as model.quantization does
+    # the target's (vLLM's speculative_config "quantization"); an FP8 draft checkpoint loads as FP8 either way.
+    quantization: str | None = None
     # Bench only (`jaxserve bench --spec-synthetic-acceptance`; Engine refuses it elsewhere): every decode
     # row carries k guesses and each is accepted with this probability while the ones before it were
     # (runner/spec_verify.py), whatever the model says, so outputs are not meaningful.
@@ -352,7 +355,7 @@ class SpeculativeConfig:
                                  f"got {self.synthetic_acceptance}")
         if self.method is None:
             set_fields = [name for name in ("model", "num_speculative_tokens", "prompt_lookup_min",
-                                            "prompt_lookup_max", "draft_tensor_parallel_size")
+                                            "prompt_lookup_max", "draft_tensor_parallel_size", "quantization")
                           if getattr(self, name) is not None]
             if set_fields:
                 raise ValueError(f"speculative.{set_fields[0]} is set but speculative.method is not; set "
@@ -368,6 +371,13 @@ class SpeculativeConfig:
         if self.num_speculative_tokens is None or self.num_speculative_tokens < 1:
             raise ValueError(f"speculative.num_speculative_tokens must be an integer >= 1 with method "
                              f"{self.method}, got {self.num_speculative_tokens!r}")
+        if self.quantization is not None:
+            if self.quantization != "fp8":
+                raise ValueError(f"speculative.quantization={self.quantization!r} is not supported; use fp8 (an "
+                                 f"FP8 draft model) or leave it unset")
+            if self.method != "draft_model":
+                raise ValueError(f"speculative.quantization is for method draft_model (the draft's weights); "
+                                 f"method {self.method} has no draft checkpoint to quantize: leave it unset")
         if self.method == "ngram":
             misplaced = [name for name in ("model", "draft_tensor_parallel_size") if getattr(self, name) is not None]
             if misplaced:

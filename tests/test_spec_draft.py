@@ -22,7 +22,7 @@ from hypothesis.stateful import initialize
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import SpeculativeConfig
-from jaxserve.models import llama, registry
+from jaxserve.models import llama, quant, registry
 from jaxserve.models import eagle_head as eagle
 from tests.conftest import HF_FIXTURES, TINY_MODEL
 from tests.scheduler_harness import Driver, FakeRunner, make_request, make_scheduler
@@ -153,14 +153,18 @@ def test_target_as_its_own_draft_is_accepted_with_preemption_and_prefix_caching(
     assert_no_leaks(llm)
 
 
-@pytest.mark.parametrize("speculative, rate", [(spec(), 0.5), (eagle_spec(), 0.6)], ids=["draft_model", "eagle"])
+@pytest.mark.parametrize("speculative, rate", [(spec(), 0.5), ({**spec(), "quantization": "fp8"}, 0.5),
+                                               (eagle_spec(), 0.6)], ids=["draft_model", "fp8_draft_model", "eagle"])
 def test_trained_proposers_have_guesses_accepted(reference, speculative, rate):
     """The embedded draft and head agree with the target on 90% and 99.7% of held-out answer tokens
     (teacher-forced; their TRAINING.md): most guesses are accepted, also those made one token behind
     (overlap), those after a first guess, and those after chunked prompts (the head reads each chunk's next
-    prompt token from the host)."""
+    prompt token from the host). The draft quantized to FP8 at load (speculative.quantization) still
+    guesses well."""
     llm = make_llm(precompile=False, num_blocks=10, max_num_batched_tokens=5, max_num_seqs=4, request_buckets=[4],
                    speculative_config=speculative)
+    draft_weights = jax.tree.leaves(llm.engine.runner.drafter.params, is_leaf=lambda x: isinstance(x, quant.Fp8Weight))
+    assert any(isinstance(w, quant.Fp8Weight) for w in draft_weights) == ("quantization" in speculative)
     assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == token_ids(reference["greedy"])
     scheduler = llm.engine.scheduler
     assert rate * scheduler.num_draft_tokens <= scheduler.num_accepted_tokens <= scheduler.num_draft_tokens
@@ -233,6 +237,10 @@ def test_bad_draft_configs_are_refused_at_start(tmp_path):
         make_llm(precompile=False, speculative_config=spec(tmp_path / "missing"))
     with pytest.raises(ValueError, match="num_speculative_tokens must be an integer >= 1"):
         make_llm(precompile=False, speculative_config=spec(k=0))
+    with pytest.raises(ValueError, match="speculative.quantization is for method draft_model"):
+        make_llm(precompile=False, speculative_config={**eagle_spec(), "quantization": "fp8"})
+    with pytest.raises(ValueError, match="speculative.quantization='int4' is not supported; use fp8"):
+        make_llm(precompile=False, speculative_config={**spec(), "quantization": "int4"})
     with pytest.raises(ValueError, match="draft_tensor_parallel_size=2"):
         make_llm(precompile=False, speculative_config={**spec(), "draft_tensor_parallel_size": 2})
     with pytest.raises(ValueError, match="method=draft_model is not supported yet with parallel.data > 1"):

@@ -94,6 +94,7 @@ class DraftRunner:
         self.block_size = config.cache.block_size
         self.target = target
         self.load_format = config.model.load_format
+        self.quantization = config.speculative.quantization
         self.cfg, self.params = self._load(config.speculative.model, target, max_model_len)
         self.attention_backend = resolve_attention_backend(config.runner.attention_backend, self.cfg, self.block_size)
         self.kv_caches: list[jax.Array] = []
@@ -104,12 +105,12 @@ class DraftRunner:
         return draft_parallel(config, tp)
 
     def _load(self, path: str, target, max_model_len: int):
-        """-> (the draft's model config, its params placed on self.tp's mesh, FP8 weights held
-        [N, K] where device_setup.holds_fp8_transposed says so). With model.load_format dummy (benchmarks) the
-        draft's weights are random too, from its config.json alone."""
+        """-> (the draft's model config, its params placed on self.tp's mesh, FP8 weights (an FP8 checkpoint's,
+        or speculative.quantization fp8's) held [N, K] where device_setup.holds_fp8_transposed says so). With
+        model.load_format dummy (benchmarks) the draft's weights are random too, from its config.json alone."""
         try:
-            cfg, _ = loader.load_config(path, target.dtype)
-        except loader.CheckpointError as err:
+            cfg, _ = loader.load_config(path, target.dtype, self.quantization)
+        except (loader.CheckpointError, registry.UnsupportedModelError) as err:
             raise ValueError(f"speculative.model: {err}") from None
         if cfg.vocab_size != target.vocab_size:
             raise ValueError(f"speculative.model {path!r} has a vocabulary of {cfg.vocab_size} tokens but the "
@@ -119,7 +120,8 @@ class DraftRunner:
             raise ValueError(f"speculative.model {path!r} takes {cfg.max_position_embeddings} positions but "
                              f"max_model_len is {max_model_len}; lower model.max_model_len or choose a draft with "
                              f"a longer context")
-        params = loader.load_model(path, dtype=target.dtype, load_format=self.load_format, tp=self.tp).params
+        params = loader.load_model(path, dtype=target.dtype, load_format=self.load_format, tp=self.tp,
+                                   quantization=self.quantization).params
         return cfg, hold_fp8_transposed(params) if holds_fp8_transposed(cfg, self.tp) else params
 
     def memory(self, buckets) -> tuple[int, int]:
