@@ -12,9 +12,9 @@
 #               (a) the verify step's cost at acceptance 0, (b) the speed-up at 0.8
 #   draft_b1    the same with a Llama-3.2-1B-shape draft model proposing (configs/models/llama3.2-1b, random
 #               weights like the target's), acceptance 0.8, 0.5, 0: (c) the speed-up at 0.8
-#   draft_fp8_b1   the same draft quantized to FP8 at load (speculative quantization fp8), acceptance 0.8, 0
 #   plain_b16, spec_b16, plain_b64, spec_b64    the curve at batch 16 and 64 (128 in, 64 out)
 #   spec_b1_sync   batch 1 with overlap off, acceptance 0 and 0.8
+#   draft_fp8_b1   draft_b1's draft quantized to FP8 at load (speculative quantization fp8), acceptance 0.8, 0
 # Each batch size B runs configs/llama3-8b-dummy.yaml with buckets of its own, so that precompiling is short
 # and a verify step is not padded to a larger rung: requests B and B x (k + 1) (max_num_seqs: the scheduler
 # takes a guess's logits row from the rows no request holds), tokens B (or 16), B x (k + 1) and B x 128 (the
@@ -91,6 +91,7 @@ if [ "${1:-}" = draft ]; then
   bench draft_fp8_b1 1 220 5 $B1 --num-iters-warmup 1 --num-iters 2 $DRAFT_FP8 --spec-synthetic-acceptance 0.8,0
   tar -czf "$OUT/spec_logs.tar.gz" -C "$OUT" work
   $PY benchmarks/spec_summary.py "$W" --json "$OUT/summary.json" | tee "$OUT/summary.txt"
+  rm -rf "$W"
   exit 0
 fi
 if [ "${1:-}" = verify ]; then
@@ -104,18 +105,19 @@ if [ "${1:-}" = verify ]; then
   bench spec_b$B "$B" 120 5 $BN --num-iters-warmup 1 --num-iters 2 $SPEC --spec-synthetic-acceptance 0.8,0
   tar -czf "$OUT/spec_logs.tar.gz" -C "$OUT" work
   $PY benchmarks/spec_summary.py "$W" --json "$OUT/summary.json" | tee "$OUT/summary.txt"
+  rm -rf "$W"
   exit 0
 fi
 bench plain_b1 1 200 330 $B1 --num-iters-warmup 1 --num-iters 3
 bench spec_b1 1 180 230 $B1 --num-iters-warmup 1 --num-iters 3 $SPEC --spec-synthetic-acceptance 0,0.8,0.2,0.5,0.9
 bench draft_b1 1 220 150 $B1 --num-iters-warmup 1 --num-iters 2 $DRAFT --spec-synthetic-acceptance 0.8,0.5,0
-bench draft_fp8_b1 1 220 120 $B1 --num-iters-warmup 1 --num-iters 2 $DRAFT_FP8 --spec-synthetic-acceptance 0.8,0
 for B in $BATCHES; do
   bench plain_b$B "$B" 90 60 $BN --num-iters-warmup 1 --num-iters 2
   bench spec_b$B "$B" 120 30 $BN --num-iters-warmup 1 --num-iters 2 $SPEC --spec-synthetic-acceptance 0.8,0.5,0.2,0.9,0
 done
-bench spec_b1_sync 1 60 5 $B1 --num-iters-warmup 1 --num-iters 2 $SPEC --async-scheduling false \
+bench spec_b1_sync 1 60 100 $B1 --num-iters-warmup 1 --num-iters 2 $SPEC --async-scheduling false \
   --spec-synthetic-acceptance 0,0.8
+bench draft_fp8_b1 1 220 5 $B1 --num-iters-warmup 1 --num-iters 2 $DRAFT_FP8 --spec-synthetic-acceptance 0.8,0
 echo "== ${SECONDS}s: done"
 tar -czf "$OUT/spec_logs.tar.gz" -C "$OUT" work
 $PY benchmarks/spec_summary.py "$W" --json "$OUT/summary.json" | tee "$OUT/summary.txt"

@@ -245,6 +245,9 @@ def test_speculative_section_and_vllm_speculative_config():
     draft = EngineConfig().with_overrides(speculative_config={"model": "/draft", "num_speculative_tokens": 2}).speculative
     assert (draft.method, draft.model, draft.uses_model, draft.draft_tensor_parallel_size) == (
         "draft_model", "/draft", True, None)
+    fp8_draft = EngineConfig().with_overrides(speculative_config={"model": "/draft", "num_speculative_tokens": 2,
+                                                                  "quantization": "fp8"})
+    assert fp8_draft.speculative.quantization == "fp8" and fp8_draft.model.quantization is None
     assert EngineConfig.from_dict({"speculative": {"method": "ngram", "num_speculative_tokens": 2}}) == \
         EngineConfig().with_overrides(**{"speculative.method": "ngram", "num_speculative_tokens": 2})
     for value, message in [
@@ -266,6 +269,11 @@ def test_speculative_section_and_vllm_speculative_config():
          r"prompt_lookup_min \(4\) and prompt_lookup_max \(2\) must satisfy"),
         ({"method": "ngrams", "num_speculative_tokens": 2}, "speculative.method must be ngram, draft_model, eagle or"),
         ({"num_speculative_tokens": 2}, "num_speculative_tokens is set but speculative.method is not"),
+        ({"quantization": "fp8"}, "quantization is set but speculative.method is not"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "quantization": "fp8"},
+         "speculative.quantization is for method draft_model"),
+        ({"model": "/draft", "num_speculative_tokens": 2, "quantization": "int8"},
+         r"speculative.quantization='int8' is not supported; use fp8"),
         ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1},
          "draft_tensor_parallel_size is for method draft_model, eagle or eagle3"),
         ({"method": "ngram", "num_speculative_tokens": 2, "acceptance": 0.5},

@@ -167,6 +167,10 @@ def test_bench_reports_and_the_devrun_summary(tmp_path):
     assert points[1.0]["speedup"] > 0
     text = summary.render(table)
     assert "(a) verify step at batch 1" in text and "SYNTHETIC" in text and "n/a" not in text.splitlines()[2]
+    # a draft run's report (here the n-gram one under the FP8 draft's name) has its own rows and (c) figure
+    (work / "draft_fp8_b1.json").write_text((work / "spec_b1.json").read_text())
+    text = summary.render(summary.summarise(work))
+    assert "draft-fp8" in text and "its FP8 draft: n/a" not in text
 
 
 def test_bench_throughput_reports_real_acceptance(tmp_path):

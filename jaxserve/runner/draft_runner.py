@@ -21,6 +21,7 @@ parallel.model), or whole on every one of them (1: its parameters and cache repl
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -185,8 +186,10 @@ class DraftRunner:
         if self.joined:
             tokens = handle.tokens if sampling else self._no_guesses
             args = (self.params, staged, self.kv_caches, tokens, num_accepted, rows)
-            self.kv_caches, drafts = (program(*args) if program is not None
-                                      else draft_model.fill_propose(*args, **self._propose_static()))
+            if program is None:  # (compiled on first use, with the options precompile gives it)
+                options = tuple(sorted(self._compiler_options(runner).items()))
+                program = functools.partial(draft_model.fill_propose_with(options), **self._propose_static())
+            self.kv_caches, drafts = program(*args)
         else:
             args = self._fill_args(runner, step, staged, hidden, num_accepted, rows)
             if not sampling:
@@ -200,6 +203,12 @@ class DraftRunner:
         drafts.copy_to_host_async()
         return drafts
 
+    def _compiler_options(self, runner, twin: bool = False) -> dict:
+        """The draft programs' XLA compiler options: the target step's GPU options (those of FP8 weights for
+        an FP8 draft) where XLA:GPU compiles (runner.use_twins), else none."""
+        fp8_weights = getattr(self.cfg, "quantization", None) is not None
+        return gpu_compiler_options(fp8_weights, twin) if runner.use_twins else {}
+
     @staticmethod
     def read(handle, num_rows: int) -> list[list[int]] | None:
         """A collected step's drafts, per sampling row."""
@@ -211,10 +220,8 @@ class DraftRunner:
         fill_propose per step shape (EAGLE heads: a fill and a fill_propose per step shape). A job returns
         {key: executable}: on a GPU fill_propose's twins ("draft_fill_propose", T, R, twin False and True),
         compiled with the target step's options (step_program.gpu_compiler_options) of the draft's weights."""
-        fp8_weights = getattr(self.cfg, "quantization", None) is not None
-
-        def build(lowered, twin: bool = False):  # (XLA:GPU options where XLA:GPU compiles: use_twins)
-            return lowered.compile(gpu_compiler_options(fp8_weights, twin) if runner.use_twins else None)
+        def build(lowered, twin: bool = False):
+            return lowered.compile(self._compiler_options(runner, twin) or None)
 
         def abstract(shape, dtype=jnp.int32, sharding=runner.batch_sharding):
             return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)

@@ -25,6 +25,8 @@ Dimension alphabet (models/layers.py): M rows, k draft tokens, T tokens, R reque
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -109,5 +111,12 @@ def _fill_propose(params, batch: ModelBatch, kv_caches, tokens: jax.Array, num_a
     return kv_caches, stack_drafts(drafts, num_rows)
 
 
-fill_propose = jax.jit(_fill_propose, static_argnames=("cfg", "k", "block_size", "attention_backend", "tp"),
-                       donate_argnames=("kv_caches",))
+@functools.cache
+def fill_propose_with(options: tuple[tuple[str, object], ...] = ()):
+    """fill_propose jitted with these XLA compiler options (as sorted items; a GPU step's are
+    step_program.gpu_compiler_options), one per option set."""
+    return jax.jit(_fill_propose, static_argnames=("cfg", "k", "block_size", "attention_backend", "tp"),
+                   donate_argnames=("kv_caches",), compiler_options=dict(options) or None)
+
+
+fill_propose = fill_propose_with()
