@@ -23,6 +23,9 @@
 # log and report in $OUT/spec_logs.tar.gz.
 #   bash benchmarks/devrun_spec.sh verify      instead: the attention kernels' GPU tests, then plain_b1, spec_b1,
 #       plain_b16 and spec_b16 alone (the verify step's cost and the n-gram curve at batch 1 and 16), and the table
+#   bash benchmarks/devrun_spec.sh graphs      instead: XLA's command-buffer log (TF_CPP_VMODULE) of a plain and
+#       an n-gram (A = 0) batch-1 run: how many graph executions update allocations (a step whose graph is
+#       updated every step pays the update on the host); PATCH=FILE applies a patch to the tree first
 #   bash benchmarks/devrun_spec.sh draft       instead: plain_b1, draft_b1 and draft_fp8_b1 alone, and the table
 #   bash benchmarks/devrun_spec.sh profile     instead: where a speculating step's time goes, host and device
 #       (benchmarks/profile_step.py --host-top 45 on the batch-1 config, precompiled): speculation off, then
@@ -83,6 +86,20 @@ if [ "${1:-}" = profile ]; then
     [ -f "$W/$name.log" ] || continue
     grep -v "^W[0-9]\|^I[0-9]" "$W/$name.log" > "$OUT/$name.txt"; tail -25 "$OUT/$name.txt"
   done
+  exit 0
+fi
+if [ "${1:-}" = graphs ]; then  # does XLA update a step's CUDA graph every step? its log, plain and n-gram (A = 0)
+  [ -z "${PATCH:-}" ] || git apply "$PATCH" || exit 1
+  for name in plain_vlog spec_vlog; do
+    extra=""; [ $name = spec_vlog ] && extra="$SPEC --spec-synthetic-acceptance 0"
+    (export TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=1
+     run $name 200 5 $BENCH $(cfg 1) --batch-size 1 $B1 --num-iters-warmup 0 --num-iters 1 $extra)
+    echo "== $name: the last 400 graph executions' updates (count, commands, allocations updated)"
+    grep -E "command_buffer_thunk|command_executor" "$W/$name.log" | tail -400 \
+      | grep -oE "num_commands=[0-9]+; updated_allocs=[0-9]+|Updated [0-9]+ commands" | sort | uniq -c
+    grep -E "^Decode:|^step  ms" "$W/$name.log"
+  done
+  tar -czf "$OUT/spec_logs.tar.gz" -C "$OUT" work
   exit 0
 fi
 if [ "${1:-}" = draft ]; then
