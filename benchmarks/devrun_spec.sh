@@ -33,8 +33,8 @@
 #       A = 0 (every guess scored: the verify step's kernels beside the plain step's), then the draft model at
 #       A = 0.8; their output in $OUT/profile_*.txt; `profile ngram` (or plain, draft, a comma list): those
 #       alone; plain_async and ngram_async (only when named): the same two with overlap on, whose host side
-#       (--host-top) is the engine's own dispatch while the previous step runs. (The profiler runs each kernel on its own, without CUDA graphs: its device times hold, its
-#       host times are not the graphs'.)
+#       (--host-top) is the engine's own dispatch while the previous step runs. (The profiler runs each
+#       kernel on its own, without CUDA graphs: its device times hold, its host times are not the graphs'.)
 set -o pipefail
 OUT=${OUT:-/tmp/devrun_spec}
 DEADLINE=${DEADLINE:-530}

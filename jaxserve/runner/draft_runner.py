@@ -100,6 +100,7 @@ class DraftRunner:
         self.attention_backend = resolve_attention_backend(config.runner.attention_backend, self.cfg, self.block_size)
         self.kv_caches: list[jax.Array] = []
         self._twin: dict[tuple[int, int], bool] = {}  # the twin the last fill_propose of a (T, R) ran
+        self._first_use = None  # _fill_propose_on_first_use's program
 
     @staticmethod
     def _parallel(config: EngineConfig, tp: TensorParallel | None) -> TensorParallel | None:
@@ -186,10 +187,7 @@ class DraftRunner:
         if self.joined:
             tokens = handle.tokens if sampling else self._no_guesses
             args = (self.params, staged, self.kv_caches, tokens, num_accepted, rows)
-            if program is None:  # (compiled on first use, with the options precompile gives it)
-                options = tuple(sorted(self._compiler_options(runner).items()))
-                program = functools.partial(draft_model.fill_propose_with(options), **self._propose_static())
-            self.kv_caches, drafts = program(*args)
+            self.kv_caches, drafts = (program or self._fill_propose_on_first_use(runner))(*args)
         else:
             args = self._fill_args(runner, step, staged, hidden, num_accepted, rows)
             if not sampling:
@@ -202,6 +200,14 @@ class DraftRunner:
             return None
         drafts.copy_to_host_async()
         return drafts
+
+    def _fill_propose_on_first_use(self, runner):
+        """fill_propose where precompile made no executable: jitted once with the options precompile gives it,
+        compiling each step shape on first use."""
+        if self._first_use is None:
+            options = tuple(sorted(self._compiler_options(runner).items()))
+            self._first_use = functools.partial(draft_model.fill_propose_with(options), **self._propose_static())
+        return self._first_use
 
     def _compiler_options(self, runner, twin: bool = False) -> dict:
         """The draft programs' XLA compiler options: the target step's GPU options (those of FP8 weights for
