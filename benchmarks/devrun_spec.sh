@@ -19,14 +19,20 @@
 # and a verify step is not padded to a larger rung: requests B and B x (k + 1) (max_num_seqs: the scheduler
 # takes a guess's logits row from the rows no request holds), tokens B (or 16), B x (k + 1) and B x 128 (the
 # prompts in one step; max_num_batched_tokens).
+# PATCH=FILE[,FILE...] (any mode) applies those patches to the tree first: an A/B comparison is two runs in
+# one device call (timings at batch 1 differ between machines more than the changes measured), e.g.
+#   OUT=$OUT/a bash benchmarks/devrun_spec.sh only plain_b1,spec_b1; PATCH=benchmarks/experimental/X.patch \
+#   OUT=$OUT/b bash benchmarks/devrun_spec.sh only plain_b1,spec_b1
 # Then the table (benchmarks/spec_summary.py) to stdout and $OUT/summary.txt, $OUT/summary.json, and every
 # log and report in $OUT/spec_logs.tar.gz.
 #   bash benchmarks/devrun_spec.sh verify      instead: the attention kernels' GPU tests, then plain_b1, spec_b1,
 #       plain_b16 and spec_b16 alone (the verify step's cost and the n-gram curve at batch 1 and 16), and the table
 #   bash benchmarks/devrun_spec.sh graphs      instead: XLA's command-buffer log (TF_CPP_VMODULE) of a plain and
 #       an n-gram (A = 0) batch-1 run: how many graph executions update allocations (a step whose graph is
-#       updated every step pays the update on the host); PATCH=FILE applies a patch to the tree first
-#   bash benchmarks/devrun_spec.sh draft       instead: plain_b1, draft_b1 and draft_fp8_b1 alone, and the table
+#       updated every step pays the update on the host)
+#   bash benchmarks/devrun_spec.sh draft       instead: plain_b1, draft_b1 and draft_fp8_b1 alone, and the table;
+#       `only plain_b1,spec_b1,draft_fp8_b1` (a comma list of those four): the named ones alone (spec_b1 at
+#       acceptance 0 and 0.8)
 #   bash benchmarks/devrun_spec.sh profile     instead: where a speculating step's time goes, host and device
 #       (benchmarks/profile_step.py --host-top 45 on the batch-1 config, precompiled): speculation off, then
 #       n-gram, both with overlap off (every step's host work in series with its device work), n-gram at
@@ -39,6 +45,7 @@ set -o pipefail
 OUT=${OUT:-/tmp/devrun_spec}
 DEADLINE=${DEADLINE:-530}
 source benchmarks/devrun_common.sh
+for patch in ${PATCH//,/ }; do git apply "$patch" || { echo "PATCH $patch does not apply"; exit 1; }; done
 SHOW="^Decode:|^synthetic acceptance|^compiled"
 K=4
 SPEC="--speculative-config {\"method\":\"ngram\",\"num_speculative_tokens\":$K}"
@@ -89,7 +96,6 @@ if [ "${1:-}" = profile ]; then
   exit 0
 fi
 if [ "${1:-}" = graphs ]; then  # does XLA update a step's CUDA graph every step? its log, plain and n-gram (A = 0)
-  [ -z "${PATCH:-}" ] || git apply "$PATCH" || exit 1
   for name in plain_vlog spec_vlog; do
     extra=""; [ $name = spec_vlog ] && extra="$SPEC --spec-synthetic-acceptance 0"
     (export TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=1
@@ -102,10 +108,15 @@ if [ "${1:-}" = graphs ]; then  # does XLA update a step's CUDA graph every step
   tar -czf "$OUT/spec_logs.tar.gz" -C "$OUT" work
   exit 0
 fi
-if [ "${1:-}" = draft ]; then
-  bench plain_b1 1 120 300 $B1 --num-iters-warmup 1 --num-iters 3
-  bench draft_b1 1 220 150 $B1 --num-iters-warmup 1 --num-iters 2 $DRAFT --spec-synthetic-acceptance 0.8,0
-  bench draft_fp8_b1 1 220 5 $B1 --num-iters-warmup 1 --num-iters 2 $DRAFT_FP8 --spec-synthetic-acceptance 0.8,0
+if [ "${1:-}" = draft ] || [ "${1:-}" = only ]; then
+  ONLY=,${2:-plain_b1,draft_b1,draft_fp8_b1},
+  [[ $ONLY == *,plain_b1,* ]] && bench plain_b1 1 120 300 $B1 --num-iters-warmup 1 --num-iters 3
+  [[ $ONLY == *,spec_b1,* ]] && bench spec_b1 1 120 250 $B1 --num-iters-warmup 1 --num-iters 3 $SPEC \
+    --spec-synthetic-acceptance 0,0.8
+  [[ $ONLY == *,draft_b1,* ]] && bench draft_b1 1 220 150 $B1 --num-iters-warmup 1 --num-iters 2 $DRAFT \
+    --spec-synthetic-acceptance 0.8,0
+  [[ $ONLY == *,draft_fp8_b1,* ]] && bench draft_fp8_b1 1 300 5 $B1 --num-iters-warmup 1 --num-iters 2 $DRAFT_FP8 \
+    --spec-synthetic-acceptance 0.8,0
   tar -czf "$OUT/spec_logs.tar.gz" -C "$OUT" work
   $PY benchmarks/spec_summary.py "$W" --json "$OUT/summary.json" | tee "$OUT/summary.txt"
   rm -rf "$W"
