@@ -19,10 +19,11 @@
 # and a verify step is not padded to a larger rung: requests B and B x (k + 1) (max_num_seqs: the scheduler
 # takes a guess's logits row from the rows no request holds), tokens B (or 16), B x (k + 1) and B x 128 (the
 # prompts in one step; max_num_batched_tokens).
-# PATCH=FILE[,FILE...] (any mode) applies those patches to the tree first: an A/B comparison is two runs in
-# one device call (timings at batch 1 differ between machines more than the changes measured), e.g.
-#   OUT=$OUT/a bash benchmarks/devrun_spec.sh only plain_b1,spec_b1; PATCH=benchmarks/experimental/X.patch \
-#   OUT=$OUT/b bash benchmarks/devrun_spec.sh only plain_b1,spec_b1
+# PATCH=FILE[,FILE...] (any mode) applies those patches to the tree first.
+#   bash benchmarks/devrun_spec.sh ab          instead: an A/B in one call (timings at batch 1 differ between
+#       machines more than the changes measured): plain_b1 and spec_b1 (acceptance 0 and 0.8) of the tree,
+#       then again after each patch of AB_PATCHES (a comma list, applied one after another; default the two
+#       host-side patches of benchmarks/experimental), then of the tree again (the drift); a table per tree
 # Then the table (benchmarks/spec_summary.py) to stdout and $OUT/summary.txt, $OUT/summary.json, and every
 # log and report in $OUT/spec_logs.tar.gz.
 #   bash benchmarks/devrun_spec.sh verify      instead: the attention kernels' GPU tests, then plain_b1, spec_b1,
@@ -106,6 +107,26 @@ if [ "${1:-}" = graphs ]; then  # does XLA update a step's CUDA graph every step
     grep -E "^Decode:|^step  ms" "$W/$name.log"
   done
   tar -czf "$OUT/spec_logs.tar.gz" -C "$OUT" work
+  exit 0
+fi
+if [ "${1:-}" = ab ]; then  # the tree, then AB_PATCHES added one at a time, then the tree again: plain + n-gram
+  IFS=, read -ra added <<< "${AB_PATCHES:-benchmarks/experimental/greedy_argmax_every_step.patch,benchmarks/experimental/ngram_verify_propose.patch}"
+  tree() {  # NAME: plain_b1 and spec_b1 (acceptance 0 and 0.8) of the tree as it is now, in $OUT/NAME
+    W=$OUT/$1; mkdir -p "$W"
+    bench plain_b1 1 100 20 $B1 --num-iters-warmup 1 --num-iters 3
+    bench spec_b1 1 120 20 $B1 --num-iters-warmup 1 --num-iters 3 $SPEC --spec-synthetic-acceptance 0,0.8
+  }
+  tree a_tree
+  for i in "${!added[@]}"; do
+    git apply "${added[i]}" || { echo "${added[i]} does not apply"; exit 1; }
+    tree "b$((i + 1))_$(basename "${added[i]}" .patch)"
+  done
+  for ((i = ${#added[@]} - 1; i >= 0; i--)); do git apply -R "${added[i]}" || exit 1; done
+  tree c_tree_again
+  for d in "$OUT"/a_tree "$OUT"/b*_* "$OUT"/c_tree_again; do
+    echo "== $(basename "$d")"; $PY benchmarks/spec_summary.py "$d" | grep -E "^\(a\)|^\(b\)|^ +1 "
+  done | tee "$OUT/summary.txt"
+  tar -czf "$OUT/spec_logs.tar.gz" -C "$OUT" a_tree b* c_tree_again
   exit 0
 fi
 if [ "${1:-}" = draft ] || [ "${1:-}" = only ]; then
