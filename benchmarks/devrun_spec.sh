@@ -126,7 +126,7 @@ if [ "${1:-}" = ab ]; then  # the tree, then AB_PATCHES added one at a time, the
   for d in "$OUT"/a_tree "$OUT"/b*_* "$OUT"/c_tree_again; do
     echo "== $(basename "$d")"; $PY benchmarks/spec_summary.py "$d" | grep -E "^\(a\)|^\(b\)|^ +1 "
   done | tee "$OUT/summary.txt"
-  tar -czf "$OUT/spec_logs.tar.gz" -C "$OUT" a_tree b* c_tree_again
+  tar -czf "$OUT/spec_logs.tar.gz" -C "$OUT" $(cd "$OUT" && ls -d a_tree b*_* c_tree_again)
   exit 0
 fi
 if [ "${1:-}" = draft ] || [ "${1:-}" = only ]; then
