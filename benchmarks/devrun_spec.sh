@@ -30,7 +30,8 @@
 #       plain_b16 and spec_b16 alone (the verify step's cost and the n-gram curve at batch 1 and 16), and the table
 #   bash benchmarks/devrun_spec.sh graphs      instead: XLA's command-buffer log (TF_CPP_VMODULE) of a plain and
 #       an n-gram (A = 0) batch-1 run: how many graph executions update allocations (a step whose graph is
-#       updated every step pays the update on the host)
+#       updated every step pays the update on the host); `graphs plain,ngram,draft` (a comma list) adds the
+#       draft model at A = 0.8
 #   bash benchmarks/devrun_spec.sh draft       instead: plain_b1, draft_b1 and draft_fp8_b1 alone, and the table;
 #       `only plain_b1,spec_b1,draft_fp8_b1` (a comma list of those four): the named ones alone (spec_b1 at
 #       acceptance 0 and 0.8)
@@ -97,8 +98,13 @@ if [ "${1:-}" = profile ]; then
   exit 0
 fi
 if [ "${1:-}" = graphs ]; then  # does XLA update a step's CUDA graph every step? its log, plain and n-gram (A = 0)
-  for name in plain_vlog spec_vlog; do
-    extra=""; [ $name = spec_vlog ] && extra="$SPEC --spec-synthetic-acceptance 0"
+  ONLY=,${2:-plain,ngram},
+  for name in plain_vlog spec_vlog draft_vlog; do
+    case $name in
+      plain_vlog) [[ $ONLY == *,plain,* ]] || continue; extra="" ;;
+      spec_vlog) [[ $ONLY == *,ngram,* ]] || continue; extra="$SPEC --spec-synthetic-acceptance 0" ;;
+      draft_vlog) [[ $ONLY == *,draft,* ]] || continue; extra="$DRAFT --spec-synthetic-acceptance 0.8" ;;
+    esac
     (export TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=1
      run $name 200 5 $BENCH $(cfg 1) --batch-size 1 $B1 --num-iters-warmup 0 --num-iters 1 $extra)
     echo "== $name: the last 400 graph executions' updates (count, commands, allocations updated)"
