@@ -14,6 +14,9 @@ missing one is reported as not run.
     step ratio    = step ms / plain step ms; at acceptance 0 the verify step's cost (issue target <= 1.1
                     at batch 1, k = 4); device ratio: the same for the mean device time per step
                     (common.step_report's breakdown, one prefill step per iteration included)
+    host ms       = the host's dispatch of one step (the same breakdown's `prepare`: from the end of
+                    scheduling until the step's programs are enqueued); near or above the step ms, the host
+                    and not the device sets the pace
     speed-up      = decode tokens/s / plain decode tokens/s (target >= 2.5 at acceptance 0.8, batch 1)
     break-even    = the acceptance where the speed-up crosses 1, interpolated linearly between the swept
                     points (below it speculation costs more than it gains)
@@ -49,7 +52,8 @@ def point(run: dict) -> dict:
             "decode_tokens_per_s": run["decode_tokens_per_s"], "tpot_ms": tpot,
             "tokens_per_step": tokens_per_step, "step_ms": tpot * tokens_per_step if tpot else None,
             "expected_tokens_per_step": (spec or {}).get("expected_mean_accepted_length"),
-            "device_ms": run["steps"]["breakdown_ms"]["device"]}
+            "device_ms": run["steps"]["breakdown_ms"]["device"],
+            "host_ms": run["steps"]["breakdown_ms"].get("prepare")}
 
 
 def sweep(run: dict) -> list[dict]:
@@ -120,12 +124,13 @@ def render(table: dict) -> str:
                  f"its FP8 draft: {fmt(draft8 and draft8['speedup'])}x")
     lines.append("")
     lines.append(f"{'batch':>5} {'mode':9} {'accept':>6} {'tok/step':>8} {'(expect)':>8} {'tok/s':>9} {'speedup':>7} "
-                 f"{'step ms':>8} {'step x':>6} {'device ms':>9}")
+                 f"{'step ms':>8} {'step x':>6} {'device ms':>9} {'host ms':>7}")
     for batch, entry in table.items():
         base = entry["plain"]
         if base is not None:
             lines.append(f"{batch:>5} {'off':9} {'-':>6} {1.0:>8.3f} {'':>8} {fmt(base['decode_tokens_per_s'], '.1f'):>9} "
-                         f"{'1.00':>7} {fmt(base['step_ms'], '.3f'):>8} {'1.00':>6} {fmt(base['device_ms'], '.3f'):>9}")
+                         f"{'1.00':>7} {fmt(base['step_ms'], '.3f'):>8} {'1.00':>6} {fmt(base['device_ms'], '.3f'):>9} "
+                         f"{fmt(base['host_ms'], '.3f'):>7}")
         for kind, mode in KINDS.items():
             if kind not in entry:
                 continue
@@ -133,7 +138,7 @@ def render(table: dict) -> str:
                 lines.append(f"{batch:>5} {mode:9} {p['acceptance']:>6.2f} {p['tokens_per_step']:>8.3f} "
                              f"{fmt(p['expected_tokens_per_step'], '.3f'):>8} {fmt(p['decode_tokens_per_s'], '.1f'):>9} "
                              f"{fmt(p['speedup']):>7} {fmt(p['step_ms'], '.3f'):>8} {fmt(p['step_ratio']):>6} "
-                             f"{fmt(p['device_ms'], '.3f'):>9}")
+                             f"{fmt(p['device_ms'], '.3f'):>9} {fmt(p['host_ms'], '.3f'):>7}")
             even = entry[kind]["break_even_acceptance"]
             text = ("not measured" if even is None else "pays at every acceptance measured" if even == "always"
                     else "never pays in the range measured" if even == "never" else f"pays above acceptance {even:.2f}")

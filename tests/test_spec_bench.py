@@ -164,6 +164,7 @@ def test_bench_reports_and_the_devrun_summary(tmp_path):
     table = summary.summarise(work)
     points = {p["acceptance"]: p for p in table[1]["spec"]["points"]}
     assert points[0.0]["tokens_per_step"] == 1.0 and points[0.0]["step_ratio"] > 0
+    assert table[1]["plain"]["host_ms"] > 0 and all(p["host_ms"] > 0 for p in points.values())
     assert points[1.0]["speedup"] > 0
     text = summary.render(table)
     assert "(a) verify step at batch 1" in text and "SYNTHETIC" in text and "n/a" not in text.splitlines()[2]
