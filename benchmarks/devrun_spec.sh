@@ -22,7 +22,7 @@
 # PATCH=FILE[,FILE...] (any mode) applies those patches to the tree first.
 #   bash benchmarks/devrun_spec.sh ab          instead: an A/B in one call (timings at batch 1 differ between
 #       machines more than the changes measured): plain_b1 and spec_b1 (acceptance 0 and 0.8) of the tree,
-#       then again after each patch of AB_PATCHES (a comma list, applied one after another; default the two
+#       then again after each patch of AB_PATCHES (a comma list, applied one after another; default the three
 #       host-side patches of benchmarks/experimental), then of the tree again (the drift); a table per tree
 # Then the table (benchmarks/spec_summary.py) to stdout and $OUT/summary.txt, $OUT/summary.json, and every
 # log and report in $OUT/spec_logs.tar.gz.
@@ -116,7 +116,8 @@ if [ "${1:-}" = graphs ]; then  # does XLA update a step's CUDA graph every step
   exit 0
 fi
 if [ "${1:-}" = ab ]; then  # the tree, then AB_PATCHES added one at a time, then the tree again: plain + n-gram
-  IFS=, read -ra added <<< "${AB_PATCHES:-benchmarks/experimental/greedy_argmax_every_step.patch,benchmarks/experimental/ngram_verify_propose.patch}"
+  x=benchmarks/experimental
+  IFS=, read -ra added <<< "${AB_PATCHES:-$x/unrolled_token_requests.patch,$x/greedy_argmax_every_step.patch,$x/ngram_verify_propose.patch}"
   tree() {  # NAME: plain_b1 and spec_b1 (acceptance 0 and 0.8) of the tree as it is now, in $OUT/NAME
     W=$OUT/$1; mkdir -p "$W"
     bench plain_b1 1 100 20 $B1 --num-iters-warmup 1 --num-iters 3
