@@ -23,7 +23,8 @@
 #   bash benchmarks/devrun_spec.sh ab          instead: an A/B in one call (timings at batch 1 differ between
 #       machines more than the changes measured): plain_b1 and spec_b1 (acceptance 0 and 0.8) of the tree,
 #       then again after each patch of AB_PATCHES (a comma list, applied one after another; default the three
-#       host-side patches of benchmarks/experimental), then of the tree again (the drift); a table per tree
+#       host-side patches of benchmarks/experimental), then of the tree again (the drift); a table per tree;
+#       AB_ARGS: more bench flags for every run (e.g. "--temperature 0.7": random sampling)
 # Then the table (benchmarks/spec_summary.py) to stdout and $OUT/summary.txt, $OUT/summary.json, and every
 # log and report in $OUT/spec_logs.tar.gz.
 #   bash benchmarks/devrun_spec.sh verify      instead: the attention kernels' GPU tests, then plain_b1, spec_b1,
@@ -120,8 +121,8 @@ if [ "${1:-}" = ab ]; then  # the tree, then AB_PATCHES added one at a time, the
   IFS=, read -ra added <<< "${AB_PATCHES:-$x/unrolled_token_requests.patch,$x/greedy_argmax_every_step.patch,$x/ngram_verify_propose.patch}"
   tree() {  # NAME: plain_b1 and spec_b1 (acceptance 0 and 0.8) of the tree as it is now, in $OUT/NAME
     W=$OUT/$1; mkdir -p "$W"
-    bench plain_b1 1 100 20 $B1 --num-iters-warmup 1 --num-iters 3
-    bench spec_b1 1 120 20 $B1 --num-iters-warmup 1 --num-iters 3 $SPEC --spec-synthetic-acceptance 0,0.8
+    bench plain_b1 1 100 20 $B1 --num-iters-warmup 1 --num-iters 3 ${AB_ARGS:-}
+    bench spec_b1 1 120 20 $B1 --num-iters-warmup 1 --num-iters 3 $SPEC --spec-synthetic-acceptance 0,0.8 ${AB_ARGS:-}
   }
   tree a_tree
   for i in "${!added[@]}"; do
