@@ -48,7 +48,8 @@ set -o pipefail
 OUT=${OUT:-/tmp/devrun_spec}
 DEADLINE=${DEADLINE:-530}
 source benchmarks/devrun_common.sh
-for patch in ${PATCH//,/ }; do git apply "$patch" || { echo "PATCH $patch does not apply"; exit 1; }; done
+apply() { git apply "$@" || { echo "git apply $* failed"; exit 1; }; }  # (patches of PATCH and the ab mode)
+for patch in ${PATCH//,/ }; do apply "$patch"; done
 SHOW="^Decode:|^synthetic acceptance|^compiled"
 K=4
 SPEC="--speculative-config {\"method\":\"ngram\",\"num_speculative_tokens\":$K}"
@@ -126,10 +127,10 @@ if [ "${1:-}" = ab ]; then  # the tree, then AB_PATCHES added one at a time, the
   }
   tree a_tree
   for i in "${!added[@]}"; do
-    git apply "${added[i]}" || { echo "${added[i]} does not apply"; exit 1; }
+    apply "${added[i]}"
     tree "b$((i + 1))_$(basename "${added[i]}" .patch)"
   done
-  for ((i = ${#added[@]} - 1; i >= 0; i--)); do git apply -R "${added[i]}" || exit 1; done
+  for ((i = ${#added[@]} - 1; i >= 0; i--)); do apply -R "${added[i]}"; done
   tree c_tree_again
   for d in "$OUT"/a_tree "$OUT"/b*_* "$OUT"/c_tree_again; do
     echo "== $(basename "$d")"; $PY benchmarks/spec_summary.py "$d" | grep -E "^\(a\)|^\(b\)|^ +1 "

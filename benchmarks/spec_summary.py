@@ -53,7 +53,7 @@ def point(run: dict) -> dict:
             "tokens_per_step": tokens_per_step, "step_ms": tpot * tokens_per_step if tpot else None,
             "expected_tokens_per_step": (spec or {}).get("expected_mean_accepted_length"),
             "device_ms": run["steps"]["breakdown_ms"]["device"],
-            "host_ms": run["steps"]["breakdown_ms"].get("prepare")}
+            "host_ms": run["steps"]["breakdown_ms"]["prepare"]}
 
 
 def sweep(run: dict) -> list[dict]:
