@@ -24,7 +24,8 @@
 #       machines more than the changes measured): plain_b1 and spec_b1 (acceptance 0 and 0.8) of the tree,
 #       then again after each patch of AB_PATCHES (a comma list, applied one after another; default the three
 #       host-side patches of benchmarks/experimental), then of the tree again (the drift); a table per tree;
-#       AB_ARGS: more bench flags for every run (e.g. "--temperature 0.7": random sampling)
+#       AB_ARGS: more bench flags for every run (e.g. "--temperature 0.7": random sampling); AB_RUNS (a comma
+#       list of spec and draft, default spec): draft adds draft_b1 (acceptance 0.8 and 0) to each tree
 # Then the table (benchmarks/spec_summary.py) to stdout and $OUT/summary.txt, $OUT/summary.json, and every
 # log and report in $OUT/spec_logs.tar.gz.
 #   bash benchmarks/devrun_spec.sh verify      instead: the attention kernels' GPU tests, then plain_b1, spec_b1,
@@ -120,10 +121,14 @@ fi
 if [ "${1:-}" = ab ]; then  # the tree, then AB_PATCHES added one at a time, then the tree again: plain + n-gram
   x=benchmarks/experimental
   IFS=, read -ra added <<< "${AB_PATCHES:-$x/unrolled_token_requests.patch,$x/greedy_argmax_every_step.patch,$x/ngram_verify_propose.patch}"
-  tree() {  # NAME: plain_b1 and spec_b1 (acceptance 0 and 0.8) of the tree as it is now, in $OUT/NAME
+  runs=,${AB_RUNS:-spec},
+  tree() {  # NAME: plain_b1 and the AB_RUNS of the tree as it is now, in $OUT/NAME
     W=$OUT/$1; mkdir -p "$W"
     bench plain_b1 1 100 20 $B1 --num-iters-warmup 1 --num-iters 3 ${AB_ARGS:-}
-    bench spec_b1 1 120 20 $B1 --num-iters-warmup 1 --num-iters 3 $SPEC --spec-synthetic-acceptance 0,0.8 ${AB_ARGS:-}
+    [[ $runs == *,spec,* ]] && bench spec_b1 1 120 20 $B1 --num-iters-warmup 1 --num-iters 3 $SPEC \
+      --spec-synthetic-acceptance 0,0.8 ${AB_ARGS:-}
+    [[ $runs == *,draft,* ]] && bench draft_b1 1 260 20 $B1 --num-iters-warmup 1 --num-iters 2 $DRAFT \
+      --spec-synthetic-acceptance 0.8,0 ${AB_ARGS:-}
   }
   tree a_tree
   for i in "${!added[@]}"; do
@@ -133,7 +138,7 @@ if [ "${1:-}" = ab ]; then  # the tree, then AB_PATCHES added one at a time, the
   for ((i = ${#added[@]} - 1; i >= 0; i--)); do apply -R "${added[i]}"; done
   tree c_tree_again
   for d in "$OUT"/a_tree "$OUT"/b*_* "$OUT"/c_tree_again; do
-    echo "== $(basename "$d")"; $PY benchmarks/spec_summary.py "$d" | grep -E "^\(a\)|^\(b\)|^ +1 "
+    echo "== $(basename "$d")"; $PY benchmarks/spec_summary.py "$d" | grep -E "^\([abc]\)|^ +1 "
   done | tee "$OUT/summary.txt"
   tar -czf "$OUT/spec_logs.tar.gz" -C "$OUT" $(cd "$OUT" && ls -d a_tree b*_* c_tree_again)
   exit 0
