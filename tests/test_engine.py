@@ -176,6 +176,24 @@ def test_greedy_decode_steps_take_their_own_argmax(llm, monkeypatch):
     assert_no_leaks(llm)
 
 
+def test_random_rows_sort_only_when_they_use_top_k_or_top_p(llm, monkeypatch):
+    """The sampler's top-k / top-p sort is a variant chosen on the host: random rows without either run the
+    sampler without it, and with top_p every sampling step runs it."""
+    runner = llm.engine.runner
+    sorts = []
+    monkeypatch.setattr(runner, "_compiled", {k: v for k, v in runner._compiled.items() if k[0] != "sample"})
+    sample = runner._sample
+    monkeypatch.setattr(runner, "_sample", lambda logits, md, *variant: sorts.append(variant[-1]) or
+                        sample(logits, md, *variant))
+    prompts = [f"{a}+{b}=" for a, b in problems(4, seed=5)]
+    llm.generate(prompts, SamplingParams(temperature=0.8, seed=3, max_tokens=4), use_tqdm=False)
+    assert sorts and not any(sorts)
+    sorts[:] = []
+    llm.generate(prompts, SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=4), use_tqdm=False)
+    assert sorts and all(sorts)
+    assert_no_leaks(llm)
+
+
 def test_seeded_sampling_reproducible_across_batches(llm):
     params = SamplingParams(temperature=1.5, seed=1234, max_tokens=8)
     alone = llm.generate(["12+34="], params, use_tqdm=False)[0].outputs[0].token_ids

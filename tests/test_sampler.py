@@ -136,6 +136,23 @@ def test_filter_logits_masks():
     ])
 
 
+def test_the_sort_is_left_out_only_where_no_random_row_needs_it():
+    """needs_sort (decided on the host): a random row with top_k in [1, V) or top_p < 1 needs the sort; greedy
+    rows and top_k <= 0 or >= V do not. Without the sort, rows that need none sample the same tokens."""
+    assert not sampler.needs_sort(make_md(3, temperature=[0.0, 0.7, 1.0], top_k=[2, 0, V], top_p=[0.5, 1, 1]), V)
+    assert sampler.needs_sort(make_md(2, temperature=[0.0, 0.7], top_k=[0, 5]), V)
+    assert sampler.needs_sort(make_md(2, temperature=[0.0, 0.7], top_p=[1.0, 0.9]), V)
+    rng = np.random.default_rng(11)
+    logits = rng.normal(size=(64, V)).astype(np.float32) * 3
+    md = make_md(64, temperature=np.where(np.arange(64) % 3 == 0, 0.0, 0.9), min_p=0.02, top_k=V,
+                 seeds=many_seeds(64), steps=np.arange(64))
+    assert not sampler.needs_sort(md, V)
+    logits = jnp.asarray(logits)
+    sorted_, unsorted = (sample(logits, md, all_greedy=False, use_penalties=False, num_logprobs=0, sort=sort)
+                         for sort in (True, False))
+    np.testing.assert_array_equal(np.asarray(sorted_.token_ids), np.asarray(unsorted.token_ids))
+
+
 def test_min_p_sampling_support():
     R = NUM_SAMPLES
     probs = np.array([0.4, 0.3, 0.2, 0.06, 0.04] + [0.0] * (V - 5))

@@ -366,7 +366,8 @@ class ModelRunner:
             md.prompt_lens[at] = self.row_num_prompt[rows]
         all_greedy = bool(self.row_greedy[rows].all())
         num_logprobs = self.max_logprobs if self.row_logprobs[rows].any() else 0
-        return md, all_greedy, use_penalties, num_logprobs
+        sort = not all_greedy and sampler.needs_sort(md, self.cfg.vocab_size)
+        return md, all_greedy, use_penalties, num_logprobs, sort
 
     def dispatch(self, out: SchedulerOutput) -> StepHandle:
         """Enqueues one step on the device and starts copying its sampled tokens back; returns at once."""
@@ -401,7 +402,7 @@ class ModelRunner:
                                 RunnerOutput([], []) if prompt is None else None, prompt, step.index)
         else:
             md, *variant = step.sampling
-            all_greedy, use_penalties, num_logprobs = variant
+            all_greedy, use_penalties, num_logprobs, _ = variant
             if (greedy_tokens is not None and all_greedy and not use_penalties and not num_logprobs
                     and not (md.banned_token_ids >= 0).any()):
                 result = sampler.SamplerOutput(greedy_tokens, None)  # the step's own argmax: no sampler launch
@@ -492,9 +493,10 @@ class ModelRunner:
             return {}
         return {"placement": self.placement, "expert_load": self.expert_load}
 
-    def _sample(self, logits, md, all_greedy: bool, use_penalties: bool, num_logprobs: int):
+    def _sample(self, logits, md, all_greedy: bool, use_penalties: bool, num_logprobs: int, sort: bool):
         return sampler.sample(logits, md, all_greedy=all_greedy, use_penalties=use_penalties,
-                              num_logprobs=num_logprobs, out_rows=self.max_rows, tokens_sharding=self.tokens_sharding)
+                              num_logprobs=num_logprobs, sort=sort, out_rows=self.max_rows,
+                              tokens_sharding=self.tokens_sharding)
 
     def collect(self, handle: StepHandle) -> RunnerOutput:
         """Waits for a dispatched step's sampled tokens; records them in the rows; returns them."""

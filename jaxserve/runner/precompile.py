@@ -38,7 +38,9 @@ def precompile(runner, progress: bool = True) -> int:
     side too), and the step then calls these executables directly.
     """
     plan = runner.buckets.precompile_plan()
-    variants = [(g, p, lp) for g in (True, False) for p in (False, True) for lp in (0, runner.max_logprobs)]
+    # (all greedy, penalties, logprobs, top-k / top-p sort): the sort only where rows sample at random
+    variants = [(g, p, lp, sort) for g in (True, False) for p in (False, True) for lp in (0, runner.max_logprobs)
+                for sort in ((False,) if g else (False, True))]
     prev_tokens = runner._zeros((runner.max_rows,), jnp.int32)
 
     on_device = runner.on_device  # where the step's small arrays and the logits live
@@ -77,11 +79,11 @@ def precompile(runner, progress: bool = True) -> int:
         return runner.stage_fn.lower(device_batch(t_pad, r_pad), packed, prev_tokens, prev_tokens, drafts,
                                      block_size=runner.stage_block_size).compile()
 
-    def sample(rows: int, all_greedy: bool, use_penalties: bool, num_logprobs: int):
+    def sample(rows: int, all_greedy: bool, use_penalties: bool, num_logprobs: int, sort: bool):
         md = sampler.empty_metadata(rows, model_runner.MAX_BANNED, runner.max_model_len if use_penalties else 1)
         logits = jax.ShapeDtypeStruct((rows, runner.cfg.vocab_size), jnp.float32, sharding=runner.logits_sharding)
         return sampler.sample.lower(logits, md, all_greedy=all_greedy, use_penalties=use_penalties,
-                                    num_logprobs=num_logprobs, out_rows=runner.max_rows,
+                                    num_logprobs=num_logprobs, sort=sort, out_rows=runner.max_rows,
                                     tokens_sharding=runner.tokens_sharding).compile()
 
     jobs = {("forward", t_pad, r_pad, False): (forward, (t_pad, r_pad, False)) for t_pad, r_pad in plan}

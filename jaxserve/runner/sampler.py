@@ -138,21 +138,21 @@ def _top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.A
     return jnp.where(logits >= threshold, logits, -jnp.inf)
 
 
-def filter_logits(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
-    """Temperature-scaled logits [R, V] -> [R, V] with min_p, top_k and top_p applied (-inf = dropped)."""
-    V = logits.shape[-1]
+def needs_sort(md: SamplingMetadata, vocab_size: int) -> bool:
+    """Whether any random row of host metadata uses top-k or top-p (the sampler's sort over [R, V], its most
+    expensive op; greedy rows take the argmax and ignore the filtered logits)."""
+    uses = ((md.top_k > 0) & (md.top_k < vocab_size)) | (md.top_p < 1.0)
+    return bool((uses & (md.temperature >= GREEDY_EPS)).any())
+
+
+def filter_logits(logits: jax.Array, md: SamplingMetadata, sort: bool = True) -> jax.Array:
+    """Temperature-scaled logits [R, V] -> [R, V] with min_p, then (`sort`) top_k and top_p applied (-inf =
+    dropped). Without `sort` no row may use top-k or top-p (`needs_sort` False): the choice is made on the
+    host, so the program holds no branch on device values (which XLA:GPU would decide from the host)."""
     probs = jax.nn.softmax(logits, axis=-1)
     max_prob = jnp.max(probs, axis=-1, keepdims=True)
     logits = jnp.where(probs < md.min_p[:, None] * max_prob, -jnp.inf, logits)
-
-    uses_top_k = (md.top_k > 0) & (md.top_k < V)
-    uses_top_p = md.top_p < 1.0
-    # NOTE: the sort over [R, V] is the sampler's most expensive op; skip it at run time when no
-    # row needs it (greedy rows are sampled via argmax and ignore the filtered logits).
-    needs_sort = jnp.any((uses_top_k | uses_top_p) & (md.temperature >= GREEDY_EPS))
-    return jax.lax.cond(
-        needs_sort, lambda x: _top_k_top_p(x, md.top_k, md.top_p), lambda x: x, logits
-    )
+    return _top_k_top_p(logits, md.top_k, md.top_p) if sort else logits
 
 
 def _mix32(x: jax.Array) -> jax.Array:
@@ -206,7 +206,7 @@ def compute_logprobs(
     return sampled[:, 0], rank, top_ids.astype(jnp.int32), top_logprobs
 
 
-@functools.partial(jax.jit, static_argnames=("all_greedy", "use_penalties", "num_logprobs", "out_rows",
+@functools.partial(jax.jit, static_argnames=("all_greedy", "use_penalties", "num_logprobs", "sort", "out_rows",
                                              "tokens_sharding"))
 def sample(
     logits: jax.Array,
@@ -215,12 +215,14 @@ def sample(
     all_greedy: bool,
     use_penalties: bool,
     num_logprobs: int,
+    sort: bool = True,
     out_rows: int | None = None,
     tokens_sharding: jax.sharding.Sharding | None = None,
 ) -> SamplerOutput:
     """logits [R, V] -> SamplerOutput. all_greedy compiles only the argmax path (the caller must
     only set it when every row's temperature is < GREEDY_EPS); use_penalties compiles the penalty
-    scatters; num_logprobs (0 = none) is the N of the top-N logprobs. out_rows pads the token ids
+    scatters; num_logprobs (0 = none) is the N of the top-N logprobs; `sort` False leaves out top-k /
+    top-p (the caller must only clear it when `needs_sort` says no row uses them). out_rows pads the token ids
     to a fixed length, so the next step can read them from the device with one compiled shape, and
     `tokens_sharding` fixes their sharding (rows split over expert shards would otherwise leave them split)."""
     processed = process_logits(logits, md, use_penalties)
@@ -228,7 +230,7 @@ def sample(
     if not all_greedy:
         greedy = md.temperature < GREEDY_EPS
         temperature = jnp.where(greedy, 1.0, md.temperature).astype(jnp.float32)
-        filtered = filter_logits(processed / temperature[:, None], md)
+        filtered = filter_logits(processed / temperature[:, None], md, sort)
         noise = gumbel_noise(md.seeds, md.steps, logits.shape[-1])
         sampled = jnp.argmax(filtered + noise, axis=-1).astype(jnp.int32)
         token_ids = jnp.where(greedy, token_ids, sampled)
