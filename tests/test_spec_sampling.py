@@ -14,6 +14,8 @@ them, with guesses accepted, and compiles nothing after start-up.
 
 from __future__ import annotations
 
+import collections
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -278,15 +280,30 @@ def plain_outputs():
     return [llm.generate(PROMPTS, params, use_tqdm=False) for params in (RANDOM, PENALISED)]
 
 
-def test_engine_random_sampling_with_guesses_is_plain_decoding(plain_outputs):
+def test_engine_random_sampling_with_guesses_is_plain_decoding(plain_outputs, monkeypatch):
     """Precompiled, warmed up, then under jax.no_tracing(): the same tokens (and logprobs) as without
-    guesses for seeded random rows, with penalties and min_tokens, and guesses accepted."""
+    guesses for seeded random rows, with penalties and min_tokens, and guesses accepted. Under overlap a
+    random row right behind its verify step (still in flight) samples with the noise step moved on device
+    by the count that step keeps: dispatching it waits for nothing unless the row has penalties or
+    min_tokens."""
     llm = make_llm(speculative_config=SPEC)
     llm.generate(["1+1="], RANDOM[0], use_tqdm=False)
-    scheduler = llm.engine.scheduler
-    vocab_size = llm.engine.runner.cfg.vocab_size
+    scheduler, runner = llm.engine.scheduler, llm.engine.runner
+    vocab_size = runner.cfg.vocab_size
+    behind, waits = collections.Counter(), collections.Counter()  # per params: deferred rows in flight, waits
+    dispatch = runner.dispatch
+
+    def counting_dispatch(out):
+        last = runner._last
+        pending = last is not None and last.output is None
+        behind[key] += pending and bool(out.deferred_decode)
+        handle = dispatch(out)
+        waits[key] += pending and last.output is not None  # collected while dispatching
+        return handle
+
+    monkeypatch.setattr(runner, "dispatch", counting_dispatch)
     with jax.no_tracing():
-        for params, plain in zip((RANDOM, PENALISED), plain_outputs):
+        for key, (params, plain) in enumerate(zip((RANDOM, PENALISED), plain_outputs)):
             before = scheduler.num_accepted_tokens
             outputs = llm.generate(PROMPTS, params, use_tqdm=False)
             assert scheduler.num_accepted_tokens > before
@@ -294,6 +311,8 @@ def test_engine_random_sampling_with_guesses_is_plain_decoding(plain_outputs):
             assert all(0 <= t < vocab_size for t in sum(token_ids(outputs), []))
             if params is RANDOM:
                 random_outputs = outputs
+    assert behind[0] > 0 and waits[0] == 0, (behind, waits)
+    assert waits[1] > 0  # (penalties and min_tokens read the kept count on the host)
     assert_no_leaks(llm)
     for ours, theirs in zip(random_outputs[1::2], plain_outputs[0][1::2]):  # (those asking logprobs)
         ours, theirs = ours.outputs[0], theirs.outputs[0]

@@ -333,6 +333,13 @@ class ModelRunner:
             sampling = self._sampling_metadata(sample_rows, r_pad) if len(sample_rows) else None
         else:  # one logits row per position, each with its output token's metadata (spec_verify.py)
             sampling = self._sampling_metadata(sample_rows[guesses.row_of], r_pad, offsets=guesses.offsets)
+        if out.deferred_decode and self._last is not None and self._last.output is None:
+            # Their noise step counts none of the guesses their verify step (in flight) keeps: the sampler adds
+            # that step's kept count on device. (Collected, the runner's counts hold it already.)
+            step_from = np.full(len(sample_rows), -1, np.int32)
+            step_from[deferred] = self.row_prev_index[layout.rows[deferred]]  # (decode row d samples as row d)
+            logits_of = guesses.row_of if guesses is not None else np.arange(len(sample_rows))
+            sampling[0].step_from[: len(logits_of)] = step_from[logits_of]
         self.row_prev_index[sample_rows] = np.arange(len(sample_rows))
         self.row_pending[sample_rows] += 1
         return HostStep(batch, prev_index, sample_rows, self.row_generation[sample_rows], request_ids, sampling,
@@ -377,10 +384,10 @@ class ModelRunner:
                 if (self.row_pending[rows] * self.row_penalties[rows]).any():
                     self._collect(self._last)  # penalties read the whole history, the pending tokens included
             if out.deferred_decode and self._last.output is None:
-                # A row behind its verify step samples its next output token: unless greedy without bans, its
-                # noise index and min_tokens bans need the count of guesses that step kept.
+                # A row behind its verify step samples its next output token: its min_tokens bans need the
+                # count of guesses that step kept (its noise step takes it on device: prepare).
                 rows = np.asarray(out.decode_rows)[out.deferred_decode]
-                if not self.row_greedy[rows].all() or self.row_min_tokens[rows].any():
+                if self.row_min_tokens[rows].any():
                     self._collect(self._last)
         step = self.prepare(out)
         last = self._last
@@ -408,7 +415,9 @@ class ModelRunner:
                 result = sampler.SamplerOutput(greedy_tokens, None)  # the step's own argmax: no sampler launch
             else:
                 compiled = self._compiled.get(("sample", logits.shape[0], *variant))
-                result = compiled(logits, md) if compiled is not None else self._sample(logits, md, *variant)
+                shift = prev_accepted if self.speculative else None  # (md.step_from)
+                result = (compiled(logits, md, shift) if compiled is not None
+                          else self._sample(logits, md, shift, *variant))
             tokens, num_accepted = result.token_ids, None
             if step.guesses is not None:
                 synthetic = (None if self.synthetic_acceptance is None else
@@ -493,8 +502,9 @@ class ModelRunner:
             return {}
         return {"placement": self.placement, "expert_load": self.expert_load}
 
-    def _sample(self, logits, md, all_greedy: bool, use_penalties: bool, num_logprobs: int, sort: bool):
-        return sampler.sample(logits, md, all_greedy=all_greedy, use_penalties=use_penalties,
+    def _sample(self, logits, md, prev_accepted, all_greedy: bool, use_penalties: bool, num_logprobs: int,
+                sort: bool):
+        return sampler.sample(logits, md, prev_accepted, all_greedy=all_greedy, use_penalties=use_penalties,
                               num_logprobs=num_logprobs, sort=sort, out_rows=self.max_rows,
                               tokens_sharding=self.tokens_sharding)
 

@@ -82,7 +82,8 @@ def precompile(runner, progress: bool = True) -> int:
     def sample(rows: int, all_greedy: bool, use_penalties: bool, num_logprobs: int, sort: bool):
         md = sampler.empty_metadata(rows, model_runner.MAX_BANNED, runner.max_model_len if use_penalties else 1)
         logits = jax.ShapeDtypeStruct((rows, runner.cfg.vocab_size), jnp.float32, sharding=runner.logits_sharding)
-        return sampler.sample.lower(logits, md, all_greedy=all_greedy, use_penalties=use_penalties,
+        shift = runner._no_accepted if runner.speculative else None  # (ModelRunner.dispatch's prev_accepted)
+        return sampler.sample.lower(logits, md, shift, all_greedy=all_greedy, use_penalties=use_penalties,
                                     num_logprobs=num_logprobs, sort=sort, out_rows=runner.max_rows,
                                     tokens_sharding=runner.tokens_sharding).compile()
 

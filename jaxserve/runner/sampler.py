@@ -42,6 +42,9 @@ class SamplingMetadata(NamedTuple):
     frequency_penalty: jax.Array  # [R] f32, 0.0 = off
     seeds: jax.Array  # [R, 2] u32, a 64-bit seed as (low, high) words
     steps: jax.Array  # [R] i32, index of the output token being sampled (= tokens generated so far)
+    # [R] i32, -1 = steps as given; else steps counts none of the guesses the previous step's sampling row
+    # step_from verified (that step still in flight), and its kept count (sample's prev_accepted) is added
+    step_from: jax.Array
     banned_token_ids: jax.Array  # [R, B] i32, forced to -inf (min_tokens: eos + stop ids); -1 = pad
     token_history: jax.Array  # [R, Hmax] i32, prompt + output ids, -1 = pad (read only with penalties)
     prompt_lens: jax.Array  # [R] i32, how many leading history entries are prompt tokens
@@ -67,6 +70,7 @@ def empty_metadata(num_rows: int, num_banned: int, history_len: int) -> Sampling
         frequency_penalty=np.zeros(R, np.float32),
         seeds=np.zeros((R, 2), np.uint32),
         steps=np.zeros(R, np.int32),
+        step_from=np.full(R, -1, np.int32),
         banned_token_ids=np.full((R, num_banned), -1, np.int32),
         token_history=np.full((R, history_len), -1, np.int32),
         prompt_lens=np.zeros(R, np.int32),
@@ -211,6 +215,7 @@ def compute_logprobs(
 def sample(
     logits: jax.Array,
     md: SamplingMetadata,
+    prev_accepted: jax.Array | None = None,
     *,
     all_greedy: bool,
     use_penalties: bool,
@@ -224,14 +229,19 @@ def sample(
     scatters; num_logprobs (0 = none) is the N of the top-N logprobs; `sort` False leaves out top-k /
     top-p (the caller must only clear it when `needs_sort` says no row uses them). out_rows pads the token ids
     to a fixed length, so the next step can read them from the device with one compiled shape, and
-    `tokens_sharding` fixes their sharding (rows split over expert shards would otherwise leave them split)."""
+    `tokens_sharding` fixes their sharding (rows split over expert shards would otherwise leave them split).
+    `prev_accepted` [M] (a speculating engine's: the previous step's kept guesses per sampling row, still on
+    device; None: md.step_from is all -1) moves the noise step of the rows md.step_from names."""
     processed = process_logits(logits, md, use_penalties)
     token_ids = jnp.argmax(processed, axis=-1).astype(jnp.int32)
     if not all_greedy:
         greedy = md.temperature < GREEDY_EPS
         temperature = jnp.where(greedy, 1.0, md.temperature).astype(jnp.float32)
         filtered = filter_logits(processed / temperature[:, None], md, sort)
-        noise = gumbel_noise(md.seeds, md.steps, logits.shape[-1])
+        steps = md.steps
+        if prev_accepted is not None:
+            steps = steps + jnp.where(md.step_from >= 0, prev_accepted[jnp.maximum(md.step_from, 0)], 0)
+        noise = gumbel_noise(md.seeds, steps, logits.shape[-1])
         sampled = jnp.argmax(filtered + noise, axis=-1).astype(jnp.int32)
         token_ids = jnp.where(greedy, token_ids, sampled)
     logprobs = compute_logprobs(logits, token_ids, num_logprobs) if num_logprobs > 0 else None
