@@ -283,8 +283,9 @@ def plain_outputs():
 def test_engine_random_sampling_with_guesses_is_plain_decoding(plain_outputs, monkeypatch):
     """Precompiled, warmed up, then under jax.no_tracing(): the same tokens (and logprobs) as without
     guesses for seeded random rows, with penalties and min_tokens, and guesses accepted. Under overlap a
-    random row right behind its verify step (still in flight) samples with the noise step moved on device
-    by the count that step keeps: dispatching it waits for nothing unless the row has penalties or
+    random row right behind its verify step (still in flight) samples with its noise steps moved on device
+    by the count that step keeps, as a device-guessed row (verifying the device n-gram's guesses) or, with
+    logprobs, a deferred plain token: dispatching it waits for nothing unless the row has penalties or
     min_tokens."""
     llm = make_llm(speculative_config=SPEC)
     llm.generate(["1+1="], RANDOM[0], use_tqdm=False)
@@ -304,9 +305,11 @@ def test_engine_random_sampling_with_guesses_is_plain_decoding(plain_outputs, mo
     monkeypatch.setattr(runner, "dispatch", counting_dispatch)
     with jax.no_tracing():
         for key, (params, plain) in enumerate(zip((RANDOM, PENALISED), plain_outputs)):
-            before = scheduler.num_accepted_tokens
+            before, device_guessed = scheduler.num_accepted_tokens, scheduler.num_device_guessed
             outputs = llm.generate(PROMPTS, params, use_tqdm=False)
             assert scheduler.num_accepted_tokens > before
+            # (the random rows without logprobs; penalties and min_tokens keep every PENALISED row out)
+            assert (scheduler.num_device_guessed > device_guessed) == (params is RANDOM)
             assert token_ids(outputs) == token_ids(plain)
             assert all(0 <= t < vocab_size for t in sum(token_ids(outputs), []))
             if params is RANDOM:

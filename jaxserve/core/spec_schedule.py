@@ -10,8 +10,8 @@
                            (KVCacheManager.trim) and tells the runner (SchedulerOutput.truncated_block_tables)
 
 A request's token count after a step with guesses is unknown until that step is processed
-(Request.draft_token_ids marks the step in flight). Under overlap a greedy row then takes the next step
-as a device-guessed row (`device_guessed_row`, below) where the runner proposes n-grams on device too (one
+(Request.draft_token_ids marks the step in flight). Under overlap a row without penalties, min_tokens bans
+or logprobs then takes the next step as a device-guessed row (`device_guessed_row`, below) where the runner proposes n-grams on device too (one
 process); otherwise it takes one plain token in the next step all the same (`may_defer`): scheduled at the
 position it has if no guess is kept, moved on device by the count the verify step keeps
 (runner/step_program.py).
@@ -20,7 +20,8 @@ A draft model (draft_model, eagle) guesses on the device instead, during a step,
 samples: the scheduler gives such a row `lookahead` more KV slots (the draft writes the K/V of its k
 guesses), keeps the drafts that come back (`keep_proposal`: Request.proposal) and `propose` makes them the
 row's guesses in its next step. Under overlap a row's next step is scheduled while the step that drafted
-for it is still in flight. A greedy row (`device_guesses`) then takes that step as a device-guessed row:
+for it is still in flight. A row without penalties, min_tokens bans or logprobs (`device_guesses`) then
+takes that step as a device-guessed row:
 its token and guesses are the previous step's outputs, read on device, at the position that step's kept
 count gives, so every step of the row verifies guesses. Another row behind its verify step sits that step
 out; a row behind a plain step that drafted goes on without guesses, and in the step after the proposal
@@ -63,11 +64,11 @@ def may_defer(request: Request, max_model_len: int) -> bool:
 def device_guesses(request: Request, spec: SpeculativeConfig, max_model_len: int) -> int:
     """How many guesses a draft model's row takes right behind its own verify step, still in flight (a
     device-guessed row: its token and guesses are that step's outputs on device), 0 when it sits the step
-    out: only a greedy row without penalties, min_tokens bans or logprobs (its sampling then needs nothing
-    the host does not know yet), one step in flight, at most k guesses and, if every guess in flight is
-    kept, within its token limit and max_model_len."""
+    out: only a row without penalties, min_tokens bans or logprobs (its sampling then needs nothing the host
+    does not know yet: a random row's noise steps move on device with the count kept), one step in flight,
+    at most k guesses and, if every guess in flight is kept, within its token limit and max_model_len."""
     params = request.sampling_params
-    if (request.num_pending != 1 or params.temperature != 0.0 or params.logprobs is not None
+    if (request.num_pending != 1 or params.logprobs is not None
             or params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
             or len(request.all_token_ids) + 1 - request.num_prompt_tokens < params.min_tokens):
         return 0
