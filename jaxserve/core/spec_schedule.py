@@ -11,10 +11,10 @@
 
 A request's token count after a step with guesses is unknown until that step is processed
 (Request.draft_token_ids marks the step in flight). Under overlap a row without penalties, min_tokens bans
-or logprobs then takes the next step as a device-guessed row (`device_guessed_row`, below) where the runner proposes n-grams on device too (one
-process); otherwise it takes one plain token in the next step all the same (`may_defer`): scheduled at the
-position it has if no guess is kept, moved on device by the count the verify step keeps
-(runner/step_program.py).
+or logprobs then takes the next step as a device-guessed row (`device_guessed_row`, below) where the runner
+proposes n-grams on device too (one process); otherwise it takes one plain token in the next step all the
+same (`may_defer`): scheduled at the position it has if no guess is kept, moved on device by the count the
+verify step keeps (runner/step_program.py).
 
 A draft model (draft_model, eagle) guesses on the device instead, during a step, from the token that step
 samples: the scheduler gives such a row `lookahead` more KV slots (the draft writes the K/V of its k
