@@ -333,12 +333,13 @@ class ModelRunner:
             sampling = self._sampling_metadata(sample_rows, r_pad) if len(sample_rows) else None
         else:  # one logits row per position, each with its output token's metadata (spec_verify.py)
             sampling = self._sampling_metadata(sample_rows[guesses.row_of], r_pad, offsets=guesses.offsets)
-        behind = np.zeros(len(rows), bool)  # rows right behind their own verify step: deferred, device-guessed
-        behind[out.deferred_decode] = True
-        behind[num_decode + np.flatnonzero([item.device_guesses > 0 for item in items]).astype(np.int64)] = True
-        if behind.any() and self._last is not None and self._last.output is None:
-            # Their noise steps count none of the guesses their verify step (in flight) keeps: the sampler adds
-            # that step's kept count on device. (Collected, the runner's counts hold it already.)
+        if self.speculative and self._last is not None and self._last.output is None and len(sample_rows):
+            # Rows right behind their own verify step, in flight (deferred, device-guessed): their noise steps
+            # count none of the guesses it keeps, and the sampler adds its kept count on device. (Collected,
+            # the runner's counts hold it already.)
+            behind = np.zeros(len(rows), bool)
+            behind[out.deferred_decode] = True
+            behind[num_decode + np.flatnonzero([item.device_guesses > 0 for item in items]).astype(np.int64)] = True
             step_from = np.where(behind[layout.sample_index], self.row_prev_index[sample_rows], -1)
             logits_of = guesses.row_of if guesses is not None else np.arange(len(sample_rows))
             sampling[0].step_from[: len(logits_of)] = step_from[logits_of]
