@@ -13,8 +13,8 @@ workload with the host tier on and off.
            turn 2 is turn 1's prompt and answer plus --append-len new tokens. Every first turn runs, then every
            second turn, on a device pool of --num-blocks (default: a third of the working set), so the second
            turns' prefixes were evicted from the device: with the host tier on they come back from host memory,
-           off they are recomputed. Per setting: TTFT of the second turns, total tokens/s of both turns, prefix
-           hit rate and host hits; then the ratios (on / off).
+           off they are recomputed. Per setting: TTFT of the second turns, total tokens/s of both turns, each
+           turn's seconds, prefix hit rate and host hits; then the ratios (on / off).
 
     python benchmarks/kv_tiers.py --config configs/llama3-8b-dummy.yaml --output-json kv_tiers.json   (H200)
     python benchmarks/kv_tiers.py --smoke                               (CPU: the embedded model, small sizes)
@@ -156,6 +156,7 @@ def multi_turn(config: EngineConfig, args: argparse.Namespace) -> dict[str, Any]
     report = {"turn2_ttft_ms": common.request_report(second.outputs)["ttft_ms"],
               "turn1_ttft_ms": common.request_report(first.outputs)["ttft_ms"],
               "total_tokens_per_s": tokens / (first.elapsed_s + second.elapsed_s),
+              "turn1_s": first.elapsed_s, "turn2_s": second.elapsed_s,
               "turn2_hit_rate": (after.hits - before.hits) / queries if queries else 0.0,
               "turn2_host_hits": after.host_hits - before.host_hits,
               "num_preemptions": engine.stats().num_preemptions, "swaps_out": after.swaps_out,
@@ -232,6 +233,7 @@ def main() -> None:
               f"{result['total_tokens_per_s']:.0f} tokens/s, turn-2 prefix hit rate {result['turn2_hit_rate']:.1%} "
               f"(host {result['turn2_host_hits']} tokens), {result['num_preemptions']} preemptions "
               f"({num_blocks} device blocks, working set {working_set})")
+        print(f"{name}: turn 1 took {result['turn1_s']:.2f} s, turn 2 {result['turn2_s']:.2f} s")
     on, off = turns["host_tier_on"], turns["host_tier_off"]
     report["turns"] = turns
     report["ratios"] = {"turn2_ttft_p50_on_over_off": on["turn2_ttft_ms"]["p50"] / off["turn2_ttft_ms"]["p50"],

@@ -137,7 +137,8 @@ def render(summary: dict) -> str:
         ttft = r["turn2_ttft_ms"]
         lines.append(f"{name:14s} turn-2 TTFT p50 {ttft['p50']:9.1f} ms  p90 {ttft['p90']:9.1f} ms  "
                      f"{r['total_tokens_per_s']:9.0f} tokens/s  turn-2 hits {100 * r['turn2_hit_rate']:5.1f}% "
-                     f"(host {r['turn2_host_hits']} tokens)")
+                     f"(host {r['turn2_host_hits']} tokens)"
+                     + (f"  turns {r['turn1_s']:.2f} s + {r['turn2_s']:.2f} s" if "turn1_s" in r else ""))
     ttft, tput = turns["turn2_ttft_p50_on_over_off"], turns["throughput_on_over_off"]
     lines.append(f"on / off: turn-2 TTFT {_f(ttft)}x (target <= {TTFT_TARGET}: {_met(ttft, TTFT_TARGET, False)}), "
                  f"throughput {_f(tput)}x (target >= {TPUT_TARGET}: {_met(tput, TPUT_TARGET, True)})")
