@@ -19,6 +19,14 @@
 #               from the persistent cache
 # Then the table (benchmarks/tiers_summary.py; it reads kv_tiers.log when a cut-short run wrote no JSON) to
 # stdout and $OUT/summary.txt, $OUT/summary.json, and every log and report in $OUT/tiers_logs.tar.gz.
+#   bash benchmarks/devrun_tiers.sh multiturn      instead: `jaxserve bench multi-turn` (the product's bench, the
+#       issue's workload) with the host tier off, then on, at each turn count of TURNS (default "3 4 2"): 128
+#       conversations, 1024-token first prompts, 64 out and 64 appended per turn, one device pool for every
+#       turn count (compiled once): a third of the bench's working set (conversations x the last turn's
+#       prompt) at 3 turns, so 2.7x at 2 turns and 3.3x at 4; a 32 GiB host tier when on; then the table
+#   AB_PATCHES=A.patch[,B.patch] bash benchmarks/devrun_tiers.sh multiturn_ab    instead: 3 turns with the host
+#       tier on, of the tree, then with each patch alone (applied, run, reverted), then of the tree again (the
+#       drift), then with the tier off; the table (a row per tree, each against the one off run)
 set -o pipefail
 OUT=${OUT:-/tmp/devrun_tiers}
 DEADLINE=${DEADLINE:-540}
@@ -42,6 +50,43 @@ preempt() {
     --output-json "$W/preempt_$1.json"
 }
 
+if [ "${1:-}" = multiturn ] || [ "${1:-}" = multiturn_ab ]; then
+  if [ -n "${SMOKE:-}" ]; then
+    MT="--num-conversations 8 --first-len 12 --append-len 4 --output-len 4 --block-size 4 --precompile false"
+    C=8 FIRST=12 STEP=8 BLOCK=4 HOST=0.01
+  else
+    MT="--config configs/llama3-8b-dummy.yaml --num-conversations 128 --first-len 1024 --append-len 64
+      --output-len 64 --precompile true"
+    C=128 FIRST=1024 STEP=128 BLOCK=16 HOST=32
+  fi
+  SHOW="^Multi-turn|^TTFT|^  turn|^KV cache"
+  blocks=$((C * (FIRST + 2 * STEP) / BLOCK / 3))
+  # mt TURNS TIER [NAME]: one bench at TURNS turns, host tier TIER (on / off), its report mt_t{TURNS}_{TIER}[_NAME]
+  mt() {
+    local name="mt_t$1_$2${3:+_$3}" host=()
+    [ "$2" = off ] || host=(--host-kv-gib "$HOST")
+    run "$name" 150 0 $PY -m jaxserve.cli bench multi-turn $MT --num-turns "$1" --num-blocks "$blocks" "${host[@]}" \
+      --disable-tqdm --output-json "$W/$name.json"
+  }
+  if [ "$1" = multiturn ]; then
+    for t in ${TURNS:-3 4 2}; do mt "$t" off; mt "$t" on; done
+  else
+    mt 3 on tree
+    for patch in ${AB_PATCHES//,/ }; do
+      name=$(basename "$patch" .patch)
+      git apply "$patch" || { echo "git apply $patch failed"; exit 1; }
+      mt 3 on "${name//[^A-Za-z0-9]/}"
+      git apply -R "$patch"
+    done
+    mt 3 on treeagain
+    mt 3 off
+  fi
+  echo "== ${SECONDS}s: done"
+  tar -czf "$OUT/tiers_logs.tar.gz" -C "$OUT" work
+  $PY benchmarks/tiers_summary.py "$W" --multi-turn --json "$OUT/summary.json" | tee "$OUT/summary.txt"
+  rm -rf "$W"
+  exit
+fi
 run kv_tiers 330 150 $PY benchmarks/kv_tiers.py $TIERS --output-json "$W/kv_tiers.json"
 preempt recompute 100 90
 preempt swap 90 45

@@ -13,6 +13,13 @@ kv_tiers.log printed are read instead) and preempt_{recompute,swap,auto}.json (`
     throughput     = total tokens/s of both turns, on / off                                 target >= 1.5
     preemption     = elapsed s of each mode; auto (the cost model's choice) against the slower and the faster
                      fixed mode: target auto <= 1.05 x the faster
+
+    python3 benchmarks/tiers_summary.py WORK_DIR --multi-turn [--json summary.json]
+
+instead reads mt_t{T}_{off,on}[_TREE].json (`jaxserve bench multi-turn --output-json` at T turns, host tier
+off / on; devrun_tiers.sh multiturn, and multiturn_ab's trees) and gives per T the returning turns' TTFT p50 and
+the total tokens/s, each on run / the off run, with each turn's seconds, mean schedule ms per step (the tier
+moves' dispatch included) and device idle share.
 """
 
 from __future__ import annotations
@@ -98,6 +105,68 @@ def summarise(work: Path) -> dict:
             "preemption": preempt}
 
 
+MT_FILE = re.compile(r"^mt_t(?P<turns>\d+)_(?P<tier>on|off)(?:_(?P<tree>[A-Za-z0-9]+))?\.json$")
+
+
+def _mt_row(report: dict) -> dict:
+    steps = [t["steps"] for t in report["turns"]]
+    return {"returning_ttft_p50_ms": (report.get("returning_ttft_ms") or {}).get("p50"),
+            "total_tokens_per_s": report["total_tokens_per_s"], "elapsed_s": report["elapsed_s"],
+            "turn_s": [t["elapsed_s"] for t in report["turns"]], "returning_hit_rate": report["returning_hit_rate"],
+            "working_set_over_pool": report["working_set_over_pool"],
+            "num_preemptions": report.get("num_preemptions"),
+            "schedule_ms": [s["breakdown_ms"]["schedule"] for s in steps],
+            "device_idle_share": [s["device_idle_share"] for s in steps]}
+
+
+def multi_turn_rows(work: Path) -> dict[int, dict]:
+    """mt_t{T}_{off,on}[_TREE].json -> {T: {"off": row, "on": {tree: row}}}, each on row with its ratios to the
+    off row (TREE: the A/B's tree names; "" for a plain run)."""
+    rows: dict[int, dict] = {}
+    for path in sorted(work.glob("mt_t*_o*.json")):
+        if not (m := MT_FILE.match(path.name)):
+            continue
+        row = rows.setdefault(int(m["turns"]), {"off": None, "on": {}})
+        report = _mt_row(json.loads(path.read_text()))
+        if m["tier"] == "off":
+            row["off"] = report
+        else:
+            row["on"][m["tree"] or ""] = report
+    for row in rows.values():
+        off = row["off"]
+        for on in row["on"].values():
+            on["ttft_on_over_off"] = ratio(on["returning_ttft_p50_ms"], off and off["returning_ttft_p50_ms"])
+            on["throughput_on_over_off"] = ratio(on["total_tokens_per_s"], off and off["total_tokens_per_s"])
+    return dict(sorted(rows.items()))
+
+
+def render_multi_turn(rows: dict[int, dict]) -> str:
+    lines = ["=== jaxserve bench multi-turn: host tier on vs off",
+             f"{'turns':>5s} {'tier':12s} {'ret. TTFT p50':>13s} {'tokens/s':>9s} {'ret. hits':>9s} {'ws/pool':>7s} "
+             f"{'preempt':>7s}  seconds per turn (schedule ms per step, device idle)"]
+    if not rows:
+        return "\n".join(lines + ["(not run)"])
+
+    def line(turns: int, tier: str, r: dict) -> str:
+        hits = r["returning_hit_rate"]
+        per_turn = " + ".join(f"{t:.2f} ({s:.1f}, {100 * i:.0f}%)" for t, s, i in
+                              zip(r["turn_s"], r["schedule_ms"], r["device_idle_share"]))
+        return (f"{turns:5d} {tier:12s} {_f(r['returning_ttft_p50_ms'], '.1f'):>10s} ms {r['total_tokens_per_s']:9.0f} "
+                f"{_f(hits and 100 * hits, '.1f'):>8s}% {r['working_set_over_pool']:7.2f} "
+                f"{_f(r['num_preemptions'], 'd'):>7s}  {per_turn}")
+
+    for turns, row in rows.items():
+        lines.append(line(turns, "off", row["off"]) if row["off"] else f"{turns:5d} off          (not run)")
+        for tree, r in row["on"].items():
+            lines.append(line(turns, f"on {tree}".strip(), r))
+        for tree, r in row["on"].items():
+            ttft, tput = r["ttft_on_over_off"], r["throughput_on_over_off"]
+            lines.append(f"{turns:5d} {f'on {tree}'.strip()} / off: returning TTFT {_f(ttft)}x (target <= {TTFT_TARGET}: "
+                         f"{_met(ttft, TTFT_TARGET, False)}), throughput {_f(tput)}x (target >= {TPUT_TARGET}: "
+                         f"{_met(tput, TPUT_TARGET, True)})")
+    return "\n".join(lines)
+
+
 def _f(value, spec: str = ".2f") -> str:
     return "n/a" if value is None else format(value, spec)
 
@@ -166,9 +235,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("work", type=Path)
     parser.add_argument("--json", type=Path, help="also write the table as JSON here")
+    parser.add_argument("--multi-turn", action="store_true", help="the bench multi-turn runs (mt_t*_*.json) instead")
     args = parser.parse_args()
-    summary = summarise(args.work)
-    print(render(summary))
+    if args.multi_turn:
+        summary = {"multi_turn": multi_turn_rows(args.work)}
+        print(render_multi_turn(summary["multi_turn"]))
+    else:
+        summary = summarise(args.work)
+        print(render(summary))
     if args.json is not None:
         args.json.write_text(json.dumps(summary, indent=2) + "\n")
 

@@ -1,5 +1,6 @@
 """The devrun scripts' summarizers (benchmarks/fp8_summary.py, benchmarks/tiers_summary.py): the compute bound's
-FLOP count on the Llama-3-8B shape, and the tiers table rebuilt from kv_tiers.py's printed lines."""
+FLOP count on the Llama-3-8B shape, the tiers table rebuilt from kv_tiers.py's printed lines, and the multi-turn
+table's ratios of each A/B tree to the one run with the tier off."""
 
 from __future__ import annotations
 
@@ -50,6 +51,33 @@ def test_tiers_summary_reads_a_cut_short_log(tmp_path, monkeypatch):
     text = tiers_summary.render(summary)
     assert "81% of a pinned copy (target >= 70%: met)" in text and "40% of a pinned copy" in text
     assert "recompute  (not run)" in text
+
+
+def _multi_turn_report(ttft_p50: float, tokens_per_s: float, turn_s: list[float]) -> dict:
+    step = {"breakdown_ms": {"schedule": 0.5}, "device_idle_share": 0.1}
+    return {"returning_ttft_ms": {"p50": ttft_p50}, "total_tokens_per_s": tokens_per_s, "elapsed_s": sum(turn_s),
+            "returning_hit_rate": 0.5, "working_set_over_pool": 3.0, "num_preemptions": 2,
+            "turns": [{"elapsed_s": s, "steps": step} for s in turn_s]}
+
+
+def test_multi_turn_summary_compares_each_tree_with_the_off_run(tmp_path, monkeypatch):
+    tiers_summary = load("tiers_summary", monkeypatch)
+    reports = {"mt_t3_off.json": _multi_turn_report(2000.0, 10000.0, [5.0, 5.0, 6.0]),
+               "mt_t3_on_tree.json": _multi_turn_report(1000.0, 15000.0, [5.0, 2.5, 3.0]),
+               "mt_t3_on_bigmoves.json": _multi_turn_report(500.0, 20000.0, [5.0, 1.5, 1.5]),
+               "mt_t2_on.json": _multi_turn_report(100.0, 1.0, [1.0, 1.0]),
+               "mt_t3_on_bad-name.json": _multi_turn_report(1.0, 1.0, [1.0])}
+    for name, report in reports.items():
+        (tmp_path / name).write_text(json.dumps(report))
+    rows = tiers_summary.multi_turn_rows(tmp_path)
+    assert list(rows) == [2, 3] and set(rows[3]["on"]) == {"tree", "bigmoves"}
+    assert rows[3]["on"]["tree"]["throughput_on_over_off"] == 1.5
+    assert rows[3]["on"]["bigmoves"]["ttft_on_over_off"] == 0.25
+    assert rows[2]["off"] is None and rows[2]["on"][""]["throughput_on_over_off"] is None
+    text = tiers_summary.render_multi_turn(rows)
+    assert "on tree / off: returning TTFT 0.50x (target <= 0.3: missed), throughput 1.50x (target >= 1.5: met)" in text
+    assert "on bigmoves / off: returning TTFT 0.25x (target <= 0.3: met)" in text
+    assert "2 off          (not run)" in text and "not measured" in text
 
 
 def test_ttft_bound_takes_the_rates_measured_in_the_run(tmp_path, monkeypatch):

@@ -73,6 +73,7 @@ from jaxserve.models import layers
 logger = logging.getLogger(__name__)
 
 MOVE_BYTES = 64 << 20  # the device memory one move program's blocks take at most
+MAX_MOVE_BLOCKS = 64  # and its blocks at most
 MAX_PENDING = 8  # save copies in flight before the oldest is waited for
 PREFETCH_BYTES = 512 << 20  # device memory the prefetched copies of host blocks take at most
 # The share of XLA's pinned host pool that host tiers may take (XLA stages host -> device copies there too)
@@ -304,7 +305,8 @@ class KVTransfer:
         self._dtype = runner.kv_caches[0].dtype
         self.row_size = sum(s.size for s in self.sets)
         block_bytes = tiers.block_bytes
-        self.max_move = 1 << max(0, min(6, int(math.log2(max(1, MOVE_BYTES // block_bytes)))))
+        self.max_move = 1 << max(0, min(int(math.log2(MAX_MOVE_BLOCKS)),
+                                        int(math.log2(max(1, MOVE_BYTES // block_bytes)))))
         self.sizes = [1 << i for i in range(int(math.log2(self.max_move)) + 1)]
         shardings = [[c.sharding for c in s.owner.kv_caches] for s in self.sets]
         first = shardings[0][0]
