@@ -121,9 +121,9 @@ def _mt_row(report: dict) -> dict:
 
 def multi_turn_rows(work: Path) -> dict[int, dict]:
     """mt_t{T}_{off,on}[_TREE].json -> {T: {"off": row, "on": {tree: row}}}, each on row with its ratios to the
-    off row (TREE: the A/B's tree names; "" for a plain run)."""
+    off row (TREE: the A/B's tree names, in the order they ran; "" for a plain run)."""
     rows: dict[int, dict] = {}
-    for path in sorted(work.glob("mt_t*_o*.json")):
+    for path in sorted(work.glob("mt_t*_o*.json"), key=lambda path: (path.stat().st_mtime, path.name)):
         if not (m := MT_FILE.match(path.name)):
             continue
         row = rows.setdefault(int(m["turns"]), {"off": None, "on": {}})
@@ -142,7 +142,7 @@ def multi_turn_rows(work: Path) -> dict[int, dict]:
 
 def render_multi_turn(rows: dict[int, dict]) -> str:
     lines = ["=== jaxserve bench multi-turn: host tier on vs off",
-             f"{'turns':>5s} {'tier':12s} {'ret. TTFT p50':>13s} {'tokens/s':>9s} {'ret. hits':>9s} {'ws/pool':>7s} "
+             f"{'turns':>5s} {'tier':20s} {'ret. TTFT p50':>13s} {'tokens/s':>9s} {'ret. hits':>9s} {'ws/pool':>7s} "
              f"{'preempt':>7s}  seconds per turn (schedule ms per step, device idle)"]
     if not rows:
         return "\n".join(lines + ["(not run)"])
@@ -151,12 +151,12 @@ def render_multi_turn(rows: dict[int, dict]) -> str:
         hits = r["returning_hit_rate"]
         per_turn = " + ".join(f"{t:.2f} ({s:.1f}, {100 * i:.0f}%)" for t, s, i in
                               zip(r["turn_s"], r["schedule_ms"], r["device_idle_share"]))
-        return (f"{turns:5d} {tier:12s} {_f(r['returning_ttft_p50_ms'], '.1f'):>10s} ms {r['total_tokens_per_s']:9.0f} "
+        return (f"{turns:5d} {tier:20s} {_f(r['returning_ttft_p50_ms'], '.1f'):>10s} ms {r['total_tokens_per_s']:9.0f} "
                 f"{_f(hits and 100 * hits, '.1f'):>8s}% {r['working_set_over_pool']:7.2f} "
                 f"{_f(r['num_preemptions'], 'd'):>7s}  {per_turn}")
 
     for turns, row in rows.items():
-        lines.append(line(turns, "off", row["off"]) if row["off"] else f"{turns:5d} off          (not run)")
+        lines.append(line(turns, "off", row["off"]) if row["off"] else f"{turns:5d} {'off':20s} (not run)")
         for tree, r in row["on"].items():
             lines.append(line(turns, f"on {tree}".strip(), r))
         for tree, r in row["on"].items():

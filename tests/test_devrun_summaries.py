@@ -77,7 +77,7 @@ def test_multi_turn_summary_compares_each_tree_with_the_off_run(tmp_path, monkey
     text = tiers_summary.render_multi_turn(rows)
     assert "on tree / off: returning TTFT 0.50x (target <= 0.3: missed), throughput 1.50x (target >= 1.5: met)" in text
     assert "on bigmoves / off: returning TTFT 0.25x (target <= 0.3: met)" in text
-    assert "2 off          (not run)" in text and "not measured" in text
+    assert "2 off                  (not run)" in text and "not measured" in text
 
 
 def test_ttft_bound_takes_the_rates_measured_in_the_run(tmp_path, monkeypatch):
