@@ -18,7 +18,9 @@
 #       -> mixed_colocated.json, mixed_pd.json: decode ITL p50/p99, TTFT (short, long), output tokens/s;
 #       every server precompiles its step shapes before it answers /health (a shape compiled on first use
 #       would show as a TTFT and ITL spike). The steps' time limits are shares of DEADLINE.
-# The summary (both JSONs side by side) is printed last and written to $OUT/summary.json.
+# The summary (both JSONs side by side, and the decode instance's /pd/info step log after the mixed run:
+# how many of its slowest steps came at or after a block install) is printed last and written to
+# $OUT/summary.json.
 #   GPUS=2 bash benchmarks/devrun_pd.sh  on a machine of two GPUs: the prefill side (sender, prefill instance)
 #       on GPU 0 and the decode side (receiver, decode instance) on GPU 1 (CUDA_VISIBLE_DEVICES), each with a
 #       whole GPU's memory (gpu_memory_utilization 0.9); (a) adds a plain peer copy GPU 0 -> GPU 1 of the same
@@ -169,5 +171,10 @@ summary = {}
 for name in ("transfer_device", "transfer_host", "peer_copy", "mixed_colocated", "mixed_pd"):
     path = out / f"{name}.json"
     summary[name] = json.loads(path.read_text()) if path.exists() else None
+info = out / "decode_info.json"  # the decode instance's step log after the mixed run (/pd/info "steps")
+try:
+    summary["decode_steps"] = json.loads(info.read_text()).get("steps") if info.exists() else None
+except ValueError:
+    summary["decode_steps"] = None
 print(json.dumps(summary, indent=1))
 EOF

@@ -175,6 +175,9 @@ def test_outputs_equal_colocated_streaming_and_not(pd):
     assert [_completion(urls["router"], p, stream=True) for p in PROMPTS] == [expected[p] for p in PROMPTS]
     assert _outcome(urls["prefill0"], "sent") + _outcome(urls["prefill1"], "sent") == sent + 2 * len(PROMPTS)
     assert _outcome(urls["decode0"], "claimed") + _outcome(urls["decode1"], "claimed") >= 2 * len(PROMPTS)
+    steps = [_info(urls[name])["steps"] for name in ("decode0", "decode1")]
+    assert sum(s.get("install_steps", 0) for s in steps) >= 1 and sum(s["count"] for s in steps) >= 2 * len(PROMPTS)
+    assert "steps" not in _info(urls["prefill0"])
     _assert_pools_return(urls, start)
 
 
@@ -353,6 +356,9 @@ def test_transfer_timeout_makes_decode_re_prefill_locally(pd):
     processes, urls, start, expected = pd
     recomputed = _outcome(urls["decode0"], "recomputed")
     timeouts = _outcome(urls["prefill0"], "timeout") + _outcome(urls["prefill1"], "timeout")
+    # the router learns decode0's KV endpoint now (it asks /pd/info once, which a stopped instance would not
+    # answer: the router would mark it down and pick decode1)
+    assert _completion(urls["router"], PROMPTS[0]) == expected[PROMPTS[0]]
     os.kill(processes["decode0"].pid, signal.SIGSTOP)  # answers nothing: the prefill side's reserve times out
     try:
         with httpx.Client(timeout=60) as client:  # an idle router picks decode0 (the first of the least loaded)

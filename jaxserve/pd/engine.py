@@ -36,6 +36,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from jaxserve.config import EngineConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.engine import Engine
@@ -53,6 +55,45 @@ _TRANSFER_ID = re.compile(r"^[0-9a-f]{16,64}$")
 CONTROL_TIMEOUT_S = 5.0  # one small control exchange (reserve, abort)
 IDLE_WAIT_S = 0.005  # an idle instance with open transfers waits this long for news between steps
 OUTCOME_PREFIX = "kv_transfer:"
+STEP_RECORDS = 100_000  # the decode steps /pd/info summarises (the latest)
+
+
+class DecodeStepLog:
+    """A decode instance's latest steps, for GET /pd/info: each step's seconds (its commands, the block
+    installs among them, and its engine step; idle steps are not logged, their installs count in the next
+    logged step), the engine thread's seconds dispatching its installs, and whether a pull of blocks from a
+    prefill instance was in flight during it. summary() says whether the slowest steps are those at
+    or just after an install (an install's scatter runs on the device before the next step's forward, and
+    with overlap a step's wait shows in the step after it) or during a pull."""
+
+    def __init__(self, maxlen: int = STEP_RECORDS):
+        self.records: collections.deque[tuple[float, float, int, bool]] = collections.deque(maxlen=maxlen)
+
+    def add(self, seconds: float, install_seconds: float, installs: int, pulling: bool) -> None:
+        self.records.append((seconds, install_seconds, installs, pulling))
+
+    def summary(self, slow_share: float = 0.01, after: int = 2) -> dict:
+        """{"count", "step_ms" (p50, p90, p99, max), "install_steps", "install_ms" (mean, max) and, over the
+        slowest `slow_share` of the steps (at least one), the share at an install or up to `after` steps
+        after one ("slowest_near_install") and during a pull ("slowest_pulling"), beside the same shares
+        over every step ("near_install", "pulling")}."""
+        if not self.records:
+            return {"count": 0}
+        records = np.asarray(self.records, np.float64)  # (a copy: the engine thread keeps appending)
+        seconds, install_s, installed, pulling = records[:, 0], records[:, 1], records[:, 2] > 0, records[:, 3] > 0
+        near = installed.copy()
+        for shift in range(1, after + 1):
+            near[shift:] |= installed[:-shift]
+        slowest = np.argsort(seconds, kind="stable")[-max(1, int(np.ceil(slow_share * len(records)))):]
+        return {"count": len(records),
+                "step_ms": {f"p{q}": float(1e3 * np.percentile(seconds, q)) for q in (50, 90, 99)}
+                | {"max": float(1e3 * seconds.max())},
+                "install_steps": int(installed.sum()),
+                "install_ms": {"mean": float(1e3 * install_s[installed].mean()),
+                               "max": float(1e3 * install_s[installed].max())} if installed.any() else None,
+                "slowest_steps": len(slowest),
+                "slowest_near_install": float(near[slowest].mean()), "near_install": float(near.mean()),
+                "slowest_pulling": float(pulling[slowest].mean()), "pulling": float(pulling.mean())}
 
 
 @dataclasses.dataclass
@@ -111,6 +152,12 @@ class PDEngine:
         self._notified = False
         self._wake: Callable[[], None] = lambda: None
         self.kv_transfer_address: str | None = None
+        self.step_log = DecodeStepLog()
+        self._install_s = 0.0  # seconds the engine thread spent installing blocks (decode)
+        self._pulls = 0  # pulls from prefill instances in flight, and started (decode, control threads)
+        self._pulls_started = 0
+        self._pull_lock = threading.Lock()
+        self._logged = (0, 0.0, 0)  # (installs, install seconds, pulls started) at the last logged step
         if self.role == "decode":
             proto.check_bind(server.kv_transfer_address, server.kv_transfer_token)
             self.reservations = DecodeReservations(engine.kv_cache, hold_s=self.timeout_s)
@@ -205,6 +252,7 @@ class PDEngine:
         return bool(self.reservations) if self.role == "decode" else bool(self._transfers or self._released)
 
     def step(self, final_only: bool = False) -> list[RequestOutput]:
+        started, pulling = time.perf_counter(), self._pulls > 0
         self._run_commands()
         if self.role == "decode":
             self.reservations.expire()
@@ -216,6 +264,8 @@ class PDEngine:
             outputs = []
         else:
             outputs = self.engine.step(final_only)
+            if self.role == "decode":
+                self._log_step(time.perf_counter() - started, pulling)
         if self.role == "prefill":
             outputs = self._hold_finished(outputs)
             self._advance()
@@ -229,6 +279,15 @@ class PDEngine:
         else:
             self._senders.shutdown(wait=False, cancel_futures=True)
             self._aborts.shutdown(wait=False, cancel_futures=True)
+
+    def _log_step(self, seconds: float, pulling: bool) -> None:
+        """Adds a decode step to step_log, with the installs and pulls since the last logged step (an idle
+        step's install is scattered before the next step's forward)."""
+        logged = self._logged
+        now = (self.counts["installed"], self._install_s, self._pulls_started)
+        self.step_log.add(seconds, now[1] - logged[1], now[0] - logged[0],
+                          pulling or self._pulls > 0 or now[2] != logged[2])
+        self._logged = now
 
     # ---- engine-thread plumbing ----
     def _notify(self) -> None:
@@ -280,12 +339,18 @@ class PDEngine:
             timeout = min(float(header.get("timeout_s", self.timeout_s)), self.timeout_s)
             return self._call(lambda: self._reserve(transfer_id, tokens, salt, timeout))
         if kind == "ready":
+            with self._pull_lock:
+                self._pulls += 1
+                self._pulls_started += 1
             try:
                 data = self._receive(header, payload)
             except (TransferError, ValueError, TypeError) as err:
                 self._call(lambda: self.reservations.abort(transfer_id))
                 self.counts["failed"] += 1
                 return "nack", {"reason": str(err)}
+            finally:
+                with self._pull_lock:
+                    self._pulls -= 1
             return self._call(lambda: self._install(transfer_id, data))
         if kind == "abort":
             return "ack", {"aborted": self._call(lambda: self.reservations.abort(transfer_id))}
@@ -332,7 +397,9 @@ class PDEngine:
             self.counts["failed"] += 1
             return "nack", {"reason": f"{count} blocks sent for {len(targets)} reserved"}
         if targets:
+            started = time.perf_counter()
             self.mover.scatter(targets, data)
+            self._install_s += time.perf_counter() - started
         self.reservations.mark_ready(transfer_id)
         self.counts["installed"] += 1
         return "ack", {}

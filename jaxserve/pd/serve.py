@@ -2,7 +2,9 @@
 
     GET /pd/info  {"role", "kv_transfer_address" (decode: where prefill instances send KV), "block_size",
                    "kv_layout" (what a block's bytes mean; a sender's must be equal), "num_free_blocks",
-                   "open_transfers", "outcomes": {outcome: count}} (behind the API key)
+                   "open_transfers", "outcomes": {outcome: count}, decode: "steps" (its latest steps' times and
+                   how many of the slowest were at or just after a block install or during a pull:
+                   engine.DecodeStepLog.summary)} (behind the API key)
     /metrics      jaxserve:pd_free_blocks, jaxserve:pd_open_transfers, jaxserve:pd_transfers{outcome}
 """
 
@@ -46,4 +48,4 @@ def info(engine: PDEngine) -> dict:
     return {"role": engine.role, "kv_transfer_address": engine.kv_transfer_address, "block_size": engine.block_size,
             "kv_layout": engine.mover.layout,
             "num_free_blocks": engine.num_free_blocks, "open_transfers": engine.num_open_transfers,
-            "outcomes": dict(engine.counts)}
+            "outcomes": dict(engine.counts)} | ({"steps": engine.step_log.summary()} if engine.role == "decode" else {})
