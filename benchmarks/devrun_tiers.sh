@@ -24,6 +24,8 @@
 #       conversations, 1024-token first prompts, 64 out and 64 appended per turn, one device pool for every
 #       turn count (compiled once): a third of the bench's working set (conversations x the last turn's
 #       prompt) at 3 turns, so 2.7x at 2 turns and 3.3x at 4; a 32 GiB host tier when on; then the table
+#       (BLOCK=64: KV blocks of 64 tokens instead of the config's 16, the pool the same tokens; a tier move's
+#       host cost is per block)
 #   AB_PATCHES=A.patch[,B.patch] bash benchmarks/devrun_tiers.sh multiturn_ab    instead: 3 turns with the host
 #       tier on, of the tree, then with each patch alone (applied, run, reverted), then of the tree again (the
 #       drift), then with the tier off; the table (a row per tree, each against the one off run)
@@ -55,9 +57,10 @@ if [ "${1:-}" = multiturn ] || [ "${1:-}" = multiturn_ab ]; then
     MT="--num-conversations 8 --first-len 12 --append-len 4 --output-len 4 --block-size 4 --precompile false"
     C=8 FIRST=12 STEP=8 BLOCK=4 HOST=0.01
   else
+    BLOCK=${BLOCK:-16}
     MT="--config configs/llama3-8b-dummy.yaml --num-conversations 128 --first-len 1024 --append-len 64
-      --output-len 64 --precompile true"
-    C=128 FIRST=1024 STEP=128 BLOCK=16 HOST=32
+      --output-len 64 --block-size $BLOCK --precompile true"
+    C=128 FIRST=1024 STEP=128 HOST=32
   fi
   SHOW="^Multi-turn|^TTFT|^  turn|^KV cache"
   blocks=$((C * (FIRST + 2 * STEP) / BLOCK / 3))
