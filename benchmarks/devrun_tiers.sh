@@ -27,8 +27,9 @@
 #       (BLOCK=64: KV blocks of 64 tokens instead of the config's 16, the pool the same tokens; a tier move's
 #       host cost is per block)
 #   AB_PATCHES=A.patch[,B.patch] bash benchmarks/devrun_tiers.sh multiturn_ab    instead: 3 turns with the host
-#       tier on, of the tree, then with each patch alone (applied, run, reverted), then of the tree again (the
-#       drift), then with the tier off; the table (a row per tree, each against the one off run)
+#       tier on, of the tree, then with the tier off, then with each patch alone (applied, run, reverted), then
+#       of the tree again (the drift, skipped when DEADLINE comes first); the table (a row per tree, each
+#       against the one off run)
 set -o pipefail
 OUT=${OUT:-/tmp/devrun_tiers}
 DEADLINE=${DEADLINE:-540}
@@ -75,6 +76,7 @@ if [ "${1:-}" = multiturn ] || [ "${1:-}" = multiturn_ab ]; then
     for t in ${TURNS:-3 4 2}; do mt "$t" off; mt "$t" on; done
   else
     mt 3 on tree
+    mt 3 off
     for patch in ${AB_PATCHES//,/ }; do
       name=$(basename "$patch" .patch)
       git apply "$patch" || { echo "git apply $patch failed"; exit 1; }
@@ -82,7 +84,6 @@ if [ "${1:-}" = multiturn ] || [ "${1:-}" = multiturn_ab ]; then
       git apply -R "$patch"
     done
     mt 3 on treeagain
-    mt 3 off
   fi
   echo "== ${SECONDS}s: done"
   tar -czf "$OUT/tiers_logs.tar.gz" -C "$OUT" work
