@@ -157,11 +157,12 @@ def render_multi_turn(rows: dict[int, dict]) -> str:
 
     for turns, row in rows.items():
         lines.append(line(turns, "off", row["off"]) if row["off"] else f"{turns:5d} {'off':20s} (not run)")
+        labels = {tree: f"on {tree}".strip() for tree in row["on"]}
         for tree, r in row["on"].items():
-            lines.append(line(turns, f"on {tree}".strip(), r))
+            lines.append(line(turns, labels[tree], r))
         for tree, r in row["on"].items():
             ttft, tput = r["ttft_on_over_off"], r["throughput_on_over_off"]
-            lines.append(f"{turns:5d} {f'on {tree}'.strip()} / off: returning TTFT {_f(ttft)}x (target <= {TTFT_TARGET}: "
+            lines.append(f"{turns:5d} {labels[tree]} / off: returning TTFT {_f(ttft)}x (target <= {TTFT_TARGET}: "
                          f"{_met(ttft, TTFT_TARGET, False)}), throughput {_f(tput)}x (target >= {TPUT_TARGET}: "
                          f"{_met(tput, TPUT_TARGET, True)})")
     return "\n".join(lines)
