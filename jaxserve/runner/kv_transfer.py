@@ -305,8 +305,7 @@ class KVTransfer:
         self._dtype = runner.kv_caches[0].dtype
         self.row_size = sum(s.size for s in self.sets)
         block_bytes = tiers.block_bytes
-        self.max_move = 1 << max(0, min(int(math.log2(MAX_MOVE_BLOCKS)),
-                                        int(math.log2(max(1, MOVE_BYTES // block_bytes)))))
+        self.max_move = 1 << int(math.log2(max(1, min(MAX_MOVE_BLOCKS, MOVE_BYTES // block_bytes))))
         self.sizes = [1 << i for i in range(int(math.log2(self.max_move)) + 1)]
         shardings = [[c.sharding for c in s.owner.kv_caches] for s in self.sets]
         first = shardings[0][0]
