@@ -25,7 +25,7 @@
 #       turn count (compiled once): a third of the bench's working set (conversations x the last turn's
 #       prompt) at 3 turns, so 2.7x at 2 turns and 3.3x at 4; a 32 GiB host tier when on; then the table
 #       (BLOCK=64: KV blocks of 64 tokens instead of the config's 16, the pool the same tokens; a tier move's
-#       host cost is per block)
+#       host cost is per block; CONCURRENCY=N: the bench's closed loop, --max-concurrency N, instead of rounds)
 #   AB_PATCHES=A.patch[,B.patch] bash benchmarks/devrun_tiers.sh multiturn_ab    instead: 3 turns with the host
 #       tier on, of the tree, then with the tier off, then with each patch alone (applied, run, reverted), then
 #       of the tree again (the drift, skipped when DEADLINE comes first); the table (a row per tree, each
@@ -63,6 +63,7 @@ if [ "${1:-}" = multiturn ] || [ "${1:-}" = multiturn_ab ]; then
       --output-len 64 --block-size $BLOCK --precompile true"
     C=128 FIRST=1024 STEP=128 HOST=32
   fi
+  [ -z "${CONCURRENCY:-}" ] || MT="$MT --max-concurrency $CONCURRENCY"
   SHOW="^Multi-turn|^TTFT|^  turn|^KV cache"
   blocks=$((C * (FIRST + 2 * STEP) / BLOCK / 3))
   # mt TURNS TIER [NAME]: one bench at TURNS turns, host tier TIER (on / off), its report mt_t{TURNS}_{TIER}[_NAME]

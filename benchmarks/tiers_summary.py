@@ -109,10 +109,15 @@ MT_FILE = re.compile(r"^mt_t(?P<turns>\d+)_(?P<tier>on|off)(?:_(?P<tree>[A-Za-z0
 
 
 def _mt_row(report: dict) -> dict:
-    steps = [t["steps"] for t in report["turns"]]
+    """One run's row; a closed-loop run (--max-concurrency) has one step report for the whole run instead of
+    one per turn, and its turn_s holds the run's seconds."""
+    closed = report.get("max_concurrency") is not None
+    steps = [report["steps"]] if closed else [t["steps"] for t in report["turns"]]
     return {"returning_ttft_p50_ms": (report.get("returning_ttft_ms") or {}).get("p50"),
             "total_tokens_per_s": report["total_tokens_per_s"], "elapsed_s": report["elapsed_s"],
-            "turn_s": [t["elapsed_s"] for t in report["turns"]], "returning_hit_rate": report["returning_hit_rate"],
+            "max_concurrency": report.get("max_concurrency"),
+            "turn_s": [report["elapsed_s"]] if closed else [t["elapsed_s"] for t in report["turns"]],
+            "returning_hit_rate": report["returning_hit_rate"],
             "working_set_over_pool": report["working_set_over_pool"],
             "num_preemptions": report.get("num_preemptions"),
             "schedule_ms": [s["breakdown_ms"]["schedule"] for s in steps],
@@ -151,6 +156,8 @@ def render_multi_turn(rows: dict[int, dict]) -> str:
         hits = r["returning_hit_rate"]
         per_turn = " + ".join(f"{t:.2f} ({s:.1f}, {100 * i:.0f}%)" for t, s, i in
                               zip(r["turn_s"], r["schedule_ms"], r["device_idle_share"]))
+        if r.get("max_concurrency") is not None:
+            per_turn += f" in all (closed loop, {r['max_concurrency']} in the engine)"
         return (f"{turns:5d} {tier:20s} {_f(r['returning_ttft_p50_ms'], '.1f'):>10s} ms {r['total_tokens_per_s']:9.0f} "
                 f"{_f(hits and 100 * hits, '.1f'):>8s}% {r['working_set_over_pool']:7.2f} "
                 f"{_f(r['num_preemptions'], 'd'):>7s}  {per_turn}")

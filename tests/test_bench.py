@@ -238,6 +238,26 @@ def test_bench_multi_turn_brings_histories_back_from_the_host_tier(tmp_path):
     assert cli_main(["bench", "multi-turn", "--config", str(TINY_CONFIG), "--num-turns", "0"]) == 2
 
 
+
+def test_bench_multi_turn_closed_loop_keeps_at_most_n_turns_in_the_engine(tmp_path):
+    """--max-concurrency 2: each conversation's next turn follows its own answer, never more than two turns in
+    a step; every conversation still runs every turn with the same histories' lengths, and the returning turns
+    find their history again through the host tier."""
+    report = bench(tmp_path, "multi-turn", "--config", str(TINY_CONFIG), "--num-conversations", "4", "--num-turns", "3",
+                   "--first-len", "6", "--append-len", "2", "--output-len", "3", "--block-size", "4",
+                   "--num-blocks", "12", "--host-kv-gib", "0.001", "--prefix-hash-seed", "1", "--max-concurrency", "2")
+    assert report["max_concurrency"] == 2
+    turns = report["turns"]
+    assert [t["prompt_len"] for t in turns] == [6, 11, 16]
+    assert turns[0]["hit_rate"] == 0 and all(t["hit_rate"] > 0 for t in turns[1:])
+    assert report["steps"]["steady_decode"]["batch"] <= 2 and report["steps"]["mean_decode_rows_per_step"] <= 2
+    tokens = 4 * sum(length + 3 for length in (6, 11, 16))
+    assert report["total_tokens_per_s"] == pytest.approx(tokens / report["elapsed_s"])
+    assert report["engine"]["kv_cache"]["host_hits"] > 0
+    check_summary(report["first_turn_ttft_ms"], 4)
+    check_summary(report["returning_ttft_ms"], 8)
+    assert cli_main(["bench", "multi-turn", "--config", str(TINY_CONFIG), "--max-concurrency", "0"]) == 2
+
 def test_bench_fp8_flags_reach_the_engine_and_the_roofline(tmp_path, tiny_model):
     """--quantization fp8 and --kv-cache-dtype fp8 set model.quantization and cache.kv_cache_dtype; the roofline
     counts the FP8 weights' own bytes (less than the float32 ones) and 1 byte per KV element."""

@@ -80,6 +80,22 @@ def test_multi_turn_summary_compares_each_tree_with_the_off_run(tmp_path, monkey
     assert "2 off                  (not run)" in text and "not measured" in text
 
 
+
+def test_multi_turn_summary_of_closed_loop_runs_has_one_step_report(tmp_path, monkeypatch):
+    """A --max-concurrency run reports no per-turn seconds: its row shows the run's seconds and its one step
+    report, and its ratios come out as for rounds."""
+    tiers_summary = load("tiers_summary", monkeypatch)
+    for name, ttft, tput, idle in (("off", 400.0, 10000.0, 0.05), ("on", 100.0, 16000.0, 0.2)):
+        report = _multi_turn_report(ttft, tput, [9.0])
+        report.update(max_concurrency=32, steps={"breakdown_ms": {"schedule": 1.5}, "device_idle_share": idle},
+                      turns=[{"elapsed_s": None, "steps": None}] * 3)
+        (tmp_path / f"mt_t3_{name}.json").write_text(json.dumps(report))
+    rows = tiers_summary.multi_turn_rows(tmp_path)
+    assert rows[3]["on"][""]["ttft_on_over_off"] == 0.25 and rows[3]["on"][""]["throughput_on_over_off"] == 1.6
+    text = tiers_summary.render_multi_turn(rows)
+    assert "9.00 (1.5, 20%) in all (closed loop, 32 in the engine)" in text
+    assert "on / off: returning TTFT 0.25x (target <= 0.3: met), throughput 1.60x (target >= 1.5: met)" in text
+
 def test_ttft_bound_takes_the_rates_measured_in_the_run(tmp_path, monkeypatch):
     fp8_summary = load("fp8_summary", monkeypatch)
     model = ROOT / "configs" / "models" / "llama3-8b"
