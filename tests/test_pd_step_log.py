@@ -19,6 +19,7 @@ def test_summary_of_the_slowest_steps():
     assert summary["step_ms"]["max"] == pytest.approx(9.0) and summary["step_ms"]["p50"] == pytest.approx(1.0)
     assert summary["install_steps"] == 2
     assert summary["install_ms"]["mean"] == pytest.approx(2.0) and summary["install_ms"]["max"] == pytest.approx(3.0)
+    assert summary["install_ms"]["p50"] == pytest.approx(2.0)  # the middle of 1 and 3 ms
     # at or up to two steps after an install: 2, 3, 4 and 8, 9
     assert summary["near_install"] == pytest.approx(0.5) and summary["slowest_near_install"] == 1.0
     assert summary["pulling"] == pytest.approx(0.1) and summary["slowest_pulling"] == 0.5

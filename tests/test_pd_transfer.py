@@ -1,7 +1,8 @@
 """PD KV transfer. Host path: blocks gathered on one runner's caches, packed to exactly their bytes,
 unpacked and scattered into other block ids of another runner's caches arrive unchanged; a truncated
 payload or a different layout fails instead of writing anything. Device path: the same blocks as
-power-of-two chunks pulled by another transfer server; a pull that never completes fails at its deadline."""
+power-of-two chunks pulled by another transfer server; a pull that never completes fails at its deadline.
+After warm-up neither path compiles."""
 
 from __future__ import annotations
 
@@ -150,3 +151,40 @@ def test_device_pull_that_never_completes_fails_at_its_deadline():
     lines = result.stdout.splitlines()
     assert len(lines) == 2 and all("did not complete in time" in line for line in lines), result.stdout + result.stderr
     assert all(1.0 <= float(line.split()[0]) < 10.0 for line in lines), lines
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_warmed_movers_never_compile_a_transfer(split):
+    """After BlockMover.warm, gathers and installs of any length up to its max_blocks, on either path and
+    into caches split by KV head, trace nothing; the null block is the only block warm-up wrote."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from jaxserve.pd.device_transfer import DeviceEndpoint, chunk_sizes
+    src, dst = _runner(0, num_blocks=32), _runner(1, num_blocks=32)
+    if split:
+        mesh = Mesh(np.array(jax.devices()[:2]), ("model",))
+        heads = NamedSharding(mesh, PartitionSpec(*[("model" if a == "kv_heads" else None)
+                                                   for a in layers.kv_cache_axes("reference")]))
+        dst.kv_caches = [jax.device_put(c, heads) for c in dst.kv_caches]
+    p, d = BlockMover(src), BlockMover(dst)
+    before = [_block(dst, d.axis, b) for b in range(1, 32)]
+    assert not src.kv_caches[0].committed  # as an engine allocates them; its steps return them committed
+    assert p.warm(20, gather=True, scatter=False, host_path=True) == 6  # 1, 2, 4, ..., 32
+    assert d.warm(20, gather=False, scatter=True, host_path=True) == 6
+    for b, block in enumerate(before, start=1):
+        np.testing.assert_array_equal(_block(dst, d.axis, b), block)
+    endpoint = DeviceEndpoint(jax.devices()[0], "127.0.0.1")
+    assert src.kv_caches[0].committed and dst.kv_caches[0].committed
+    with jax.no_tracing():
+        for count in (1, 3, 13, 20):
+            src_ids, dst_ids = list(range(1, count + 1)), list(range(31, 31 - count, -1))
+            sizes = chunk_sizes(count)
+            pulled = endpoint.pull(endpoint.address, endpoint.offer(p.gather_chunks(src_ids, sizes)), sizes,
+                                   d.block_shape, d.dtype, time.monotonic() + 30)
+            d.scatter(dst_ids, pulled)
+            for s, t in zip(src_ids, dst_ids):
+                np.testing.assert_array_equal(_block(dst, d.axis, t), _block(src, p.axis, s))
+            d.scatter(dst_ids[::-1], unpack(pack(p.gather(src_ids), count), count, p.layout, d.layout))
+            for s, t in zip(src_ids, dst_ids[::-1]):
+                np.testing.assert_array_equal(_block(dst, d.axis, t), _block(src, p.axis, s))

@@ -73,10 +73,10 @@ class DecodeStepLog:
         self.records.append((seconds, install_seconds, installs, pulling))
 
     def summary(self, slow_share: float = 0.01, after: int = 2) -> dict:
-        """{"count", "step_ms" (p50, p90, p99, max), "install_steps", "install_ms" (mean, max) and, over the
-        slowest `slow_share` of the steps (at least one), the share at an install or up to `after` steps
-        after one ("slowest_near_install") and during a pull ("slowest_pulling"), beside the same shares
-        over every step ("near_install", "pulling")}."""
+        """{"count", "step_ms" (p50, p90, p99, max), "install_steps", "install_ms" (mean, p50, p90, p99, max of
+        the steps with installs) and, over the slowest `slow_share` of the steps (at least one), the share at
+        an install or up to `after` steps after one ("slowest_near_install") and during a pull
+        ("slowest_pulling"), beside the same shares over every step ("near_install", "pulling")}."""
         if not self.records:
             return {"count": 0}
         records = np.asarray(self.records, np.float64)  # (a copy: the engine thread keeps appending)
@@ -89,8 +89,9 @@ class DecodeStepLog:
                 "step_ms": {f"p{q}": float(1e3 * np.percentile(seconds, q)) for q in (50, 90, 99)}
                 | {"max": float(1e3 * seconds.max())},
                 "install_steps": int(installed.sum()),
-                "install_ms": {"mean": float(1e3 * install_s[installed].mean()),
-                               "max": float(1e3 * install_s[installed].max())} if installed.any() else None,
+                "install_ms": {"mean": float(1e3 * install_s[installed].mean())}
+                | {f"p{q}": float(1e3 * np.percentile(install_s[installed], q)) for q in (50, 90, 99)}
+                | {"max": float(1e3 * install_s[installed].max())} if installed.any() else None,
                 "slowest_steps": len(slowest),
                 "slowest_near_install": float(near[slowest].mean()), "near_install": float(near.mean()),
                 "slowest_pulling": float(pulling[slowest].mean()), "pulling": float(pulling.mean())}
@@ -143,6 +144,10 @@ class PDEngine:
         self.block_size = config.cache.block_size
         self.mover = BlockMover(engine.runner)
         self.method = server.kv_transfer_method
+        if config.runner.precompile:
+            engine.num_compiled += self.mover.warm(
+                -(-self.max_model_len // self.block_size), gather=self.role == "prefill",
+                scatter=self.role == "decode", host_path=self.method == "host")
         self._transfer_host = proto.split_address(server.kv_transfer_address)[0]
         self._endpoint: DeviceEndpoint | None = None
         self._endpoint_lock = threading.Lock()

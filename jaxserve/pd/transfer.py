@@ -11,8 +11,10 @@ host path (through host memory and the control connection; device_transfer.py ha
                              step's forward
 
 Device programs take a power-of-two number of blocks (padded with the null block 0, whose contents are
-never read), so a few sizes compile; the bytes on the wire are the request's blocks only. The layout a
-block's bytes mean is [L, *one layer's block], as the KV tiers' (runner/kv_transfer.py) whose gather and
+never read), so a few sizes compile, all of them at start (`BlockMover.warm`: an install that compiled
+would stall the decode steps behind it); the bytes on the wire are the request's blocks only. Both paths'
+blocks reach the scatter as one device array on the caches' devices, so they share its programs. The layout
+a block's bytes mean is [L, *one layer's block], as the KV tiers' (runner/kv_transfer.py) whose gather and
 scatter are reused.
 """
 
@@ -48,8 +50,9 @@ class BlockMover:
         sharding = shardings[0]
         self._first_device = jax.sharding.SingleDeviceSharding(min(sharding.device_set, key=lambda d: d.id))
         self._sharded = len(sharding.device_set) > 1
-        self._replicated = (jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
-                            if self._sharded else sharding)
+        # where the scatter takes its blocks: laid out over the caches' devices, or on the one device
+        self._arrival = (jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+                         if self._sharded else self._first_device)
         self._gather = jax.jit(functools.partial(kv_transfer._gather, axis=self.axis))
         self._scatter = jax.jit(lambda caches, ids, data: kv_transfer._scatter(caches, ids, data, axis=self.axis)[0],
                                 donate_argnums=0, out_shardings=shardings)
@@ -71,14 +74,14 @@ class BlockMover:
         """[bucket, L, *block] copy of the blocks (first len(block_ids) rows); returns at once."""
         ids = np.zeros(_bucket(len(block_ids)), np.int32)
         ids[:len(block_ids)] = block_ids
-        return self._gather(self.runner.kv_caches, jnp.asarray(ids))
+        return self._gather(self.runner.kv_caches, ids)
 
     def gather_chunks(self, block_ids: list[int], sizes: list[int]) -> list[jax.Array]:
         """The blocks as consecutive chunks of `sizes` (powers of two: no padding), each [size, L, *block] on
         this runner's first device; returns at once."""
         chunks, start = [], 0
         for size in sizes:
-            chunk = self._gather(self.runner.kv_caches, jnp.asarray(block_ids[start: start + size], np.int32))
+            chunk = self._gather(self.runner.kv_caches, np.asarray(block_ids[start: start + size], np.int32))
             chunks.append(jax.device_put(chunk, self._first_device) if self._sharded else chunk)
             start += size
         return chunks
@@ -89,9 +92,9 @@ class BlockMover:
         if isinstance(data, list):
             start = 0
             for chunk in data:
-                ids = jnp.asarray(block_ids[start: start + len(chunk)], np.int32)
+                ids = np.asarray(block_ids[start: start + len(chunk)], np.int32)
                 if self._sharded:  # pulled onto one device: laid out over the caches' devices first
-                    chunk = jax.device_put(chunk, self._replicated)
+                    chunk = jax.device_put(chunk, self._arrival)
                 self.runner.kv_caches = self._scatter(self.runner.kv_caches, ids, chunk)
                 start += len(chunk)
             return
@@ -100,7 +103,26 @@ class BlockMover:
         ids[:len(block_ids)] = block_ids
         padded = np.zeros((size, *self.block_shape), self.dtype)
         padded[:len(block_ids)] = data
-        self.runner.kv_caches = self._scatter(self.runner.kv_caches, jnp.asarray(ids), padded)
+        self.runner.kv_caches = self._scatter(self.runner.kv_caches, ids,
+                                              jax.device_put(padded, self._arrival))
+
+    def warm(self, max_blocks: int, gather: bool, scatter: bool, host_path: bool) -> int:
+        """Compiles the programs a request of up to `max_blocks` blocks can run, by running each once on the
+        null block 0 (gathered from, or zeros scattered into it: padding writes it anyway): the device path's
+        chunk sizes, and with `host_path` every padded size up to max_blocks' power of two. -> programs run."""
+        from jaxserve.pd.device_transfer import chunk_sizes  # noqa: PLC0415 - it imports this module
+        largest = _bucket(max_blocks) if host_path else chunk_sizes(max_blocks)[0]
+        sizes = [1 << bit for bit in range(largest.bit_length())]
+        # the caches as the steps leave them, committed to their devices (the same buffers): caches as
+        # allocated are not, and a program's call on them would be another program
+        self.runner.kv_caches = [jax.device_put(c, c.sharding) for c in self.runner.kv_caches]
+        for n in sizes if gather else ():
+            self.gather_chunks([0] * n, [n])
+        for n in sizes if scatter else ():
+            zeros = jnp.zeros((n, *self.block_shape), self.dtype, device=self._arrival)
+            self.runner.kv_caches = self._scatter(self.runner.kv_caches, np.zeros(n, np.int32), zeros)
+        jax.block_until_ready(self.runner.kv_caches)
+        return len(sizes) * (gather + scatter)
 
 
 def pack(gathered: jax.Array, count: int) -> bytes:
