@@ -31,6 +31,9 @@
 #       kernels run side by side instead of time-slicing the GPU; the prefill instance is held to
 #       PREFILL_SM_PERCENT (default 60) of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), the decode instance
 #       takes any. Where nvidia-cuda-mps-control is missing, the mode says so and stops.
+#   bash benchmarks/devrun_pd.sh pacing  (b2) only, twice: the decode instance writing each transfer's blocks
+#       at once (server.kv_install_blocks_per_step 0 -> mixed_pd_at_once.json, decode_info_at_once.json), then
+#       paced between its steps (the default) -> mixed_pd.json, decode_info.json
 #   PREFILL_CHUNK=N (any mode): the prefill instance's steps hold at most N tokens (max_num_batched_tokens,
 #       token rungs up to N), so a long prompt is prefilled in N-token chunks: shorter kernels for the decode
 #       instance to wait behind on a shared GPU
@@ -81,12 +84,12 @@ if [ "$MODE" = mps ]; then
   trap 'cleanup; echo quit | nvidia-cuda-mps-control' EXIT
   PREFILL_ENV+=("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=${PREFILL_SM_PERCENT:-60}")
   echo "== mps: control daemon started (prefill instance at ${PREFILL_SM_PERCENT:-60}% of the SMs)"
-elif [ "$MODE" != all ]; then
-  echo "unknown mode $MODE: all or mps"; exit 2
+elif [ "$MODE" != all ] && [ "$MODE" != pacing ]; then
+  echo "unknown mode $MODE: all, mps or pacing"; exit 2
 fi
 
 # (a) transfer bandwidth
-[ "$MODE" = mps ] || {
+[ "$MODE" != all ] || {
 echo "== ${SECONDS}s: transfer ($TOKENS tokens)"
 P=$(port)
 env "${DECODE_ENV[@]}" XLA_PYTHON_CLIENT_MEM_FRACTION=$HALF_MEM $PY benchmarks/pd_bench.py transfer --role recv \
@@ -114,6 +117,7 @@ MIXED="$PY benchmarks/pd_bench.py mixed --streams $STREAMS --short-len $SHORT --
   --long-len $LONG --rate $RATE --duration $DURATION --vocab $VOCAB"
 
 # (b1) colocated
+[ "$MODE" = pacing ] || {
 echo "== ${SECONDS}s: mixed, colocated"
 P=$(port)
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 $SERVE --config "$W/full.yaml" "${COLOCATED_FLAGS[@]}" --port "$P" \
@@ -126,6 +130,7 @@ else
   echo "   colocated server did not start"; tail -5 "$W/colocated.log"
 fi
 kill $C 2>/dev/null; wait $C 2>/dev/null
+}
 
 # (b2) disaggregated: the same total memory
 PREFILL_CFG=$W/half.yaml
@@ -140,27 +145,37 @@ open(sys.argv[2], "w").write(re.sub(r"token_buckets: \[([^\]]*)\]", rungs, text)
 PYEOF
   echo "   prefill instance: $PREFILL_CHUNK-token steps ($(grep token_buckets "$PREFILL_CFG" | xargs))"
 fi
-echo "== ${SECONDS}s: mixed, disaggregated"
-PP=$(port); DP=$(port); RP=$(port)
-env "${DECODE_ENV[@]}" XLA_PYTHON_CLIENT_MEM_FRACTION=$HALF_MEM $SERVE --config "$W/half.yaml" --port "$DP" \
-  --pd-role decode \
-  > "$W/decode.log" 2>&1 &
-PIDS+=($!); D=$!
-env "${PREFILL_ENV[@]}" XLA_PYTHON_CLIENT_MEM_FRACTION=$HALF_MEM $SERVE --config "$PREFILL_CFG" --port "$PP" \
-  --pd-role prefill \
-  > "$W/prefill.log" 2>&1 &
-PIDS+=($!); PF=$!
-$PY -m jaxserve.cli router --prefill "http://127.0.0.1:$PP" --decode "http://127.0.0.1:$DP" --port "$RP" \
-  --log-level warning > "$W/router.log" 2>&1 &
-PIDS+=($!)
-if wait_up "http://127.0.0.1:$DP" $D 300 && wait_up "http://127.0.0.1:$PP" $PF 300; then
-  timeout "$(limit 5)" $MIXED --url "http://127.0.0.1:$RP" --label disaggregated --json "$OUT/mixed_pd.json" \
-    > "$W/mixed_pd.log" 2>&1 || { echo "   disaggregated run failed"; tail -5 "$W/mixed_pd.log"; }
-  curl -s "http://127.0.0.1:$DP/pd/info" > "$OUT/decode_info.json"
-else
-  echo "   PD instances did not start"; tail -n 5 "$W/decode.log" "$W/prefill.log"
+# pd_run NAME RESERVE_S [DECODE FLAGS...]: router + prefill + decode instance, the mixed run -> mixed_NAME.json,
+# the decode instance's /pd/info after it -> decode_info${NAME#pd}.json
+pd_run() {
+  local name=$1 reserve=$2; shift 2
+  echo "== ${SECONDS}s: mixed, disaggregated ($name${*:+: $*})"
+  PP=$(port); DP=$(port); RP=$(port)
+  env "${DECODE_ENV[@]}" XLA_PYTHON_CLIENT_MEM_FRACTION=$HALF_MEM $SERVE --config "$W/half.yaml" --port "$DP" \
+    --pd-role decode "$@" \
+    > "$W/decode${name#pd}.log" 2>&1 &
+  PIDS+=($!); D=$!
+  env "${PREFILL_ENV[@]}" XLA_PYTHON_CLIENT_MEM_FRACTION=$HALF_MEM $SERVE --config "$PREFILL_CFG" --port "$PP" \
+    --pd-role prefill \
+    > "$W/prefill${name#pd}.log" 2>&1 &
+  PIDS+=($!); PF=$!
+  $PY -m jaxserve.cli router --prefill "http://127.0.0.1:$PP" --decode "http://127.0.0.1:$DP" --port "$RP" \
+    --log-level warning > "$W/router${name#pd}.log" 2>&1 &
+  PIDS+=($!)
+  if wait_up "http://127.0.0.1:$DP" $D 300 && wait_up "http://127.0.0.1:$PP" $PF 300; then
+    timeout "$(limit "$reserve")" $MIXED --url "http://127.0.0.1:$RP" --label "disaggregated${*:+ ($*)}" \
+      --json "$OUT/mixed_$name.json" > "$W/mixed_$name.log" 2>&1 \
+      || { echo "   disaggregated run failed"; tail -5 "$W/mixed_$name.log"; }
+    curl -s "http://127.0.0.1:$DP/pd/info" > "$OUT/decode_info${name#pd}.json"
+  else
+    echo "   PD instances did not start"; tail -n 5 "$W/decode${name#pd}.log" "$W/prefill${name#pd}.log"
+  fi
+  cleanup; PIDS=()
+}
+if [ "$MODE" = pacing ]; then
+  pd_run pd_at_once $((DEADLINE * 45 / 100)) --kv-install-blocks-per-step 0
 fi
-cleanup; PIDS=()
+pd_run pd 5
 
 echo "== ${SECONDS}s: done"
 tar -czf "$OUT/pd_logs.tar.gz" -C "$OUT" work
@@ -168,13 +183,14 @@ $PY - "$OUT" <<'EOF' | tee "$OUT/summary.json"
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
 summary = {}
-for name in ("transfer_device", "transfer_host", "peer_copy", "mixed_colocated", "mixed_pd"):
+for name in ("transfer_device", "transfer_host", "peer_copy", "mixed_colocated", "mixed_pd_at_once", "mixed_pd"):
     path = out / f"{name}.json"
     summary[name] = json.loads(path.read_text()) if path.exists() else None
-info = out / "decode_info.json"  # the decode instance's step log after the mixed run (/pd/info "steps")
-try:
-    summary["decode_steps"] = json.loads(info.read_text()).get("steps") if info.exists() else None
-except ValueError:
-    summary["decode_steps"] = None
+for suffix in ("_at_once", ""):  # the decode instance's step log after a mixed run (/pd/info "steps")
+    info = out / f"decode_info{suffix}.json"
+    try:
+        summary[f"decode_steps{suffix}"] = json.loads(info.read_text()).get("steps") if info.exists() else None
+    except ValueError:
+        summary[f"decode_steps{suffix}"] = None
 print(json.dumps(summary, indent=1))
 EOF

@@ -276,12 +276,16 @@ class ServerConfig:
     # any free one, reported at GET /pd/info); kv_transfer_token: the secret every instance and the router
     # share (required unless the endpoint is on loopback); kv_transfer_timeout_s: a transfer's deadline;
     # kv_transfer_method (a prefill instance's choice; a decode instance takes either): device (through
-    # jax.experimental.transfer, from device to device) or host (bytes over the control connection).
+    # jax.experimental.transfer, from device to device) or host (bytes over the control connection);
+    # kv_install_blocks_per_step: a decode instance with requests running writes at most about this many
+    # arrived blocks into its cache between two steps (at least one chunk), so that installing a long
+    # prompt's KV never holds up its running streams' next token; 0 = each transfer at once.
     pd_role: str | None = None
     kv_transfer_address: str = "127.0.0.1:0"
     kv_transfer_token: str | None = None
     kv_transfer_timeout_s: float = 10.0
     kv_transfer_method: str = "device"
+    kv_install_blocks_per_step: int = 64
 
     def __post_init__(self):
         check_fields(self, "server")
@@ -307,6 +311,9 @@ class ServerConfig:
             raise ValueError(f"server.kv_transfer_timeout_s must be > 0, got {self.kv_transfer_timeout_s}")
         if self.kv_transfer_method not in ("device", "host"):
             raise ValueError(f"server.kv_transfer_method must be device or host, got {self.kv_transfer_method!r}")
+        if self.kv_install_blocks_per_step < 0:
+            raise ValueError(f"server.kv_install_blocks_per_step must be >= 0 (0: no limit), got "
+                             f"{self.kv_install_blocks_per_step}")
         if self.kv_transfer_token is not None and not self.kv_transfer_token:
             raise ValueError("server.kv_transfer_token must be a non-empty string or null")
 

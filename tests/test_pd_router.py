@@ -175,6 +175,7 @@ def test_outputs_equal_colocated_streaming_and_not(pd):
     assert [_completion(urls["router"], p, stream=True) for p in PROMPTS] == [expected[p] for p in PROMPTS]
     assert _outcome(urls["prefill0"], "sent") + _outcome(urls["prefill1"], "sent") == sent + 2 * len(PROMPTS)
     assert _outcome(urls["decode0"], "claimed") + _outcome(urls["decode1"], "claimed") >= 2 * len(PROMPTS)
+    _completion(urls["router"], _fresh(200))  # blocks no decode instance has: written into its cache
     steps = [_info(urls[name])["steps"] for name in ("decode0", "decode1")]
     assert sum(s.get("install_steps", 0) for s in steps) >= 1 and sum(s["count"] for s in steps) >= 2 * len(PROMPTS)
     assert "steps" not in _info(urls["prefill0"])

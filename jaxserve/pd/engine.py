@@ -13,8 +13,9 @@
                  unreachable | failed | timeout | aborted), which the router reads
     router -> decode instance: the same request with the same kv_transfer_params
       control thread: reserve -> blocks reserved (or "refused"); ready -> blocks pulled or bytes read,
-                 checked, scattered into the reserved blocks, registered in the prefix cache -> "ack";
-                 abort -> freed
+                 checked, scattered into the reserved blocks (paced: with requests running, about
+                 server.kv_install_blocks_per_step blocks between two steps), registered in the prefix
+                 cache -> "ack"; abort -> freed
       enqueue:   the request claims its READY transfer (same prompt): the blocks are its prefix-cache hit,
                  so it computes only the tail of its prompt; without one (transfer failed or timed out) it
                  prefills locally
@@ -98,6 +99,15 @@ class DecodeStepLog:
 
 
 @dataclasses.dataclass
+class _Install:
+    """A decode instance's transfer being written into its reserved blocks, piece by piece."""
+
+    transfer_id: str
+    pieces: collections.deque  # (target block ids, [device chunk] or host blocks [n, L, *block]), in order
+    done: concurrent.futures.Future  # -> the answer to the "ready": ("ack", {}) or ("nack", {...})
+
+
+@dataclasses.dataclass
 class _Outgoing:
     """A prefill instance's transfer of one request."""
 
@@ -144,6 +154,8 @@ class PDEngine:
         self.block_size = config.cache.block_size
         self.mover = BlockMover(engine.runner)
         self.method = server.kv_transfer_method
+        self.install_blocks_per_step = server.kv_install_blocks_per_step
+        self._installs: collections.deque[_Install] = collections.deque()  # engine thread only
         if config.runner.precompile:
             engine.num_compiled += self.mover.warm(
                 -(-self.max_model_len // self.block_size), gather=self.role == "prefill",
@@ -159,10 +171,11 @@ class PDEngine:
         self.kv_transfer_address: str | None = None
         self.step_log = DecodeStepLog()
         self._install_s = 0.0  # seconds the engine thread spent installing blocks (decode)
+        self._install_pieces = 0  # install programs dispatched (decode)
         self._pulls = 0  # pulls from prefill instances in flight, and started (decode, control threads)
         self._pulls_started = 0
         self._pull_lock = threading.Lock()
-        self._logged = (0, 0.0, 0)  # (installs, install seconds, pulls started) at the last logged step
+        self._logged = (0, 0.0, 0)  # (install pieces, install seconds, pulls started) at the last logged step
         if self.role == "decode":
             proto.check_bind(server.kv_transfer_address, server.kv_transfer_token)
             self.reservations = DecodeReservations(engine.kv_cache, hold_s=self.timeout_s)
@@ -260,6 +273,7 @@ class PDEngine:
         started, pulling = time.perf_counter(), self._pulls > 0
         self._run_commands()
         if self.role == "decode":
+            self._advance_installs()
             self.reservations.expire()
             self.reservations.release_claims(self._waiting)
         else:
@@ -286,10 +300,10 @@ class PDEngine:
             self._aborts.shutdown(wait=False, cancel_futures=True)
 
     def _log_step(self, seconds: float, pulling: bool) -> None:
-        """Adds a decode step to step_log, with the installs and pulls since the last logged step (an idle
-        step's install is scattered before the next step's forward)."""
+        """Adds a decode step to step_log, with the install pieces written and pulls since the last logged
+        step (an idle step's install is scattered before the next step's forward)."""
         logged = self._logged
-        now = (self.counts["installed"], self._install_s, self._pulls_started)
+        now = (self._install_pieces, self._install_s, self._pulls_started)
         self.step_log.add(seconds, now[1] - logged[1], now[0] - logged[0],
                           pulling or self._pulls > 0 or now[2] != logged[2])
         self._logged = now
@@ -356,7 +370,7 @@ class PDEngine:
             finally:
                 with self._pull_lock:
                     self._pulls -= 1
-            return self._call(lambda: self._install(transfer_id, data))
+            return self._call(lambda: self._install(transfer_id, data)).result(timeout=self.timeout_s)
         if kind == "abort":
             return "ack", {"aborted": self._call(lambda: self.reservations.abort(transfer_id))}
         return "nack", {"reason": f"a decode instance does not take {kind!r} messages"}
@@ -391,23 +405,58 @@ class PDEngine:
             return "refused", {"reason": str(err)}
         return "reserved", {"skip": reservation.skip, "num_blocks": len(reservation.target_ids)}
 
-    def _install(self, transfer_id: str, data) -> tuple[str, dict]:
+    def _install(self, transfer_id: str, data) -> concurrent.futures.Future:
+        """Queues a ready transfer's blocks for writing (_advance_installs); -> the future of its answer."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
         targets = self.reservations.targets(transfer_id)
-        if targets is None:
+        if targets is None or any(job.transfer_id == transfer_id for job in self._installs):
             self.counts["late"] += 1
-            return "nack", {"reason": "unknown, expired or already installed transfer"}
+            done.set_result(("nack", {"reason": "unknown, expired or already installed transfer"}))
+            return done
         count = sum(len(chunk) for chunk in data) if isinstance(data, list) else len(data)
         if len(targets) != count:
             self.reservations.abort(transfer_id)
             self.counts["failed"] += 1
-            return "nack", {"reason": f"{count} blocks sent for {len(targets)} reserved"}
-        if targets:
-            started = time.perf_counter()
-            self.mover.scatter(targets, data)
-            self._install_s += time.perf_counter() - started
-        self.reservations.mark_ready(transfer_id)
-        self.counts["installed"] += 1
-        return "ack", {}
+            done.set_result(("nack", {"reason": f"{count} blocks sent for {len(targets)} reserved"}))
+            return done
+        pieces: collections.deque = collections.deque()
+        if isinstance(data, list):
+            start = 0
+            for chunk in data:
+                pieces.append((targets[start: start + len(chunk)], [chunk]))
+                start += len(chunk)
+        elif targets:
+            pieces.append((targets, data))
+        self._installs.append(_Install(transfer_id, pieces, done))
+        return done
+
+    def _advance_installs(self) -> None:
+        """Writes queued pieces into their reserved blocks, oldest transfer first: with requests running
+        (and a limit), pieces until about install_blocks_per_step blocks (at least one piece); else all. A
+        transfer whose last piece is written is registered and acked; one whose reservation ended meanwhile
+        (expired, aborted) is dropped before another piece is written into blocks it no longer holds."""
+        at_once = not self.engine.has_unfinished_requests() or not self.install_blocks_per_step
+        budget, written = (float("inf") if at_once else self.install_blocks_per_step), 0
+        while self._installs and (written < budget or not self._installs[0].pieces):
+            job = self._installs[0]
+            if self.reservations.targets(job.transfer_id) is None:
+                self._installs.popleft()
+                self.counts["late"] += 1
+                job.done.set_result(("nack", {"reason": "the reservation expired or was aborted while its "
+                                                        "blocks were written"}))
+                continue
+            if job.pieces:
+                ids, data = job.pieces.popleft()
+                started = time.perf_counter()
+                self.mover.scatter(ids, data)
+                self._install_s += time.perf_counter() - started
+                self._install_pieces += 1
+                written += len(ids)
+            if not job.pieces:
+                self._installs.popleft()
+                self.reservations.mark_ready(job.transfer_id)
+                self.counts["installed"] += 1
+                job.done.set_result(("ack", {}))
 
     # ---- prefill side: outgoing transfers ----
     def _send_reserve(self, out: _Outgoing) -> dict:
