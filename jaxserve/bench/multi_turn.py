@@ -153,7 +153,7 @@ def _closed_loop(engine, args, histories: list[list[int]], appends: list[list[li
     engine.step()  # the step still in flight under overlap (see common.run_batch)
     turns = [{"turn": turn + 1, "prompt_len": prompt_lens[turn], "elapsed_s": None,
               "ttft_ms": common.request_report(outs)["ttft_ms"],
-              "hit_rate": sum(o.num_cached_tokens for o in outs) / sum(len(o.prompt_token_ids) for o in outs),
+              "hit_rate": sum(o.num_cached_tokens for o in outs) / (prompt_lens[turn] * len(outs)),
               "host_hits": None, "disk_hits": None, "steps": None}
              for turn, outs in enumerate(outputs)]
     return turns, elapsed, tokens, common.step_report([list(engine.step_stats)])
