@@ -1,7 +1,8 @@
 """Prefill/decode disaggregation end to end, as separate processes on loopback with the embedded model:
 `jaxserve router` over two prefill and two decode instances (`jaxserve serve --pd-role ...`), started once
 for the module; the tests that kill instances run last. prefill0 moves KV through the host (bytes on the
-control connection), prefill1 device to device (jax.experimental.transfer).
+control connection), prefill1 device to device (jax.experimental.transfer); decode1 speculates (n-gram
+guesses), so PD composes with speculation in every scenario that lands there.
 
 Greedy outputs through the router equal a decode instance's own colocated answers (it runs the same
 engine), streaming and not, completions and chat, one by one and as 200 concurrent streams. Faults: dropped,
@@ -88,6 +89,8 @@ def _processes(log_dir):
                        "--precompile", "false"]  # (shapes compile as the tests first use them)
             if name == "prefill0":  # prefill1 sends device to device (the default), prefill0 through the host
                 command += ["--kv-transfer-method", "host"]
+            if name == "decode1":  # PD with speculation: n-gram guesses over the transferred prompts
+                command += ["--speculative-method", "ngram", "--num-speculative-tokens", "2", "--prompt-lookup-min", "1"]
             started[name] = _popen(command, log_dir / f"{name}.log", env=ENV)
             urls[name] = f"http://127.0.0.1:{port}"
         for name in INSTANCES:
@@ -225,6 +228,35 @@ def test_200_concurrent_streams_over_two_prefill_and_two_decode_instances(pd):
     assert asyncio.run(run_all()) == [expected[p] for p in prompts]
     for name in ("prefill0", "prefill1", "decode0", "decode1"):
         assert _info(urls[name])["outcomes"], f"{name} took no part"
+    _assert_pools_return(urls, start)
+
+
+def _drafts(url: str) -> float:
+    return float(re.search(r"^jaxserve:spec_decode_num_draft_tokens_total\{[^}]*\} (\S+)$",
+                           httpx.get(url + "/metrics").text, re.M).group(1))
+
+
+def test_a_speculating_decode_instance_keeps_the_colocated_outputs(pd):
+    """decode1 guesses with n-gram over prompts whose KV it received: eight concurrent chat requests (spread
+    over both decode instances) run past the answer's EOS, where the repeated tokens give the proposer
+    matches, and every one returns the colocated tokens; decode1 verified guesses."""
+    _, urls, start, _ = pd
+    body = {"messages": [{"role": "user", "content": "12+34="}], "max_tokens": 10, "temperature": 0,
+            "ignore_eos": True, "logprobs": True, "skip_special_tokens": False}
+
+    def tokens(answer: dict) -> list[str]:
+        return [entry["token"] for entry in answer["choices"][0]["logprobs"]["content"]]
+
+    colocated = tokens(httpx.post(urls["decode0"] + "/v1/chat/completions", json=body, timeout=60).json())
+    before = _drafts(urls["decode1"])
+
+    async def run_all():
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*(client.post(urls["router"] + "/v1/chat/completions", json=body)
+                                          for _ in range(8)))
+
+    assert [tokens(r.json()) for r in asyncio.run(run_all())] == [colocated] * 8
+    assert _drafts(urls["decode1"]) > before
     _assert_pools_return(urls, start)
 
 
