@@ -92,7 +92,8 @@ def transfer_send(args) -> int:
     import jax.numpy as jnp
 
     from jaxserve.pd import protocol as proto
-    from jaxserve.pd.device_transfer import DeviceEndpoint, chunk_sizes
+    from jaxserve.pd.device_transfer import DeviceEndpoint
+    from jaxserve.pd.transfer import chunk_sizes
     from jaxserve.pd.transfer import BlockMover, pack
     engine = _engine(args.config)
     mover = BlockMover(engine.runner)
@@ -117,10 +118,10 @@ def transfer_send(args) -> int:
             message = proto.encode(key, "ready", proto.new_transfer_id(), num_blocks=count, layout=mover.layout,
                                    pull=pull)
         else:
-            gathered = mover.gather(ids)
-            gathered.block_until_ready()
+            gathered = mover.gather_chunks(ids, chunk_sizes(count))
+            jax.block_until_ready(gathered)
             t1 = time.perf_counter()
-            payload = pack(gathered, count)
+            payload = pack(gathered)
             t2 = time.perf_counter()
             message = proto.encode(key, "ready", proto.new_transfer_id(), payload, num_blocks=count,
                                    layout=mover.layout)
@@ -136,7 +137,7 @@ def transfer_send(args) -> int:
         values.clear()
     for _ in range(args.reps):
         once()
-    block = mover.gather(ids)[:count]
+    block = jnp.concatenate(mover.gather_chunks(ids, chunk_sizes(count)))
     copy = jax.jit(lambda x: x + jnp.zeros((), x.dtype))
     copy(block).block_until_ready()
     copies = _timed(lambda: copy(block).block_until_ready(), args.reps)

@@ -1,7 +1,8 @@
 """A decode instance writes arrived KV into its reserved blocks paced between steps (PDEngine._install and
 _advance_installs): with requests running, about server.kv_install_blocks_per_step blocks a step, at least
 one chunk, oldest transfer first, each acked only once its last chunk is written; all at once when no
-request runs or the limit is 0; never another chunk into blocks whose reservation ended meanwhile."""
+request runs or the limit is 0; never another chunk into blocks whose reservation ended meanwhile; a
+failed write fails its transfer, not the engine."""
 
 from __future__ import annotations
 
@@ -29,12 +30,19 @@ class _Reservations:
         return self.open.pop(transfer_id, None) is not None
 
 
-def _decode(targets: dict[str, list[int]], per_step: int, busy: bool = True):
-    writes = []
+def _decode(targets: dict[str, list[int]], per_step: int, busy: bool = True, fail_at: int | None = None):
+    writes, attempts = [], []
+
+    def scatter_piece(ids, chunk):
+        attempts.append(ids)
+        if len(attempts) - 1 == fail_at:
+            raise RuntimeError("out of device memory")
+        writes.append(list(ids))
+
     return types.SimpleNamespace(
         engine=types.SimpleNamespace(has_unfinished_requests=lambda: busy),
         install_blocks_per_step=per_step, reservations=_Reservations(targets), counts=collections.Counter(),
-        mover=types.SimpleNamespace(scatter=lambda ids, data: writes.append(list(ids))),
+        mover=types.SimpleNamespace(scatter_piece=scatter_piece, runner=types.SimpleNamespace(kv_caches=[])),
         _installs=collections.deque(), _install_s=0.0, _install_pieces=0, writes=writes)
 
 
@@ -84,3 +92,26 @@ def test_a_wrong_block_count_is_refused_before_any_write():
     decode = _decode({"a": list(range(4))}, per_step=4)
     assert PDEngine._install(decode, "a", _chunks(2, 1)).result() == ("nack", {"reason": "3 blocks sent for 4 reserved"})
     assert _step(decode) == [] and "a" not in decode.reservations.open
+
+
+def test_host_bytes_are_cut_as_the_device_path_chunks():
+    decode = _decode({"a": list(range(20, 31))}, per_step=0)
+    a = PDEngine._install(decode, "a", np.zeros((11, 2)))  # unpacked host bytes: [n, L, *block]
+    assert _step(decode) == [list(range(20, 28)), [28, 29], [30]] and a.result() == ("ack", {})
+
+
+def test_a_failed_write_fails_only_its_transfer():
+    decode = _decode({"a": list(range(4)), "b": [7]}, per_step=0, fail_at=1)
+    a = PDEngine._install(decode, "a", _chunks(2, 2))
+    b = PDEngine._install(decode, "b", _chunks(1))
+    assert _step(decode) == [[0, 1], [7]]  # a's second chunk failed; b went on
+    assert a.result()[0] == "nack" and "out of device memory" in a.result()[1]["reason"]
+    assert "a" not in decode.reservations.open and b.result() == ("ack", {})
+
+
+def test_a_transfer_id_reserved_again_is_not_written_with_the_old_pieces():
+    decode = _decode({"a": [0, 1, 2, 3]}, per_step=2)
+    a = PDEngine._install(decode, "a", _chunks(2, 2))
+    assert _step(decode) == [[0, 1]]
+    decode.reservations.open["a"] = [8, 9, 10, 11]  # aborted, then the same id reserved other blocks
+    assert _step(decode) == [] and a.result()[0] == "nack" and decode.reservations.ready == []

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jaxserve.models import layers
-from jaxserve.pd.transfer import BlockMover, TransferError, pack, unpack
+from jaxserve.pd.transfer import BlockMover, TransferError, chunk_sizes, pack, unpack
 from tests.conftest import ROOT
 
 
@@ -34,7 +34,7 @@ def test_blocks_arrive_unchanged_at_other_ids():
     p, d = BlockMover(src), BlockMover(dst)
     src_ids, dst_ids = [3, 7, 11], [5, 6, 2]
     untouched = _block(dst, d.axis, 9)
-    payload = pack(p.gather(src_ids), len(src_ids))
+    payload = pack(p.gather_chunks(src_ids, chunk_sizes(3)))
     assert len(payload) == 3 * p.block_bytes  # exactly the blocks: no padding on the wire
     d.scatter(dst_ids, unpack(payload, 3, p.layout, d.layout))
     for s, t in zip(src_ids, dst_ids):
@@ -45,20 +45,21 @@ def test_blocks_arrive_unchanged_at_other_ids():
 def test_truncated_payload_and_layout_mismatch_fail():
     src = _runner(0)
     p = BlockMover(src)
-    payload = pack(p.gather([1, 2]), 2)
+    payload = pack(p.gather_chunks([1, 2], [2]))
     with pytest.raises(TransferError, match="truncated"):
         unpack(payload[:-1], 2, p.layout, p.layout)
     other = BlockMover(_runner(1, dtype=jnp.bfloat16))
     with pytest.raises(TransferError, match="layout mismatch"):
         unpack(payload, 2, p.layout, other.layout)
-    assert pack(p.gather([]), 0) == b""
+    assert pack([]) == b""
 
 
 # ---- the device path (jax.experimental.transfer) --------------------------------------------------------------
 def test_long_transfers_travel_as_many_chunks():
     """A long prompt's blocks are cut into at least PARALLEL_CHUNKS power-of-two chunks (the transfer
     server's channels each move whole buffers), every split sums to its count within MAX_CHUNKS."""
-    from jaxserve.pd.device_transfer import MAX_CHUNKS, PARALLEL_CHUNKS, check_chunks, chunk_sizes
+    from jaxserve.pd.device_transfer import MAX_CHUNKS, check_chunks
+    from jaxserve.pd.transfer import PARALLEL_CHUNKS
     assert chunk_sizes(512) == [512 // PARALLEL_CHUNKS] * PARALLEL_CHUNKS
     assert chunk_sizes(3) == [2, 1]
     for count in [*range(1, 2100), 2**20 - 1]:
@@ -72,7 +73,7 @@ def test_device_path_moves_exactly_the_blocks_as_power_of_two_chunks():
     device and scattered into other block ids; blocks outside them are untouched."""
     import jax
 
-    from jaxserve.pd.device_transfer import DeviceEndpoint, chunk_sizes
+    from jaxserve.pd.device_transfer import DeviceEndpoint
     src, dst = _runner(0, num_blocks=32), _runner(1, num_blocks=32)
     p, d = BlockMover(src), BlockMover(dst)
     src_ids, dst_ids = list(range(2, 28, 2)), list(range(30, 17, -1))
@@ -95,7 +96,7 @@ def test_device_path_between_instances_split_differently_by_kv_head(split):
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from jaxserve.pd.device_transfer import DeviceEndpoint, chunk_sizes
+    from jaxserve.pd.device_transfer import DeviceEndpoint
     src, dst = _runner(0), _runner(1)
     mesh = Mesh(np.array(jax.devices()[:2]), ("model",))
     heads = NamedSharding(mesh, PartitionSpec(*[("model" if a == "kv_heads" else None)
@@ -160,7 +161,7 @@ def test_warmed_movers_never_compile_a_transfer(split):
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from jaxserve.pd.device_transfer import DeviceEndpoint, chunk_sizes
+    from jaxserve.pd.device_transfer import DeviceEndpoint
     src, dst = _runner(0, num_blocks=32), _runner(1, num_blocks=32)
     if split:
         mesh = Mesh(np.array(jax.devices()[:2]), ("model",))
@@ -170,8 +171,8 @@ def test_warmed_movers_never_compile_a_transfer(split):
     p, d = BlockMover(src), BlockMover(dst)
     before = [_block(dst, d.axis, b) for b in range(1, 32)]
     assert not src.kv_caches[0].committed  # as an engine allocates them; its steps return them committed
-    assert p.warm(20, gather=True, scatter=False, host_path=True) == 6  # 1, 2, 4, ..., 32
-    assert d.warm(20, gather=False, scatter=True, host_path=True) == 6
+    assert p.warm(20, gather=True, scatter=False) == 4  # 1, 2, 4, 8: chunk_sizes(20) = [8, 8, 4]
+    assert d.warm(20, gather=False, scatter=True) == 4
     for b, block in enumerate(before, start=1):
         np.testing.assert_array_equal(_block(dst, d.axis, b), block)
     endpoint = DeviceEndpoint(jax.devices()[0], "127.0.0.1")
@@ -185,6 +186,6 @@ def test_warmed_movers_never_compile_a_transfer(split):
             d.scatter(dst_ids, pulled)
             for s, t in zip(src_ids, dst_ids):
                 np.testing.assert_array_equal(_block(dst, d.axis, t), _block(src, p.axis, s))
-            d.scatter(dst_ids[::-1], unpack(pack(p.gather(src_ids), count), count, p.layout, d.layout))
+            d.scatter(dst_ids[::-1], unpack(pack(p.gather_chunks(src_ids, sizes)), count, p.layout, d.layout))
             for s, t in zip(src_ids, dst_ids[::-1]):
                 np.testing.assert_array_equal(_block(dst, d.axis, t), _block(src, p.axis, s))

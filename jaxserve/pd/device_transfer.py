@@ -34,20 +34,8 @@ import numpy as np
 from jaxserve.pd.transfer import TransferError
 
 CHANNELS = 4  # bulk-transport sockets per server: chunks travel over them in parallel
-PARALLEL_CHUNKS = 16  # a long transfer travels as at least this many chunks ...
-MIN_CHUNK = 8  # ... of at least this many blocks each
 MAX_CHUNKS = 64  # a "ready" names at most this many chunks (chunk_sizes: < 2 x PARALLEL_CHUNKS full + 31 binary)
 _POLL_S = 0.001
-
-
-def chunk_sizes(count: int) -> list[int]:
-    """`count` as powers of two, largest first (the chunks of a transfer): none above the largest power of
-    two within count / PARALLEL_CHUNKS (but MIN_CHUNK), so that a long prompt's KV is many buffers, which
-    the server's channels move in parallel (one buffer travels over one channel); then the rest's binary
-    digits."""
-    cap = max(MIN_CHUNK, 1 << max(0, (count // PARALLEL_CHUNKS).bit_length() - 1))
-    full, rest = divmod(count, cap)
-    return [cap] * full + [1 << bit for bit in reversed(range(rest.bit_length())) if rest >> bit & 1]
 
 
 def check_chunks(chunks, count: int) -> list[int]:

@@ -45,9 +45,9 @@ from jaxserve.engine import Engine
 from jaxserve.engine_client import EngineStats, PreparedRequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.pd import protocol as proto
-from jaxserve.pd.device_transfer import DeviceEndpoint, check_chunks, chunk_sizes
+from jaxserve.pd.device_transfer import DeviceEndpoint, check_chunks
 from jaxserve.pd.reservations import DecodeReservations, PrefillLeases, Refused
-from jaxserve.pd.transfer import BlockMover, TransferError, pack, unpack
+from jaxserve.pd.transfer import BlockMover, TransferError, chunk_sizes, pack, unpack
 from jaxserve.request import RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -103,7 +103,8 @@ class _Install:
     """A decode instance's transfer being written into its reserved blocks, piece by piece."""
 
     transfer_id: str
-    pieces: collections.deque  # (target block ids, [device chunk] or host blocks [n, L, *block]), in order
+    targets: list[int]  # the reservation's blocks when queued: written only while it still holds them
+    pieces: collections.deque  # (target block ids, device chunk or host blocks [c, L, *block]), in order
     done: concurrent.futures.Future  # -> the answer to the "ready": ("ack", {}) or ("nack", {...})
 
 
@@ -162,7 +163,7 @@ class PDEngine:
         if config.runner.precompile:
             engine.num_compiled += self.mover.warm(
                 -(-self.max_model_len // self.block_size), gather=self.role == "prefill",
-                scatter=self.role == "decode", host_path=self.method == "host")
+                scatter=self.role == "decode")
         self._transfer_host = proto.split_address(server.kv_transfer_address)[0]
         self._endpoint: DeviceEndpoint | None = None
         self._endpoint_lock = threading.Lock()
@@ -268,7 +269,7 @@ class PDEngine:
                     self._resolve(out, "aborted", tell_decode=True)
 
     def has_unfinished_requests(self) -> bool:
-        if self.engine.has_unfinished_requests() or self._commands:
+        if self.engine.has_unfinished_requests() or self._commands or self._installs:
             return True
         return bool(self.reservations) if self.role == "decode" else bool(self._transfers or self._released)
 
@@ -373,7 +374,11 @@ class PDEngine:
             finally:
                 with self._pull_lock:
                     self._pulls -= 1
-            return self._call(lambda: self._install(transfer_id, data)).result(timeout=self.timeout_s)
+            try:
+                return self._call(lambda: self._install(transfer_id, data)).result(timeout=self.timeout_s)
+            except concurrent.futures.TimeoutError:  # the reservation's expiry drops the install on its own
+                self.counts["failed"] += 1
+                return "nack", {"reason": "the blocks were not installed in time"}
         if kind == "abort":
             return "ack", {"aborted": self._call(lambda: self.reservations.abort(transfer_id))}
         return "nack", {"reason": f"a decode instance does not take {kind!r} messages"}
@@ -422,15 +427,8 @@ class PDEngine:
             self.counts["failed"] += 1
             done.set_result(("nack", {"reason": f"{count} blocks sent for {len(targets)} reserved"}))
             return done
-        pieces: collections.deque = collections.deque()
-        if isinstance(data, list):
-            start = 0
-            for chunk in data:
-                pieces.append((targets[start: start + len(chunk)], [chunk]))
-                start += len(chunk)
-        elif targets:
-            pieces.append((targets, data))
-        self._installs.append(_Install(transfer_id, pieces, done))
+        self._installs.append(_Install(transfer_id, list(targets), collections.deque(BlockMover.pieces(targets, data)),
+                                       done))
         return done
 
     def _advance_installs(self) -> None:
@@ -442,16 +440,26 @@ class PDEngine:
         budget, written = (float("inf") if at_once else self.install_blocks_per_step), 0
         while self._installs and (written < budget or not self._installs[0].pieces):
             job = self._installs[0]
-            if self.reservations.targets(job.transfer_id) is None:
+            if self.reservations.targets(job.transfer_id) != job.targets:
                 self._installs.popleft()
                 self.counts["late"] += 1
                 job.done.set_result(("nack", {"reason": "the reservation expired or was aborted while its "
                                                         "blocks were written"}))
                 continue
             if job.pieces:
-                ids, data = job.pieces.popleft()
+                ids, chunk = job.pieces.popleft()
                 started = time.perf_counter()
-                self.mover.scatter(ids, data)
+                try:
+                    self.mover.scatter_piece(ids, chunk)
+                except Exception as err:  # noqa: BLE001 - (device memory, XLA) this transfer fails, not the engine
+                    if any(cache.is_deleted() for cache in self.mover.runner.kv_caches):
+                        raise  # the donated caches are gone: nothing can serve any more
+                    logger.warning("PD: installing transfer %s failed: %s", job.transfer_id, err)
+                    self._installs.popleft()
+                    self.reservations.abort(job.transfer_id)
+                    self.counts["failed"] += 1
+                    job.done.set_result(("nack", {"reason": f"installing the blocks failed: {err}"}))
+                    continue
                 self._install_s += time.perf_counter() - started
                 self._install_pieces += 1
                 written += len(ids)
@@ -478,7 +486,7 @@ class PDEngine:
             message = proto.encode(self.key, "ready", out.transfer_id, num_blocks=count, layout=self.mover.layout,
                                    pull=pull, timeout_s=remaining)
         else:
-            payload = pack(gathered, count) if count else b""
+            payload = pack(gathered) if count else b""
             message = proto.encode(self.key, "ready", out.transfer_id, payload, num_blocks=count,
                                    layout=self.mover.layout)
         return proto.request(out.decode_address, self.key, message, max(1e-3, out.deadline - time.monotonic()))
@@ -547,12 +555,9 @@ class PDEngine:
         if ids is None or len(ids) != count:
             self._resolve(out, "failed", tell_decode=True)
             return
-        if not ids:
-            gathered = None
-        elif self.method == "device":
-            gathered = out.offered = self.mover.gather_chunks(ids, chunk_sizes(len(ids)))
-        else:
-            gathered = self.mover.gather(ids)
+        gathered = self.mover.gather_chunks(ids, chunk_sizes(len(ids))) if ids else None
+        if self.method == "device":
+            out.offered = gathered
         out.send = self._senders.submit(self._send_ready, out, gathered, count)
         out.send.add_done_callback(lambda _: self._notify())
 

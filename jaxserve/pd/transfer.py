@@ -1,21 +1,21 @@
 """Moving a request's KV blocks between instances: the blocks' layout, their gather and scatter, and the
 host path (through host memory and the control connection; device_transfer.py has the device path).
 
-    prefill, engine thread:  gather(block ids) -> [n, L, *block] on device (dispatched after the steps that
-                             wrote the blocks, reading the live caches; the copy is its own array)
-    prefill, sender thread:  pack(copy, n) -> bytes of exactly n blocks (no padding), sent as a "ready"
-                             message's payload; its SHA-256 and length travel in the authenticated header
+    prefill, engine thread:  gather_chunks(block ids, chunk_sizes(n)) -> power-of-two chunks [c, L, *block]
+                             on device (dispatched after the steps that wrote the blocks, reading the live
+                             caches; each chunk is its own array)
+    prefill, sender thread:  pack(chunks) -> bytes of exactly the n blocks, sent as a "ready" message's
+                             payload; its SHA-256 and length travel in the authenticated header
     decode, control thread:  unpack(payload, n, layout) -> [n, L, *block] numpy, checked against this
                              instance's layout (block shape, dtype): a mismatch or a short payload fails
-    decode, engine thread:   scatter(reserved block ids, data) -> the caches (donated back), before the next
-                             step's forward
+    decode, engine thread:   pieces(reserved block ids, data) -> (ids, chunk) per power-of-two chunk (host
+                             bytes cut as the device path's chunks are), each written by scatter_piece into the
+                             caches (donated back) before a step's forward
 
-Device programs take a power-of-two number of blocks (padded with the null block 0, whose contents are
-never read), so a few sizes compile, all of them at start (`BlockMover.warm`: an install that compiled
-would stall the decode steps behind it); the bytes on the wire are the request's blocks only. Both paths'
-blocks reach the scatter as one device array on the caches' devices, so they share its programs. The layout
-a block's bytes mean is [L, *one layer's block], as the KV tiers' (runner/kv_transfer.py) whose gather and
-scatter are reused.
+Both paths move the blocks as the same power-of-two chunks (no padding), so a few chunk sizes compile, all
+of them at start (`BlockMover.warm`: an install that compiled would stall the decode steps behind it), and
+each piece reaches the scatter as one device array on the caches' devices. The layout a block's bytes mean
+is [L, *one layer's block], as the KV tiers' (runner/kv_transfer.py) whose gather and scatter are reused.
 """
 
 from __future__ import annotations
@@ -30,12 +30,22 @@ from jaxserve.models import layers
 from jaxserve.runner import kv_transfer
 
 
+PARALLEL_CHUNKS = 16  # a long transfer travels as at least this many chunks ...
+MIN_CHUNK = 8  # ... of at least this many blocks each
+
+
 class TransferError(Exception):
     """A transfer that cannot be installed (wrong layout, wrong length); it resolves as failed."""
 
 
-def _bucket(count: int) -> int:
-    return 1 << (max(count, 1) - 1).bit_length()
+def chunk_sizes(count: int) -> list[int]:
+    """`count` as powers of two, largest first (the chunks of a transfer): none above the largest power of
+    two within count / PARALLEL_CHUNKS (but MIN_CHUNK), so that a long prompt's KV is many buffers, which
+    the transfer server's channels move in parallel (one buffer travels over one channel) and a decode
+    instance installs a few at a time; then the rest's binary digits."""
+    cap = max(MIN_CHUNK, 1 << max(0, (count // PARALLEL_CHUNKS).bit_length() - 1))
+    full, rest = divmod(count, cap)
+    return [cap] * full + [1 << bit for bit in reversed(range(rest.bit_length())) if rest >> bit & 1]
 
 
 class BlockMover:
@@ -70,12 +80,6 @@ class BlockMover:
     def block_bytes(self) -> int:
         return int(np.prod(self.block_shape)) * self.dtype.itemsize
 
-    def gather(self, block_ids: list[int]) -> jax.Array:
-        """[bucket, L, *block] copy of the blocks (first len(block_ids) rows); returns at once."""
-        ids = np.zeros(_bucket(len(block_ids)), np.int32)
-        ids[:len(block_ids)] = block_ids
-        return self._gather(self.runner.kv_caches, ids)
-
     def gather_chunks(self, block_ids: list[int], sizes: list[int]) -> list[jax.Array]:
         """The blocks as consecutive chunks of `sizes` (powers of two: no padding), each [size, L, *block] on
         this runner's first device; returns at once."""
@@ -86,32 +90,34 @@ class BlockMover:
             start += size
         return chunks
 
-    def scatter(self, block_ids: list[int], data: np.ndarray | list[jax.Array]) -> None:
-        """Writes the blocks into block_ids, in order, in every layer; returns at once. `data`: host bytes
-        unpacked ([n, L, *block]) or device chunks of power-of-two sizes (DeviceEndpoint.pull)."""
-        if isinstance(data, list):
-            start = 0
-            for chunk in data:
-                ids = np.asarray(block_ids[start: start + len(chunk)], np.int32)
-                if self._sharded:  # pulled onto one device: laid out over the caches' devices first
-                    chunk = jax.device_put(chunk, self._arrival)
-                self.runner.kv_caches = self._scatter(self.runner.kv_caches, ids, chunk)
-                start += len(chunk)
-            return
-        size = _bucket(len(block_ids))
-        ids = np.zeros(size, np.int32)
-        ids[:len(block_ids)] = block_ids
-        padded = np.zeros((size, *self.block_shape), self.dtype)
-        padded[:len(block_ids)] = data
-        self.runner.kv_caches = self._scatter(self.runner.kv_caches, ids,
-                                              jax.device_put(padded, self._arrival))
+    @staticmethod
+    def pieces(block_ids: list[int], data: np.ndarray | list[jax.Array]) -> list[tuple[list[int], object]]:
+        """(target block ids, blocks) per chunk: device chunks (DeviceEndpoint.pull) as they came, host bytes
+        unpacked ([n, L, *block]) cut into chunk_sizes(n) views."""
+        if not isinstance(data, list):
+            data = np.split(data, np.cumsum(chunk_sizes(len(data)))[:-1]) if len(data) else []
+        pieces, start = [], 0
+        for chunk in data:
+            pieces.append((block_ids[start: start + len(chunk)], chunk))
+            start += len(chunk)
+        return pieces
 
-    def warm(self, max_blocks: int, gather: bool, scatter: bool, host_path: bool) -> int:
-        """Compiles the programs a request of up to `max_blocks` blocks can run, by running each once on the
-        null block 0 (gathered from, or zeros scattered into it: padding writes it anyway): the device path's
-        chunk sizes, and with `host_path` every padded size up to max_blocks' power of two. -> programs run."""
-        from jaxserve.pd.device_transfer import chunk_sizes  # noqa: PLC0415 - it imports this module
-        largest = _bucket(max_blocks) if host_path else chunk_sizes(max_blocks)[0]
+    def scatter_piece(self, block_ids: list[int], chunk) -> None:
+        """Writes one piece's blocks into block_ids, in order, in every layer; returns at once. The chunk (host
+        rows, or a pulled chunk on one device) is laid out over the caches' devices first."""
+        chunk = jax.device_put(chunk, self._arrival)
+        self.runner.kv_caches = self._scatter(self.runner.kv_caches, np.asarray(block_ids, np.int32), chunk)
+
+    def scatter(self, block_ids: list[int], data: np.ndarray | list[jax.Array]) -> None:
+        """Every piece of `data` written into block_ids at once."""
+        for ids, chunk in self.pieces(block_ids, data):
+            self.scatter_piece(ids, chunk)
+
+    def warm(self, max_blocks: int, gather: bool, scatter: bool) -> int:
+        """Compiles the programs a transfer of up to `max_blocks` blocks can run (every chunk size), by running
+        each once on the null block 0 (gathered from, or zeros scattered into it: its contents are never
+        read). -> programs run."""
+        largest = chunk_sizes(max_blocks)[0]
         sizes = [1 << bit for bit in range(largest.bit_length())]
         # the caches as the steps leave them, committed to their devices (the same buffers): caches as
         # allocated are not, and a program's call on them would be another program
@@ -119,15 +125,14 @@ class BlockMover:
         for n in sizes if gather else ():
             self.gather_chunks([0] * n, [n])
         for n in sizes if scatter else ():
-            zeros = jnp.zeros((n, *self.block_shape), self.dtype, device=self._arrival)
-            self.runner.kv_caches = self._scatter(self.runner.kv_caches, np.zeros(n, np.int32), zeros)
+            self.scatter_piece([0] * n, jnp.zeros((n, *self.block_shape), self.dtype, device=self._arrival))
         jax.block_until_ready(self.runner.kv_caches)
         return len(sizes) * (gather + scatter)
 
 
-def pack(gathered: jax.Array, count: int) -> bytes:
-    """The first `count` blocks' bytes (waits for the gather)."""
-    return np.ascontiguousarray(np.asarray(gathered)[:count]).tobytes() if count else b""
+def pack(chunks: list[jax.Array]) -> bytes:
+    """The chunks' blocks as bytes, in order (waits for the gathers)."""
+    return b"".join(np.ascontiguousarray(np.asarray(chunk)).tobytes() for chunk in chunks)
 
 
 def unpack(payload: bytes, count: int, sender_layout: dict, layout: dict) -> np.ndarray:
