@@ -13,8 +13,9 @@
     Either way, by its next turn a conversation's history may have left the device pool: with a host or disk
     tier (cache.host_kv_gib, cache.disk_kv_path) it comes back from there, without one it is recomputed.
     -> TTFT of the first turns and of the returning turns (t >= 2), total tokens/s over every turn (prompt
-       and output tokens, each history counted at each turn), the returning turns' prefix hit rate and (in
-       rounds) the per-tier hits, and the KV cache report (hits, bytes moved, evictions, loads per tier).
+       and output tokens, each history counted at each turn), the returning turns' prefix hit rate (rounds:
+       the KV cache's hit counters over the turn; closed loop: the turn's requests' cached prompt tokens) and
+       (in rounds) the per-tier hits, and the KV cache report (hits, bytes moved, evictions, loads per tier).
 
 The working set is C x the last turn's length; set the device pool with --num-blocks (cache.num_blocks) to
 make it a multiple of the pool.
@@ -124,7 +125,7 @@ def _closed_loop(engine, args, histories: list[list[int]], appends: list[list[li
     ready = deque(range(len(histories)))  # conversations whose next turn waits for a slot, in arrival order
     next_turn = [0] * len(histories)
     outputs: list[list] = [[None] * len(histories) for _ in range(num_turns)]
-    prompt_lens = [len(histories[0])] + [0] * (num_turns - 1)
+    prompt_lens = [len(histories[0])] + [0] * (num_turns - 1)  # equal in a turn: answers run to --output-len
     in_flight: dict[str, int] = {}
     tokens = 0
     start = time.perf_counter()
