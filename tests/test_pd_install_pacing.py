@@ -90,7 +90,8 @@ def test_a_reservation_ended_mid_install_gets_no_more_writes():
 
 def test_a_wrong_block_count_is_refused_before_any_write():
     decode = _decode({"a": list(range(4))}, per_step=4)
-    assert PDEngine._install(decode, "a", _chunks(2, 1)).result() == ("nack", {"reason": "3 blocks sent for 4 reserved"})
+    answer = PDEngine._install(decode, "a", _chunks(2, 1)).result()
+    assert answer == ("nack", {"reason": "3 blocks sent for 4 reserved"})
     assert _step(decode) == [] and "a" not in decode.reservations.open
 
 

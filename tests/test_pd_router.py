@@ -90,7 +90,8 @@ def _processes(log_dir):
             if name == "prefill0":  # prefill1 sends device to device (the default), prefill0 through the host
                 command += ["--kv-transfer-method", "host"]
             if name == "decode1":  # PD with speculation: n-gram guesses over the transferred prompts
-                command += ["--speculative-method", "ngram", "--num-speculative-tokens", "2", "--prompt-lookup-min", "1"]
+                command += ["--speculative-method", "ngram", "--num-speculative-tokens", "2",
+                            "--prompt-lookup-min", "1"]
             started[name] = _popen(command, log_dir / f"{name}.log", env=ENV)
             urls[name] = f"http://127.0.0.1:{port}"
         for name in INSTANCES:
