@@ -31,9 +31,10 @@
 #       kernels run side by side instead of time-slicing the GPU; the prefill instance is held to
 #       PREFILL_SM_PERCENT (default 60) of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), the decode instance
 #       takes any. Where nvidia-cuda-mps-control is missing, the mode says so and stops.
-#   bash benchmarks/devrun_pd.sh pacing  (b2) only, twice: the decode instance writing each transfer's blocks
-#       at once (server.kv_install_blocks_per_step 0 -> mixed_pd_at_once.json, decode_info_at_once.json), then
-#       paced between its steps (the default) -> mixed_pd.json, decode_info.json
+#   bash benchmarks/devrun_pd.sh pacing  (b2) only, once per value N of PACING (default "0"; at most two fit
+#       the deadline beside the default): the decode instance with server.kv_install_blocks_per_step N
+#       (0: each transfer's blocks at once) -> mixed_pd_N.json, decode_info_N.json, then paced at the
+#       default (64) -> mixed_pd.json, decode_info.json
 #   PREFILL_CHUNK=N (any mode): the prefill instance's steps hold at most N tokens (max_num_batched_tokens,
 #       token rungs up to N), so a long prompt is prefilled in N-token chunks: shorter kernels for the decode
 #       instance to wait behind on a shared GPU
@@ -173,7 +174,11 @@ pd_run() {
   cleanup; PIDS=()
 }
 if [ "$MODE" = pacing ]; then
-  pd_run pd_at_once $((DEADLINE * 45 / 100)) --kv-install-blocks-per-step 0
+  set -- ${PACING:-0}; PACING_DONE=()
+  for n in "$@"; do
+    pd_run "pd_$n" $((DEADLINE * ($# - ${#PACING_DONE[@]}) * 30 / 100)) --kv-install-blocks-per-step "$n"
+    PACING_DONE+=("$n")
+  done
 fi
 pd_run pd 5
 
@@ -183,10 +188,12 @@ $PY - "$OUT" <<'EOF' | tee "$OUT/summary.json"
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
 summary = {}
-for name in ("transfer_device", "transfer_host", "peer_copy", "mixed_colocated", "mixed_pd_at_once", "mixed_pd"):
+paced = sorted(path.stem[len("mixed_"):] for path in out.glob("mixed_pd_*.json"))  # pacing's runs: pd_N
+for name in ("transfer_device", "transfer_host", "peer_copy", "mixed_colocated", *(f"mixed_{n}" for n in paced),
+             "mixed_pd"):
     path = out / f"{name}.json"
     summary[name] = json.loads(path.read_text()) if path.exists() else None
-for suffix in ("_at_once", ""):  # the decode instance's step log after a mixed run (/pd/info "steps")
+for suffix in [n[len("pd"):] for n in paced] + [""]:  # each decode instance's step log (/pd/info "steps")
     info = out / f"decode_info{suffix}.json"
     try:
         summary[f"decode_steps{suffix}"] = json.loads(info.read_text()).get("steps") if info.exists() else None
