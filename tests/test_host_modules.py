@@ -13,7 +13,7 @@ pytestmark = pytest.mark.cpu_test
 
 HOST_MODULES = ["jaxserve.core.scheduler", "jaxserve.core.sharded_scheduler", "jaxserve.core.spec_schedule", "jaxserve.core.kv_cache_manager",
                 "jaxserve.core.buckets", "jaxserve.core.eplb", "jaxserve.core.sched_types", "jaxserve.request", "jaxserve.outputs",
-                "jaxserve.sampling_params", "jaxserve.tokenizer", "jaxserve.config", "jaxserve.input_processor",
+                "jaxserve.sampling_params", "jaxserve.tokenizer", "jaxserve.config", "jaxserve.config_speculative", "jaxserve.input_processor",
                 "jaxserve.output_processor", "jaxserve.engine_client", "jaxserve.step_stats", "jaxserve.models.family",
                 "jaxserve.core.block_pool", "jaxserve.core.preemption", "jaxserve.core.kv_tiers.tiers"]
 

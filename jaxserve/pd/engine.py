@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve.config import SPECULATIVE_MODEL_METHODS, EngineConfig
+from jaxserve.config import EngineConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.engine import Engine
 from jaxserve.engine_client import EngineStats, PreparedRequest
@@ -133,7 +133,7 @@ def refuse_unsupported(config: EngineConfig, engine: Engine) -> None:
         (parallel.data > 1 or parallel.expert > 1 or parallel.num_processes > 1,
          "parallel.data, parallel.expert or parallel.num_processes > 1"),
         (not isinstance(engine.kv_cache, KVCacheManager), "a sharded KV cache"),
-        (config.speculative.method in SPECULATIVE_MODEL_METHODS,
+        (config.speculative.uses_model,
          f"speculative.method: {config.speculative.method} (only the target's KV travels between instances, so "
          f"the draft's would be missing for every transferred prompt; ngram speculation works)")] if bad]
     if reasons:
