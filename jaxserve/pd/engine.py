@@ -427,8 +427,8 @@ class PDEngine:
             self.counts["failed"] += 1
             done.set_result(("nack", {"reason": f"{count} blocks sent for {len(targets)} reserved"}))
             return done
-        self._installs.append(_Install(transfer_id, list(targets), collections.deque(BlockMover.pieces(targets, data)),
-                                       done))
+        pieces = collections.deque(BlockMover.pieces(targets, data))
+        self._installs.append(_Install(transfer_id, targets, pieces, done))
         return done
 
     def _advance_installs(self) -> None:
