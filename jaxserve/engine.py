@@ -127,8 +127,6 @@ class Engine:
         # The tiers' link(s) to the KV managers, as one for the mover (None without tiers)
         self.tier_link = (None if self.kv_transfer is None else kv_caches[0].tier_link if shards == 1
                           else ShardedTierLink([kv_cache.tier_link for kv_cache in kv_caches]))
-        if self.kv_transfer is not None and shards == 1:
-            self.tier_link.prefetch_blocks = self.kv_transfer.prefetch_blocks
         self.scheduler = schedulers[0] if shards == 1 else ShardedScheduler(schedulers)
         self.num_compiled = self.runner.precompile(progress) if config.runner.precompile else 0
         if self.kv_transfer is not None and config.runner.precompile:

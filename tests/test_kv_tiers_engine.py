@@ -73,9 +73,8 @@ def test_disk_tier_is_shared_between_engines_with_one_seed(reference, tmp_path):
 
 def test_pinned_host_tier_round_trips_blocks_through_host_and_disk(reference, tmp_path, monkeypatch):
     """The host tier's GPU path (each block its own pinned host array, copied inside the save and load
-    programs; waiting requests' host blocks prefetched to the device) forced on the CPU: outputs as without
-    tiers, hits from host (prefetched ones among them) and from disk, every host block (disk promotions
-    too) in pinned memory, the block moves compiled at start-up."""
+    programs) forced on the CPU: outputs as without tiers, hits from host and from disk, every host block
+    (disk promotions too) in pinned memory, the block moves compiled at start-up."""
     from jaxserve.runner import kv_transfer
 
     monkeypatch.setattr(kv_transfer, "uses_pinned_host", lambda device: True)
@@ -88,7 +87,6 @@ def test_pinned_host_tier_round_trips_blocks_through_host_and_disk(reference, tm
         assert run_rounds(llm) == reference
     stats = llm.engine.kv_cache.stats
     assert stats.host_hits > 0 and stats.disk_hits > 0 and stats.host_bytes_out > 0
-    assert 0 < stats.host_prefetched <= stats.host_hits
     host = transfer.tiers.host
     blocks = host.blocks([host.lookup(key) for key in host.keys()])
     assert blocks and all(isinstance(b, jax.Array) and b.sharding.memory_kind == "pinned_host" for b in blocks)

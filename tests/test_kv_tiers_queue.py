@@ -93,41 +93,22 @@ def test_a_swapped_request_waits_aside_until_its_blocks_landed(tmp_path):
     assert tiers.host.num_reservable == tiers.host.num_slots - len(loads.save_keys)
 
 
-def test_a_prefix_on_host_waits_for_its_prefetched_copies_then_loads_them(tmp_path):
-    """With prefetch (the mover keeps device copies of host blocks): a request whose prefix continues on host
-    waits while those blocks are copied to the device, then its hit loads from the copies (reported with
-    their keys, counted as prefetched); a prefix longer than the copies allowed loads the rest from host;
-    a copy nobody takes is dropped after PREFETCH_TTL steps."""
-    from jaxserve.core.kv_tiers.link import PREFETCH_TTL
-
+def test_a_prefix_on_host_is_admitted_at_once_and_loads_every_block(tmp_path):
+    """A request whose prefix is present on host is not held aside: its hit covers the host blocks, each
+    given a fresh device block, and the next take() loads every one of them under its own key."""
     tiers = make_tiers(tmp_path / "kv", host_slots=8, disk_blocks=8, block_tokens=SIZE)
     keys = block_keys(LOADING)
-    for key in keys:  # 3 full blocks present on host
-        assert tiers.host.put(key, np.full(SHAPE, 1.0, np.float32))
+    for i, key in enumerate(keys):  # 3 full blocks present on host
+        assert tiers.host.put(key, np.full(SHAPE, float(i), np.float32))
     manager = KVCacheManager(32, SIZE, hash_seed=SEED, tiers=tiers)
-    link = manager.tier_link
-    link.prefetch_blocks = 2
     request = FakeRequest("a", LOADING)
-    assert manager.loading_prefix(request)  # the first two are asked for: it waits
-    moves = link.take()
-    assert moves.prefetch_keys == keys[:2] and len(moves.prefetch_data) == 2 and not moves.load_block_ids
-    assert manager.loading_prefix(request)  # still on their way
-    assert not link.take().prefetch_keys  # (asked once)
-    link.finish_prefetch(moves.prefetch_keys)
-    assert not manager.loading_prefix(request)  # landed; the third loads from host
+    assert not manager.loading_prefix(request)
     block_ids, hit = manager.get_computed_blocks(request)
     assert hit == 3 * SIZE
-    moves = link.take()
-    assert moves.load_keys == [keys[block_ids.index(i)] for i in moves.load_block_ids] and len(moves.load_keys) == 3
+    moves = manager.tier_link.take()
+    assert sorted(moves.load_block_ids) == sorted(block_ids[:3]) and not moves.save_block_ids
+    # each target block gets its own key's data
+    for block_id, data in zip(moves.load_block_ids, moves.load_data):
+        assert np.all(np.asarray(data) == float(block_ids.index(block_id)))
     stats = manager.stats
-    assert stats.host_prefetched == 2 * SIZE and stats.host_hits == 3 * SIZE
-    # a copy its request never takes
-    other = FakeRequest("b", [9, 8, 7])
-    other_keys = block_keys([9, 8, 7])
-    assert tiers.host.put(other_keys[0], np.full(SHAPE, 2.0, np.float32))
-    assert manager.loading_prefix(other)
-    moves = link.take()
-    assert moves.prefetch_keys == other_keys[:1]
-    link.finish_prefetch(moves.prefetch_keys)
-    dropped = [key for _ in range(PREFETCH_TTL + 1) for key in link.take().drop_keys]
-    assert dropped == other_keys[:1]
+    assert stats.host_hits == 3 * SIZE and stats.host_bytes_out == 3 * tiers.host.block_bytes

@@ -18,10 +18,6 @@ Where the host tier's blocks live (`pinned_sharding`):
         slowly.) XLA's pinned pool grows by pinning fresh memory (cudaHostAlloc), seconds per few GiB, so
         build() pins the host tier's bytes once when the engine starts (reserve_pinned) instead of in the
         middle of serving.
-        Prefetch (kv_tiers/link.py): a waiting request's host blocks are copied to device memory of this
-        mover's own (at most PREFETCH_BYTES) while the steps run, on a thread of their own (a device_put
-        from pinned memory may wait for its copy). A load's program of blocks that all have such copies
-        scatters the copies (a scatter of device rows); any other takes the pinned blocks.
     numpy (CPU; caches over several devices: a tensor-parallel block is sharded over its heads, which a
         flat host row does not follow; a host tier too big for XLA's pinned pool, see build()): the
         gather's blocks [n, L, *block] per set are copied to host with copy_to_host_async() and joined
@@ -46,7 +42,6 @@ most `max_move` blocks (powers of two, padded with the null block), all compiled
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import functools
 import hashlib
 import logging
@@ -75,7 +70,6 @@ logger = logging.getLogger(__name__)
 MOVE_BYTES = 64 << 20  # the device memory one move program's blocks take at most
 MAX_MOVE_BLOCKS = 64  # and its blocks at most
 MAX_PENDING = 8  # save copies in flight before the oldest is waited for
-PREFETCH_BYTES = 512 << 20  # device memory the prefetched copies of host blocks take at most
 # The share of XLA's pinned host pool that host tiers may take (XLA stages host -> device copies there too)
 PINNED_POOL_SHARE = 0.9
 
@@ -147,8 +141,8 @@ def _move_programs(axes: tuple[int, ...], sharded: bool, shapes: tuple[tuple[int
     parallel replicas in one process) runs the same jits, so each program compiles once.
 
     pinned None: "gather" and "scatter" of device arrays. Else one gather and one pinned scatter per move
-    size n ("gathers", "pinned_scatters": their outputs or arguments are n pinned rows) and "scatter" of
-    prefetched device rows; "gather" is unused. (A bare device, or a sharding without a memory kind, would
+    size n ("gathers", "pinned_scatters": their outputs or arguments are n pinned rows); "gather" and
+    "scatter" are unused. (A bare device, or a sharding without a memory kind, would
     keep the pinned arrays' memory.)"""
     layout = dict(axes=axes, sharded=sharded)
     caches = [list(s) for s in shardings]
@@ -159,14 +153,13 @@ def _move_programs(axes: tuple[int, ...], sharded: bool, shapes: tuple[tuple[int
     on_device = pinned.with_memory_kind("device")
     return {
         "gather": None,
+        "scatter": None,
         "gathers": {n: jax.jit(functools.partial(_gather_rows, **layout), out_shardings=(pinned,) * n)
                     for n in sizes},
         "pinned_scatters": {
             n: jax.jit(functools.partial(_scatter_rows, **layout, shapes=shapes, on_device=on_device),
                        donate_argnums=0, in_shardings=(caches, scalar, scalar, (pinned,) * n),
                        out_shardings=(caches, scalar)) for n in sizes},
-        "scatter": jax.jit(functools.partial(_scatter_rows, **layout, shapes=shapes), donate_argnums=0,
-                           out_shardings=(caches, scalar)),
     }
 
 
@@ -315,21 +308,11 @@ class KVTransfer:
                                   tuple(tuple(s) for s in shardings), scalar, pinned, tuple(self.sizes))
         self._gather, self._scatter = programs["gather"], programs["scatter"]
         if pinned is not None:
-            self._on_device = on_device = pinned.with_memory_kind("device")
             self._gathers, self._pinned_scatters = programs["gathers"], programs["pinned_scatters"]
             self._zero_row = jax.device_put(np.zeros(self.row_size, self._dtype), pinned)  # (padding)
-            self._zero_device_row = jax.device_put(np.zeros(self.row_size, self._dtype), on_device)
         self._compiled: dict[tuple[str, int], jax.stages.Compiled] = {}
         # (keys, shards, the save's arrays: gathered blocks on their way to numpy, or pinned rows)
         self._pending: collections.deque[tuple[list, list, list[jax.Array]]] = collections.deque()
-        self._fetcher = None
-        # Prefetched device copies of host blocks, by key, and those on their way (keys, the copy's future)
-        self._copies: dict = {}
-        self._fetches: collections.deque[tuple[list, concurrent.futures.Future]] = collections.deque()
-        self.prefetch_blocks = 0  # (TierLink.prefetch_blocks)
-        if pinned is not None:
-            self._fetcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxserve-kv-prefetch")
-            self.prefetch_blocks = max(1, PREFETCH_BYTES // block_bytes) if not self.sharded else 0
         # Load latency (TierCounters.host_load_seconds): a watcher thread waits for each step's loads (all
         # shards' together: counted in the first shard's counters).
         self._loads_done: queue.SimpleQueue = queue.SimpleQueue()
@@ -361,10 +344,6 @@ class KVTransfer:
                 datas = [jax.ShapeDtypeStruct((n, *s.shape), self._dtype) for s in self.sets]
             else:
                 datas = (jax.ShapeDtypeStruct((self.row_size,), self._dtype, sharding=self.pinned),) * n
-                copies = (jax.ShapeDtypeStruct((self.row_size,), self._dtype, sharding=self._on_device),) * n
-                if self.prefetch_blocks:
-                    self._compiled[("scatter_copies", n)] = self._scatter.lower(self._caches(), ids, ids,
-                                                                                copies).compile()
             self._compiled[("gather", n)] = self._gather_program(n).lower(self._caches(), ids, ids).compile()
             self._compiled[("scatter", n)] = self._scatter_program(n).lower(self._caches(), ids, ids,
                                                                             datas).compile()
@@ -415,26 +394,16 @@ class KVTransfer:
             self._pending.append(([key for keys, _, _ in saves for key in keys],
                                   [shard for _, shards, _ in saves for shard in shards],
                                   [row for keys, _, rows in saves for row in rows[:len(keys)]]))
-        for key in moves.drop_keys:
-            self._copies.pop(key, None)
-        if moves.prefetch_keys:
-            self._fetches.append((list(moves.prefetch_keys),
-                                  self._fetcher.submit(jax.device_put, list(moves.prefetch_data), self._on_device)))
         if not moves.load_block_ids:
             return
         started, done = time.perf_counter(), None
-        blocks, keys = moves.load_data, moves.load_keys or [None] * len(moves.load_data)
+        blocks = moves.load_data
         for start, stop, size in self._chunks(len(moves.load_block_ids)):
             ids = self._ids(moves.load_block_ids[start:stop], size)
             shards = self._ids(moves.load_shards[start:stop], size)
             scatter = self._compiled.get(("scatter", size)) or self._scatter_program(size)
             if self.pinned is not None:
-                copies = [self._copies.pop(key, None) for key in keys[start:stop]]
-                if all(c is not None for c in copies):
-                    datas = (*copies, *(self._zero_device_row,) * (size - (stop - start)))
-                    scatter = self._compiled.get(("scatter_copies", size), self._scatter)
-                else:
-                    datas = (*blocks[start:stop], *(self._zero_row,) * (size - (stop - start)))
+                datas = (*blocks[start:stop], *(self._zero_row,) * (size - (stop - start)))
             else:
                 rows = np.stack(blocks[start:stop])
                 datas = []
@@ -459,11 +428,6 @@ class KVTransfer:
             if self.pinned is not None:
                 jax.block_until_ready(arrays)  # (landed: a waited poll returns with every save in host memory)
             link.finish_saves(keys, arrays if self.pinned is not None else self._host_rows(arrays, len(keys)), shards)
-        fetches = self._fetches
-        while fetches and (wait or (fetches[0][1].done() and all(r.is_ready() for r in fetches[0][1].result()))):
-            keys, future = fetches.popleft()
-            self._copies.update(zip(keys, future.result()))
-            link.finish_prefetch(keys)
         for tiers in self.shard_tiers:
             tiers.poll(wait=wait)
 
@@ -483,8 +447,6 @@ class KVTransfer:
                 tiers.flush()
         self._loads_done.put(None)
         self._watcher.join()
-        if self._fetcher is not None:
-            self._fetcher.shutdown()
         for tiers in self.shard_tiers:
             tiers.close()
 

@@ -174,9 +174,6 @@ class KVTierMetrics:
                             registry=registry)
         self._swaps = Counter(PREFIX + "kv_swaps", "Requests preempted by swapping their KV blocks to host (out) "
                               "and resumed from there (in).", ["model_name", "direction"], registry=registry)
-        self._prefetched = Counter(PREFIX + "kv_host_prefetched_tokens", "Tokens of host-tier hits loaded from a "
-                                   "device copy made while their request waited (kv_tier_hits, host, counts them "
-                                   "too).", ["model_name"], registry=registry)
         self._model_name = model_name
         self._seen: dict[tuple[str, str], float] = {}
 
@@ -197,6 +194,3 @@ class KVTierMetrics:
                 self._advance(self._counters[name], tier, (name, tier), getattr(kv, field.format(tier)))
         self._advance(self._swaps, "out", ("kv_swaps", "out"), kv.swaps_out)
         self._advance(self._swaps, "in", ("kv_swaps", "in"), kv.swaps_in)
-        prefetched = kv.host_prefetched - self._seen.get(("kv_host_prefetched", ""), 0)
-        self._prefetched.labels(self._model_name).inc(max(0, prefetched))
-        self._seen[("kv_host_prefetched", "")] = kv.host_prefetched

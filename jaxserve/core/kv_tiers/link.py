@@ -10,15 +10,6 @@ request's prefix is still on its way up from disk.
         load target in one schedule() is read before it is overwritten, and every step that reads a loaded
         block runs after its load.
 
-Prefetch (`prefetch_blocks` > 0: the mover keeps device copies of host blocks, pinned host memory only):
-a waiting request whose prefix continues on host is held (loading() says it is moving) while its host blocks
-are copied to device memory of the mover's own, beside the steps that run meanwhile; once they landed
-(finish_prefetch) the request is admitted and its loads read those copies, a device-to-device scatter, so
-the step that admits it does not wait for the host link. A key names its block's contents, so a copy stays
-right whatever happens to the host slot it came from. At most `prefetch_blocks` copies exist (asked for or
-landed); a prefix beyond that loads its other blocks from host as before, and a copy its request never took
-is dropped after PREFETCH_TTL steps.
-
 A load target evicted before take() (a refused request's hit, its block reused in the same schedule())
 is dropped without a save: its data never reached the device and the host still has it.
 
@@ -58,16 +49,9 @@ class Transfers:
     # The expert shard of each save and load (ShardedTierLink; empty: every block is shard 0's)
     save_shards: list[int] = dataclasses.field(default_factory=list)
     load_shards: list[int] = dataclasses.field(default_factory=list)
-    # Each load's key: a load whose key the mover holds a prefetched device copy of reads that copy
-    load_keys: list[Hashable] = dataclasses.field(default_factory=list)
-    # Host blocks to copy to the device now (prefetch: their keys and block objects), and device copies
-    # nobody took, to drop
-    prefetch_keys: list[Hashable] = dataclasses.field(default_factory=list)
-    prefetch_data: list = dataclasses.field(default_factory=list)
-    drop_keys: list[Hashable] = dataclasses.field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.save_block_ids or self.load_block_ids or self.prefetch_keys or self.drop_keys)
+        return bool(self.save_block_ids or self.load_block_ids)
 
 
 class SwapKey(NamedTuple):
@@ -76,9 +60,6 @@ class SwapKey(NamedTuple):
     request_id: str
     swap: int  # a number per swap_out: each swap has keys of its own
     index: int  # the block's index in the request's block table
-
-
-PREFETCH_TTL = 64  # steps a prefetched device copy waits for the request that asked for it
 
 
 class TierLink:
@@ -91,11 +72,6 @@ class TierLink:
         self._swapped: dict[str, tuple[list[SwapKey], int]] = {}  # request id -> (its keys, tokens they hold)
         self._dropped: set[SwapKey] = set()  # keys of requests that finished while the keys were in transit
         self._num_swaps = 0
-        self.prefetch_blocks = 0  # set by the mover when it prefetches (module docstring)
-        self._prefetch: list[Hashable] = []  # keys to copy to the device at the next take()
-        self._fetching: set[Hashable] = set()  # asked for, not landed
-        self._fetched: dict[Hashable, int] = {}  # landed -> the take() count when it landed
-        self._num_takes = 0
         pool.on_evict = self._evicted
 
     def _evicted(self, block: KVCacheBlock) -> None:
@@ -123,7 +99,6 @@ class TierLink:
             where = tiers.locate(key)
             if where == "host":
                 host.lookup(key)  # now recently used: reads for the rest of the prefix evict other blocks first
-                moving = self._on_device_soon(key) or moving
             elif where == "moving":
                 moving = True
             elif where == "disk":
@@ -141,26 +116,6 @@ class TierLink:
                 break
             staged += 1
         return moving
-
-    def _on_device_soon(self, key: Hashable) -> bool:
-        """Whether the request should wait for `key`'s prefetched device copy: it is on its way, or asked for
-        now (while copies are below prefetch_blocks). False once it landed, or with no room for it."""
-        if key in self._fetched:
-            return False
-        if key in self._fetching:
-            return True
-        if len(self._fetching) + len(self._fetched) >= self.prefetch_blocks:
-            return False
-        self._fetching.add(key)
-        self._prefetch.append(key)
-        return True
-
-    def finish_prefetch(self, keys: Sequence[Hashable]) -> None:
-        """The mover's device copies of `keys` landed."""
-        for key in keys:
-            if key in self._fetching:
-                self._fetching.remove(key)
-                self._fetched[key] = self._num_takes
 
     def extend_hits(self, keys: Sequence[Hashable], hits: list[KVCacheBlock]) -> list[KVCacheBlock]:
         """`hits` (the device's run of `keys` from the start) extended through the blocks present on host,
@@ -213,33 +168,16 @@ class TierLink:
         saves, self._saves = self._saves, []
         loads, self._loads = sorted(self._loads.items()), {}
         host, counters = self.tiers.host, self.tiers.counters
-        self._num_takes += 1
         data = None
         if loads:
             data = host.blocks([host.lookup(key) for _, key in loads])
-            num_fetched = 0
             for _, key in loads:
                 host.unpin(key)
                 if type(key) is SwapKey:
                     host.discard(key)
-                if self._fetched.pop(key, None) is not None:  # (the mover reads its device copy)
-                    num_fetched += 1
-            counters.host_bytes_out += (len(data) - num_fetched) * host.block_bytes
-            counters.host_prefetched += num_fetched * self.block_size
-        prefetch, self._prefetch = self._prefetch, []
-        slots = [host.lookup(key) for key in prefetch]
-        for key, slot in zip(prefetch, slots):
-            if slot is None:  # evicted from host in the same schedule(): the request finds it absent
-                self._fetching.discard(key)
-        prefetch = [key for key, slot in zip(prefetch, slots) if slot is not None]
-        counters.host_bytes_out += len(prefetch) * host.block_bytes
-        stale = [key for key, landed in self._fetched.items() if self._num_takes - landed > PREFETCH_TTL]
-        for key in stale:
-            del self._fetched[key]
+            counters.host_bytes_out += len(data) * host.block_bytes
         return Transfers([block_id for block_id, _ in saves], [key for _, key in saves],
-                         [block_id for block_id, _ in loads], data, load_keys=[key for _, key in loads],
-                         prefetch_keys=prefetch, prefetch_data=host.blocks([s for s in slots if s is not None]),
-                         drop_keys=stale)
+                         [block_id for block_id, _ in loads], data)
 
     def finish_saves(self, keys: Sequence[Hashable], data: Sequence, shards: Sequence[int] = ()) -> None:
         """The device -> host copies of `keys` landed: `data[i]` is keys[i]'s block, a numpy row or a pinned

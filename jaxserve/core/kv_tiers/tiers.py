@@ -41,7 +41,6 @@ class TierCounters:
     host_evictions: int = 0
     host_loads: int = 0
     host_load_seconds: float = 0.0
-    host_prefetched: int = 0  # of host_hits, tokens loaded from a device copy made while the request waited
     disk_hits: int = 0
     disk_misses: int = 0
     disk_bytes_in: int = 0
