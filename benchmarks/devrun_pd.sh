@@ -35,6 +35,10 @@
 #       the deadline beside the default): the decode instance with server.kv_install_blocks_per_step N
 #       (0: each transfer's blocks at once) -> mixed_pd_N.json, decode_info_N.json, then paced at the
 #       default (64) -> mixed_pd.json, decode_info.json
+#   AB_PATCHES=a.patch[,b.patch] bash benchmarks/devrun_pd.sh ab   (b2) only, once per patch (applied, run,
+#       reverted; the decode instance's run and step log -> mixed_pd_NAME.json, decode_info_NAME.json, NAME the
+#       patch's file name without .patch and non-alphanumerics), then of the tree -> mixed_pd.json,
+#       decode_info.json; at most two patches fit the deadline beside the tree
 #   PREFILL_CHUNK=N (any mode): the prefill instance's steps hold at most N tokens (max_num_batched_tokens,
 #       token rungs up to N), so a long prompt is prefilled in N-token chunks: shorter kernels for the decode
 #       instance to wait behind on a shared GPU
@@ -85,8 +89,10 @@ if [ "$MODE" = mps ]; then
   trap 'cleanup; echo quit | nvidia-cuda-mps-control' EXIT
   PREFILL_ENV+=("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=${PREFILL_SM_PERCENT:-60}")
   echo "== mps: control daemon started (prefill instance at ${PREFILL_SM_PERCENT:-60}% of the SMs)"
-elif [ "$MODE" != all ] && [ "$MODE" != pacing ]; then
-  echo "unknown mode $MODE: all, mps or pacing"; exit 2
+elif [ "$MODE" != all ] && [ "$MODE" != pacing ] && [ "$MODE" != ab ]; then
+  echo "unknown mode $MODE: all, mps, pacing or ab"; exit 2
+elif [ "$MODE" = ab ] && [ -z "${AB_PATCHES:-}" ]; then
+  echo "ab: name the patches in AB_PATCHES (a comma list)"; exit 2
 fi
 
 # (a) transfer bandwidth
@@ -118,7 +124,7 @@ MIXED="$PY benchmarks/pd_bench.py mixed --streams $STREAMS --short-len $SHORT --
   --long-len $LONG --rate $RATE --duration $DURATION --vocab $VOCAB"
 
 # (b1) colocated
-[ "$MODE" = pacing ] || {
+[ "$MODE" = pacing ] || [ "$MODE" = ab ] || {
 echo "== ${SECONDS}s: mixed, colocated"
 P=$(port)
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 $SERVE --config "$W/full.yaml" "${COLOCATED_FLAGS[@]}" --port "$P" \
@@ -178,6 +184,15 @@ if [ "$MODE" = pacing ]; then
   for n in "$@"; do
     pd_run "pd_$n" $((DEADLINE * ($# - ${#PACING_DONE[@]}) * 30 / 100)) --kv-install-blocks-per-step "$n"
     PACING_DONE+=("$n")
+  done
+fi
+if [ "$MODE" = ab ]; then
+  IFS=, read -ra patches <<< "$AB_PATCHES"
+  for i in "${!patches[@]}"; do
+    patch=${patches[i]} name=$(basename "${patches[i]}" .patch)
+    git apply "$patch" || { echo "git apply $patch failed"; exit 1; }
+    pd_run "pd_${name//[^A-Za-z0-9]/}" $((DEADLINE * (${#patches[@]} - i) * 30 / 100))
+    git apply -R "$patch"
   done
 fi
 pd_run pd 5
