@@ -127,6 +127,9 @@ class Engine:
         # The tiers' link(s) to the KV managers, as one for the mover (None without tiers)
         self.tier_link = (None if self.kv_transfer is None else kv_caches[0].tier_link if shards == 1
                           else ShardedTierLink([kv_cache.tier_link for kv_cache in kv_caches]))
+        if self.kv_transfer is not None:
+            for kv_cache in kv_caches:
+                kv_cache.tier_link.load_budget = self.kv_transfer.load_budget
         self.scheduler = schedulers[0] if shards == 1 else ShardedScheduler(schedulers)
         self.num_compiled = self.runner.precompile(progress) if config.runner.precompile else 0
         if self.kv_transfer is not None and config.runner.precompile:

@@ -56,6 +56,35 @@ def test_host_tier_outputs_match_an_unconstrained_engine(reference):
     engine.kv_transfer.tiers.host.check()
 
 
+def test_a_load_budget_of_one_block_a_step_keeps_the_outputs(reference, monkeypatch):
+    """With the host -> device loads held to one block a step, a returning prompt's host prefix loads over
+    several steps while its request waits: the outputs are those of an unconstrained engine, no step
+    carries more than one load, and some requests did wait for theirs."""
+    from jaxserve.runner import kv_transfer
+
+    monkeypatch.setattr(kv_transfer, "LOAD_BYTES_PER_STEP", int(BLOCK_GIB * (1 << 30)))
+    llm = make_llm(**TIERED, host_kv_gib=64 * BLOCK_GIB, prefix_hash_seed=1)
+    link = llm.engine.tier_link
+    assert link.load_budget == 1
+    loads, waits, take, loading = [], [], link.take, link.loading
+
+    def counted_take():
+        moves = take()
+        loads.append(len(moves.load_block_ids))
+        return moves
+
+    def counted_loading(keys):
+        waits.append(loading(keys))
+        return waits[-1]
+
+    monkeypatch.setattr(link, "take", counted_take)
+    monkeypatch.setattr(link, "loading", counted_loading)
+    assert run_rounds(llm) == reference
+    assert loads and max(loads) == 1 and sum(waits) > 0
+    assert llm.engine.kv_cache.stats.host_hits > 0
+    llm.engine.kv_transfer.tiers.host.check()
+
+
 def test_disk_tier_is_shared_between_engines_with_one_seed(reference, tmp_path):
     disk = dict(host_kv_gib=2 * BLOCK_GIB, disk_kv_path=str(tmp_path / "kv"), disk_kv_gib=0.01, prefix_hash_seed=7)
     first = make_llm(**TIERED, **disk)

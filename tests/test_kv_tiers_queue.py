@@ -112,3 +112,53 @@ def test_a_prefix_on_host_is_admitted_at_once_and_loads_every_block(tmp_path):
         assert np.all(np.asarray(data) == float(block_ids.index(block_id)))
     stats = manager.stats
     assert stats.host_hits == 3 * SIZE and stats.host_bytes_out == 3 * tiers.host.block_bytes
+
+
+LONG = list(range(1, 12))  # 5 full blocks (the last token is always computed)
+
+
+def test_a_host_prefix_past_the_step_budget_waits_while_it_loads_a_budget_at_a_time(tmp_path):
+    """With a load budget of 2 blocks per take(): a request whose 5 host blocks exceed it waits (loading)
+    while they are loaded two per take() into device blocks registered under their keys, each take()
+    carrying at most the budget; the last one loads with its admission, whose hit covers all 5 blocks, each
+    filled from its own key's host block."""
+    tiers = make_tiers(tmp_path / "kv", host_slots=8, disk_blocks=None, block_tokens=SIZE)
+    keys = block_keys(LONG)
+    for i, key in enumerate(keys):
+        assert tiers.host.put(key, np.full(SHAPE, float(i), np.float32))
+    manager = KVCacheManager(32, SIZE, hash_seed=SEED, tiers=tiers)
+    link = manager.tier_link
+    link.load_budget = 2
+    request = FakeRequest("a", LONG)
+    loaded: dict[int, float] = {}  # device block id -> the value its load wrote
+    takes = []
+    while manager.loading_prefix(request):
+        moves = link.take()
+        takes.append(len(moves.load_block_ids))
+        loaded.update((i, float(np.asarray(d).flat[0])) for i, d in zip(moves.load_block_ids, moves.load_data))
+        assert len(takes) <= 3
+    assert takes == [2, 2]
+    block_ids, hit = manager.get_computed_blocks(request)
+    assert hit == 5 * SIZE
+    moves = link.take()
+    assert len(moves.load_block_ids) == 1
+    loaded.update((i, float(np.asarray(d).flat[0])) for i, d in zip(moves.load_block_ids, moves.load_data))
+    assert [loaded[i] for i in block_ids] == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert manager.stats.host_hits == 5 * SIZE
+    assert tiers.host.num_present == tiers.host.num_reservable - 3 == 5  # none left pinned, 3 slots free
+    tiers.host.check()
+
+
+def test_a_host_prefix_too_long_for_the_free_blocks_is_admitted_with_a_budget_of_loads(tmp_path):
+    """When the host blocks could never all be on the device at once (fewer free blocks than they are),
+    the request is not held: its hit takes as many loads as the budget allows and the rest is computed."""
+    tiers = make_tiers(tmp_path / "kv", host_slots=8, disk_blocks=None, block_tokens=SIZE)
+    keys = block_keys(LONG)
+    for key in keys:
+        assert tiers.host.put(key, np.full(SHAPE, 1.0, np.float32))
+    manager = KVCacheManager(5, SIZE, hash_seed=SEED, tiers=tiers)  # 4 usable blocks
+    manager.tier_link.load_budget = 2
+    request = FakeRequest("a", LONG)
+    assert not manager.loading_prefix(request)
+    _, hit = manager.get_computed_blocks(request)
+    assert hit == 2 * SIZE and len(manager.tier_link.take().load_block_ids) == 2

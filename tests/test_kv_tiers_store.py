@@ -239,6 +239,7 @@ class FakeDevice:
     def transfer(self) -> None:
         link = self.manager.tier_link
         moves = link.take()
+        assert link.load_budget is None or len(moves.load_block_ids) <= link.load_budget
         saved = np.stack([self.encode(self.content[b]) for b in moves.save_block_ids]) if moves.save_block_ids else None
         for block_id, block in zip(moves.load_block_ids, moves.load_data if moves.load_data is not None else []):
             self.content[block_id] = self.decode(block)
@@ -250,23 +251,27 @@ class FakeDevice:
 @given(prompts=st.lists(st.tuples(st.sampled_from([(0, 1, 0, 1, 1, 0), (1, 1, 1, 1), ()]),
                                   st.lists(st.integers(0, 2), max_size=8), st.sampled_from([None, "s"])),
                         min_size=1, max_size=14),
-       num_blocks=st.integers(3, 8), host_slots=st.integers(1, 6), disk=st.booleans())
-def test_manager_hits_through_the_tiers_hold_their_prefix(prompts, num_blocks, host_slots, disk):
+       num_blocks=st.integers(3, 8), host_slots=st.integers(1, 6), disk=st.booleans(),
+       load_budget=st.sampled_from([None, 1, 2]))
+def test_manager_hits_through_the_tiers_hold_their_prefix(prompts, num_blocks, host_slots, disk, load_budget):
     """Requests one at a time on a small device pool: every hit, from device, host or disk, holds the
-    request's own prefix; evicted blocks come back from the tiers below."""
+    request's own prefix; evicted blocks come back from the tiers below; with a load budget no step
+    carries more loads than it (a waiting request's host blocks load over several steps)."""
     size = 2
     directory = tempfile.mkdtemp(prefix="jaxserve-kv-")
     tiers = make_tiers(directory, host_slots, 64 if disk else None)
     manager = KVCacheManager(num_blocks, size, hash_seed=5, tiers=tiers)
+    manager.tier_link.load_budget = load_budget
     device = FakeDevice(manager)
     try:
         for i, (opening, tail, salt) in enumerate(prompts):
             tokens = (list(opening) + tail)[:(num_blocks - 1) * size] or [0]
             request = FakeRequest(f"r{i}", tokens, cache_salt=salt)
-            for _ in range(3):  # reads start, land; a prefix longer than the host stops at its size
-                if not manager.loading_prefix(request):
+            for _ in range(3 + num_blocks):  # reads start, land (a prefix longer than the host stops at its
+                if not manager.loading_prefix(request):  # size); host blocks load a budget per step
                     break
                 tiers.poll(wait=True)
+                device.transfer()
             else:
                 raise AssertionError(f"request {i} is still loading after its reads landed")
             hit_ids, num_hit = manager.get_computed_blocks(request)

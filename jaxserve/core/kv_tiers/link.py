@@ -13,6 +13,14 @@ request's prefix is still on its way up from disk.
 A load target evicted before take() (a refused request's hit, its block reused in the same schedule())
 is dropped without a save: its data never reached the device and the host still has it.
 
+A step carries at most `load_budget` loads (None: no bound), so a long prefix on host never holds up the
+running requests' step for long: a waiting request whose host blocks exceed what is left of the step's
+budget waits (loading() says it is moving) while they are loaded a budget at a time, each batch into
+fresh device blocks registered under their keys (free cached blocks, as a hit's); once the rest fits it is
+admitted like any other request. A prefix whose host blocks cannot all fit in the free device blocks is
+admitted at once instead, with as many loads as the budget and the free blocks allow (the rest is
+computed).
+
 Swap preemption uses the same moves under keys of its own (SwapKey, never a prefix-cache key):
     swap_out: every block of the request (its partial last block too) -> saves; each lands pinned on host
     swap_in (once all landed, swap_ready): fresh device blocks -> loads; take() reads them and frees the
@@ -72,6 +80,7 @@ class TierLink:
         self._swapped: dict[str, tuple[list[SwapKey], int]] = {}  # request id -> (its keys, tokens they hold)
         self._dropped: set[SwapKey] = set()  # keys of requests that finished while the keys were in transit
         self._num_swaps = 0
+        self.load_budget: int | None = None  # loads one take() may return (module docstring); None: any
         pool.on_evict = self._evicted
 
     def _evicted(self, block: KVCacheBlock) -> None:
@@ -93,12 +102,17 @@ class TierLink:
         tiers.poll()
         moving = False
         staged = 0  # blocks of this prefix on host or on their way there
+        on_device: list[KVCacheBlock] = []
+        on_host: list[Hashable] = []
         for key in keys:
-            if self.pool.get_cached_block(key) is not None:
+            block = self.pool.get_cached_block(key)
+            if block is not None:
+                on_device.append(block)
                 continue
             where = tiers.locate(key)
             if where == "host":
                 host.lookup(key)  # now recently used: reads for the rest of the prefix evict other blocks first
+                on_host.append(key)
             elif where == "moving":
                 moving = True
             elif where == "disk":
@@ -115,7 +129,33 @@ class TierLink:
                     tiers.counters.disk_misses += self.block_size
                 break
             staged += 1
+        if len(on_host) > self.loads_left:
+            room = self.pool.num_free_blocks - sum(1 for block in on_device if block.ref_cnt == 0)
+            if len(on_host) <= room:  # (else it could never be all on the device: admitted, see above)
+                self._preload(on_device, on_host[:self.loads_left])
+                return True
         return moving
+
+    @property
+    def loads_left(self) -> int | float:
+        """Loads the next take() may still carry."""
+        return float("inf") if self.load_budget is None else max(0, self.load_budget - len(self._loads))
+
+    def _preload(self, on_device: list[KVCacheBlock], keys: list[Hashable]) -> None:
+        """Loads host blocks `keys` into fresh device blocks registered under them (free cached blocks), the
+        prefix's device blocks `on_device` held meanwhile so that none of them is the one evicted."""
+        if not keys:
+            return
+        pool, host = self.pool, self.tiers.host
+        pool.touch(on_device)
+        for key in keys:
+            host.pin(key)
+        fresh = pool.get_new_blocks(len(keys))
+        for block, key in zip(fresh, keys):
+            pool.cache_full_block(block, key)
+            self._loads[block.block_id] = key
+        pool.free_blocks(reversed(on_device + fresh))
+        self.tiers.counters.host_hits += len(keys) * self.block_size
 
     def extend_hits(self, keys: Sequence[Hashable], hits: list[KVCacheBlock]) -> list[KVCacheBlock]:
         """`hits` (the device's run of `keys` from the start) extended through the blocks present on host,
@@ -135,7 +175,7 @@ class TierLink:
             elif host.state(key) != "present":
                 self.tiers.counters.host_misses += size
                 break
-            elif num_loads + 1 > room:
+            elif num_loads + 1 > min(room, self.loads_left):
                 break
             else:
                 num_loads += 1
