@@ -182,6 +182,8 @@ def test_flash_prefill_composes(row, request, flash_runs):
 # other mechanism, speculative decoding's three proposers included (a block carries a draft model's or EAGLE
 # head's K/V with the target's) and expert parallelism (each shard its own host tier; those rows send every
 # prompt twice, as above). Tiers hold prefix-cache blocks, so they need prefix caching (refused without it).
+# Loads are held to one block a step, so a returning prompt waits while its host blocks load over several
+# steps beside the running requests.
 
 #              fixture, overlap, preemption mode, chunked prefill, tensor parallel, expert parallel, guesses
 TIERS_MATRIX = [
@@ -205,10 +207,13 @@ def _tiers_id(row) -> str:
 
 
 @pytest.mark.parametrize("row", TIERS_MATRIX, ids=[_tiers_id(row) for row in TIERS_MATRIX])
-def test_kv_tiers_compose(row, request):
+def test_kv_tiers_compose(row, request, monkeypatch):
+    from jaxserve.runner import kv_transfer
+
     name, overlap, mode, chunked, tp, ep, guesses = row
     if tp * ep > len(jax.devices()):
         pytest.skip(f"needs {tp * ep} devices")
+    monkeypatch.setattr(kv_transfer, "LOAD_BYTES_PER_STEP", 1)  # (one block a step)
     fixture = request.getfixturevalue("hf_fixture_by_name")(name)
     prompts = fixture.prompts
     budget = 16 if chunked else 64
@@ -251,6 +256,7 @@ def test_kv_tiers_compose(row, request):
         assert stats.spec_accepted_tokens > 0
     assert stats.kv_cache_usage == 0.0
     engine = llm.engine
+    assert engine.kv_transfer.load_budget == 1
     engine.kv_transfer.poll(engine.tier_link, wait=True)
     assert len(engine.kv_transfer.shard_tiers) == ep
     for tiers in engine.kv_transfer.shard_tiers:
