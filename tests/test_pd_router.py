@@ -182,6 +182,8 @@ def test_outputs_equal_colocated_streaming_and_not(pd):
     _completion(urls["router"], _fresh(200))  # blocks no decode instance has: written into its cache
     steps = [_info(urls[name])["steps"] for name in ("decode0", "decode1")]
     assert sum(s.get("install_steps", 0) for s in steps) >= 1 and sum(s["count"] for s in steps) >= 2 * len(PROMPTS)
+    for split in (s["split_ms"]["all"] for s in steps if s["count"]):  # the engine thread ran and waited
+        assert split["cpu"] > 0 and split["device_wait"] >= 0 and split["other"] >= 0
     assert "steps" not in _info(urls["prefill0"])
     _assert_pools_return(urls, start)
 
