@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.pd.engine import DecodeStepLog
+from jaxserve.pd.step_log import DecodeStepLog
 
 
 def test_summary_of_the_slowest_steps():

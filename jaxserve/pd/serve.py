@@ -4,7 +4,7 @@
                    "kv_layout" (what a block's bytes mean; a sender's must be equal), "num_free_blocks",
                    "open_transfers", "outcomes": {outcome: count}, decode: "steps" (its latest steps' times and
                    how many of the slowest were at or just after a block install or during a pull:
-                   engine.DecodeStepLog.summary)} (behind the API key)
+                   step_log.DecodeStepLog.summary)} (behind the API key)
     /metrics      jaxserve:pd_free_blocks, jaxserve:pd_open_transfers, jaxserve:pd_transfers{outcome}
 """
 
