@@ -162,3 +162,26 @@ def test_a_host_prefix_too_long_for_the_free_blocks_is_admitted_with_a_budget_of
     assert not manager.loading_prefix(request)
     _, hit = manager.get_computed_blocks(request)
     assert hit == 2 * SIZE and len(manager.tier_link.take().load_block_ids) == 2
+
+
+def test_a_host_block_evicted_by_its_own_prefix_disk_reads_is_not_preloaded(tmp_path):
+    """The prefix's disk reads take host slots, and with none free they evict the least recently used
+    present block, which may be one of this prefix's own host blocks found a moment before: it is not
+    preloaded (pinning an absent key would fail the schedule), and the request waits for its reads."""
+    tiers = make_tiers(tmp_path / "kv", host_slots=4, disk_blocks=64, block_tokens=SIZE)
+    tokens = list(range(1, 10))  # 4 full blocks
+    keys = block_keys(tokens)
+    for i, key in enumerate(keys[:2]):  # the first two on host, the last two on disk
+        assert tiers.host.put(key, np.full(SHAPE, float(i), np.float32))
+    for key in keys[2:]:
+        tiers.disk.write(key, np.full(SHAPE, 2.0, np.float32))
+    assert tiers.host.reserve(b"x" * 32) is not None  # a save in flight holds the third slot
+    manager = KVCacheManager(32, SIZE, hash_seed=SEED, tiers=tiers)
+    manager.tier_link.load_budget = 1
+    request = FakeRequest("a", tokens)
+    assert manager.loading_prefix(request)  # the reads started; the second one evicted keys[0]
+    assert tiers.host.state(keys[0]) == "absent"
+    moves = manager.tier_link.take()
+    assert len(moves.load_block_ids) <= 1
+    tiers.host.check()
+    tiers.close()

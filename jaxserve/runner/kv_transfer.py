@@ -5,8 +5,9 @@
              one host row (the sets' blocks flattened end to end); poll() (later steps) hands the landed
              copies to the host pool
       loads: the host rows -> one jitted scatter, which splits each row per set and writes it into every
-             layer's cache of every set (donated back); at most LOAD_BYTES_PER_STEP of them a step (the
-             link holds a longer host prefix's request until its blocks are loaded: kv_tiers/link.py)
+             layer's cache of every set (donated back); prefix loads at most LOAD_BYTES_PER_STEP a step
+             per KV manager (the link holds a longer host prefix's request until its blocks are loaded:
+             kv_tiers/link.py)
 
 Where the host tier's blocks live (`pinned_sharding`):
     pinned host memory (GPUs; single-device caches): each block is its own "pinned_host" jax Array. The
@@ -71,7 +72,7 @@ logger = logging.getLogger(__name__)
 MOVE_BYTES = 64 << 20  # the device memory one move program's blocks take at most
 MAX_MOVE_BLOCKS = 64  # and its blocks at most
 MAX_PENDING = 8  # save copies in flight before the oldest is waited for
-LOAD_BYTES_PER_STEP = 1 << 30  # host -> device loads one step carries at most (TierLink.load_budget)
+LOAD_BYTES_PER_STEP = 1 << 30  # host -> device prefix loads one step carries at most (TierLink.load_budget)
 # The share of XLA's pinned host pool that host tiers may take (XLA stages host -> device copies there too)
 PINNED_POOL_SHARE = 0.9
 

@@ -13,13 +13,13 @@ request's prefix is still on its way up from disk.
 A load target evicted before take() (a refused request's hit, its block reused in the same schedule())
 is dropped without a save: its data never reached the device and the host still has it.
 
-A step carries at most `load_budget` loads (None: no bound), so a long prefix on host never holds up the
-running requests' step for long: a waiting request whose host blocks exceed what is left of the step's
-budget waits (loading() says it is moving) while they are loaded a budget at a time, each batch into
-fresh device blocks registered under their keys (free cached blocks, as a hit's); once the rest fits it is
-admitted like any other request. A prefix whose host blocks cannot all fit in the free device blocks is
-admitted at once instead, with as many loads as the budget and the free blocks allow (the rest is
-computed).
+A step carries at most `load_budget` prefix loads (None: no bound; a swap-in's loads come on top), so a
+long prefix on host never holds up the running requests' step for long: a waiting request whose host
+blocks exceed what is left of the step's budget waits (loading() says it is moving) while they are loaded
+a budget at a time, each batch into fresh device blocks registered under their keys (free cached blocks,
+as a hit's); once the rest fits it is admitted like any other request. A prefix whose host blocks cannot
+all fit in the free device blocks is admitted at once instead, with as many loads as the budget and the
+free blocks allow (the rest is computed).
 
 Swap preemption uses the same moves under keys of its own (SwapKey, never a prefix-cache key):
     swap_out: every block of the request (its partial last block too) -> saves; each lands pinned on host
@@ -129,6 +129,7 @@ class TierLink:
                     tiers.counters.disk_misses += self.block_size
                 break
             staged += 1
+        on_host = [key for key in on_host if host.state(key) == "present"]  # (a disk read may have evicted one)
         if len(on_host) > self.loads_left:
             room = self.pool.num_free_blocks - sum(1 for block in on_device if block.ref_cnt == 0)
             if len(on_host) <= room:  # (else it could never be all on the device: admitted, see above)
