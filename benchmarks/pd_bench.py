@@ -59,7 +59,8 @@ def transfer_recv(args) -> int:
         else:
             data = endpoint.pull(pull["address"], pull["uuid"], pull["chunks"], mover.block_shape, mover.dtype,
                                  time.monotonic() + 120)
-        mover.scatter(list(range(1, count + 1)), data)
+        for ids, chunk in mover.pieces(list(range(1, count + 1)), data):
+            mover.scatter_piece(ids, chunk)
         engine.runner.kv_caches[0].block_until_ready()
         return "ack", {}
 

@@ -25,6 +25,12 @@ def _runner(seed: int, num_blocks: int = 16, dtype=jnp.float32):
     return types.SimpleNamespace(kv_caches=caches, attention_backend="reference")
 
 
+def _scatter(mover: BlockMover, block_ids: list[int], data) -> None:
+    """Every piece of `data` written into block_ids at once (as a decode instance's installs, unpaced)."""
+    for ids, chunk in mover.pieces(block_ids, data):
+        mover.scatter_piece(ids, chunk)
+
+
 def _block(runner, axis: int, block_id: int) -> np.ndarray:
     return np.stack([np.take(np.asarray(c), block_id, axis=axis) for c in runner.kv_caches])
 
@@ -36,7 +42,7 @@ def test_blocks_arrive_unchanged_at_other_ids():
     untouched = _block(dst, d.axis, 9)
     payload = pack(p.gather_chunks(src_ids, chunk_sizes(3)))
     assert len(payload) == 3 * p.block_bytes  # exactly the blocks: no padding on the wire
-    d.scatter(dst_ids, unpack(payload, 3, p.layout, d.layout))
+    _scatter(d, dst_ids, unpack(payload, 3, p.layout, d.layout))
     for s, t in zip(src_ids, dst_ids):
         np.testing.assert_array_equal(_block(dst, d.axis, t), _block(src, p.axis, s))
     np.testing.assert_array_equal(_block(dst, d.axis, 9), untouched)
@@ -83,7 +89,7 @@ def test_device_path_moves_exactly_the_blocks_as_power_of_two_chunks():
     uuid = producer.offer(chunks)
     untouched = _block(dst, d.axis, 5)
     pulled = consumer.pull(producer.address, uuid, [8, 4, 1], d.block_shape, d.dtype, time.monotonic() + 30)
-    d.scatter(dst_ids, pulled)
+    _scatter(d, dst_ids, pulled)
     for s, t in zip(src_ids, dst_ids):
         np.testing.assert_array_equal(_block(dst, d.axis, t), _block(src, p.axis, s))
     np.testing.assert_array_equal(_block(dst, d.axis, 5), untouched)
@@ -109,7 +115,7 @@ def test_device_path_between_instances_split_differently_by_kv_head(split):
     src_ids, dst_ids = [1, 2, 3], [9, 4, 12]
     pulled = endpoint.pull(endpoint.address, endpoint.offer(p.gather_chunks(src_ids, chunk_sizes(3))), [2, 1],
                            d.block_shape, d.dtype, time.monotonic() + 30)
-    d.scatter(dst_ids, pulled)
+    _scatter(d, dst_ids, pulled)
     assert all(c.sharding.is_equivalent_to(heads, c.ndim) for c in split_runner.kv_caches)
     for s, t in zip(src_ids, dst_ids):
         np.testing.assert_array_equal(_block(dst, d.axis, t), _block(src, p.axis, s))
@@ -183,9 +189,9 @@ def test_warmed_movers_never_compile_a_transfer(split):
             sizes = chunk_sizes(count)
             pulled = endpoint.pull(endpoint.address, endpoint.offer(p.gather_chunks(src_ids, sizes)), sizes,
                                    d.block_shape, d.dtype, time.monotonic() + 30)
-            d.scatter(dst_ids, pulled)
+            _scatter(d, dst_ids, pulled)
             for s, t in zip(src_ids, dst_ids):
                 np.testing.assert_array_equal(_block(dst, d.axis, t), _block(src, p.axis, s))
-            d.scatter(dst_ids[::-1], unpack(pack(p.gather_chunks(src_ids, sizes)), count, p.layout, d.layout))
+            _scatter(d, dst_ids[::-1], unpack(pack(p.gather_chunks(src_ids, sizes)), count, p.layout, d.layout))
             for s, t in zip(src_ids, dst_ids[::-1]):
                 np.testing.assert_array_equal(_block(dst, d.axis, t), _block(src, p.axis, s))

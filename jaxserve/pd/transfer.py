@@ -108,11 +108,6 @@ class BlockMover:
         chunk = jax.device_put(chunk, self._arrival)
         self.runner.kv_caches = self._scatter(self.runner.kv_caches, np.asarray(block_ids, np.int32), chunk)
 
-    def scatter(self, block_ids: list[int], data: np.ndarray | list[jax.Array]) -> None:
-        """Every piece of `data` written into block_ids at once."""
-        for ids, chunk in self.pieces(block_ids, data):
-            self.scatter_piece(ids, chunk)
-
     def warm(self, max_blocks: int, gather: bool, scatter: bool) -> int:
         """Compiles the programs a transfer of up to `max_blocks` blocks can run (every chunk size), by running
         each once on the null block 0 (gathered from, or zeros scattered into it: its contents are never

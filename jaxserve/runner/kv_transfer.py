@@ -124,10 +124,10 @@ def _gather_rows(cache_sets, ids, shards, *, axes: tuple[int, ...], sharded: boo
 
 
 def _scatter_rows(cache_sets, ids, shards, rows, *, axes: tuple[int, ...], sharded: bool,
-                  shapes: tuple[tuple[int, ...], ...], on_device=None):
-    """_scatter_sets of host rows (one array per block: on the device, or pinned host arrays moved to
-    `on_device` first when given), each split into the sets' blocks of `shapes` (in row order)."""
-    rows = jnp.stack(rows if on_device is None else [jax.device_put(row, on_device) for row in rows])
+                  shapes: tuple[tuple[int, ...], ...], on_device):
+    """_scatter_sets of pinned host rows (one array per block), moved to `on_device` first, each split into
+    the sets' blocks of `shapes` (in row order)."""
+    rows = jnp.stack([jax.device_put(row, on_device) for row in rows])
     datas, offset = [], 0
     for shape in shapes:
         size = math.prod(shape)
