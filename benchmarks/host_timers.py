@@ -1,6 +1,9 @@
 """Host time per engine function: runs a `jaxserve` command with timers around the scheduler's, the KV cache
-manager's and the KV tiers' functions, the runner's dispatch and every compiled program's call, and prints
-each one's total and call count at exit (stderr, `TIMING` lines, largest first).
+manager's and the KV tiers' functions, the runner's dispatch, forward call and collect, and every compiled
+program's call, and prints each one's total, call count and per-call milliseconds (mean, p50, p90, p99, max)
+at exit (stderr, `TIMING` lines, largest first). Calls made while a bench builds its engine (precompile) are
+not counted. A call with a long tail is one the engine thread waits in: with overlap scheduling the device
+idles once the step in flight ends while the thread is held.
 
     python3 benchmarks/host_timers.py bench multi-turn --config configs/llama3-8b-dummy.yaml ... --host-kv-gib 32
 
@@ -20,13 +23,14 @@ import sys
 import time
 
 import jax
+import numpy as np
 
+from jaxserve.bench import common
 from jaxserve.core import kv_cache_manager, scheduler
 from jaxserve.core.kv_tiers import link
 from jaxserve.runner import kv_transfer, model_runner
 
-TOTALS: collections.defaultdict[str, float] = collections.defaultdict(float)
-CALLS: collections.Counter[str] = collections.Counter()
+SECONDS: collections.defaultdict[str, list[float]] = collections.defaultdict(list)  # label -> each call's
 
 
 def _timed(label: str, function):
@@ -36,8 +40,7 @@ def _timed(label: str, function):
         try:
             return function(*args, **kwargs)
         finally:
-            TOTALS[label] += time.perf_counter() - started
-            CALLS[label] += 1
+            SECONDS[label].append(time.perf_counter() - started)
     return timed
 
 
@@ -47,7 +50,9 @@ def _wrap(cls, name: str, label: str) -> None:
 
 def install() -> None:
     _wrap(scheduler.Scheduler, "schedule", "Scheduler.schedule")
-    _wrap(model_runner.ModelRunner, "dispatch", "ModelRunner.dispatch")
+    _wrap(scheduler.Scheduler, "update_from_output", "Scheduler.update_from_output")
+    for name in ("dispatch", "_run_forward", "collect"):
+        _wrap(model_runner.ModelRunner, name, f"ModelRunner.{name}")
     for name in ("poll", "run", "_gathered"):
         _wrap(kv_transfer.KVTransfer, name, f"KVTransfer.{name}")
     for name in ("get_computed_blocks", "loading_prefix", "allocate_slots", "swap_ready", "swap_in"):
@@ -63,15 +68,25 @@ def install() -> None:
         try:
             return call(self, *args, **kwargs)
         finally:
-            TOTALS[label] += time.perf_counter() - started
-            CALLS[label] += 1
+            SECONDS[label].append(time.perf_counter() - started)
     jax.stages.Compiled.__call__ = compiled_call
+    make_engine = common.make_engine
+
+    def made(*args, **kwargs):
+        out = make_engine(*args, **kwargs)
+        SECONDS.clear()
+        return out
+    common.make_engine = made
 
 
 def report() -> None:
-    for label, total in sorted(TOTALS.items(), key=lambda item: -item[1]):
-        print(f"TIMING {label:40s} {1e3 * total:10.1f} ms {CALLS[label]:8d} calls "
-              f"{1e6 * total / CALLS[label]:9.1f} us/call", file=sys.stderr)
+    print(f"TIMING {'':40s} {'total ms':>10s} {'calls':>7s}  per call ms: {'mean':>7s} {'p50':>7s} {'p90':>7s} "
+          f"{'p99':>7s} {'max':>7s}", file=sys.stderr)
+    for label, seconds in sorted(SECONDS.items(), key=lambda item: -sum(item[1])):
+        ms = 1e3 * np.asarray(seconds)
+        p50, p90, p99 = np.percentile(ms, [50, 90, 99])
+        print(f"TIMING {label:40s} {ms.sum():10.1f} {len(ms):7d}               {ms.mean():7.2f} {p50:7.2f} "
+              f"{p90:7.2f} {p99:7.2f} {ms.max():7.1f}", file=sys.stderr)
 
 
 if __name__ == "__main__":
