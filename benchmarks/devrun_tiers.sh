@@ -30,6 +30,10 @@
 #       tier on, of the tree, then with the tier off, then with each patch alone (applied, run, reverted), then
 #       of the tree again (the drift, skipped when DEADLINE comes first); the table (a row per tree, each
 #       against the one off run)
+#   bash benchmarks/devrun_tiers.sh trace      instead: the 3-turn closed loop (32 in the engine) with the host tier
+#       on under benchmarks/host_timers.py, a jax.profiler trace of engine steps TRACE_STEPS (default 200:300);
+#       the timers' table, then benchmarks/trace_waits.py's account of the slowest timed calls (what the
+#       runtime and the device did while they waited); the Perfetto trace in $OUT
 set -o pipefail
 OUT=${OUT:-/tmp/devrun_tiers}
 DEADLINE=${DEADLINE:-540}
@@ -53,6 +57,25 @@ preempt() {
     --output-json "$W/preempt_$1.json"
 }
 
+if [ "${1:-}" = trace ]; then
+  if [ -n "${SMOKE:-}" ]; then
+    MT="--num-conversations 8 --first-len 8 --append-len 4 --output-len 4 --block-size 4 --precompile false
+      --num-blocks 12 --host-kv-gib 0.01"
+    STEPS=${TRACE_STEPS:-2:12}
+  else
+    MT="--config configs/llama3-8b-dummy.yaml --num-conversations 128 --first-len 1024 --append-len 64
+      --output-len 64 --block-size 16 --precompile true --num-blocks 3413 --host-kv-gib 32"
+    STEPS=${TRACE_STEPS:-200:300}
+  fi
+  SHOW="^Multi-turn|^TTFT|^KV cache|^TIMING"
+  HOST_TIMERS_TRACE="$W/trace" HOST_TIMERS_TRACE_STEPS="$STEPS" run trace 300 0 $PY benchmarks/host_timers.py \
+    bench multi-turn $MT --num-turns 3 --max-concurrency 32 --disable-tqdm
+  echo "== ${SECONDS}s: done"
+  find "$W/trace" -name perfetto_trace.json.gz -size -60M -exec cp {} "$OUT/" \;
+  $PY benchmarks/trace_waits.py "$W/trace" | tee "$OUT/trace_waits.txt"
+  rm -rf "$W/trace"
+  exit
+fi
 if [ "${1:-}" = multiturn ] || [ "${1:-}" = multiturn_ab ]; then
   if [ -n "${SMOKE:-}" ]; then
     MT="--num-conversations 8 --first-len 12 --append-len 4 --output-len 4 --block-size 4 --precompile false"

@@ -7,6 +7,10 @@ idles once the step in flight ends while the thread is held.
 
     python3 benchmarks/host_timers.py bench multi-turn --config configs/llama3-8b-dummy.yaml ... --host-kv-gib 32
 
+HOST_TIMERS_TRACE=DIR also writes a `jax.profiler` trace (Perfetto JSON under DIR) of engine steps
+HOST_TIMERS_TRACE_STEPS (default 200:300, counted from the engine's build), each timed call a named slice
+on the engine thread; `benchmarks/trace_waits.py DIR` says what the device ran while the slow ones waited.
+
 Compiled programs are told apart by their number of argument leaves (`Compiled.__call__ leaves~N`): a KV
 tier move of n blocks takes the caches' arrays, two index arrays and, for a load, n host rows. Only the
 calling thread's time is counted where the engine loop makes the call. The timers add a few microseconds a
@@ -17,7 +21,9 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import functools
+import os
 import runpy
 import sys
 import time
@@ -31,6 +37,14 @@ from jaxserve.core.kv_tiers import link
 from jaxserve.runner import kv_transfer, model_runner
 
 SECONDS: collections.defaultdict[str, list[float]] = collections.defaultdict(list)  # label -> each call's
+TRACE_DIR = os.environ.get("HOST_TIMERS_TRACE")
+TRACE_STEPS = tuple(int(n) for n in os.environ.get("HOST_TIMERS_TRACE_STEPS", "200:300").split(":"))
+_steps = [-1]  # engine steps since the engine was built (-1: not built yet)
+_tracing = [False]
+
+
+def _annotation(label: str):
+    return jax.profiler.TraceAnnotation(label) if TRACE_DIR else contextlib.nullcontext()
 
 
 def _timed(label: str, function):
@@ -38,10 +52,36 @@ def _timed(label: str, function):
     def timed(*args, **kwargs):
         started = time.perf_counter()
         try:
-            return function(*args, **kwargs)
+            with _annotation(label):
+                return function(*args, **kwargs)
         finally:
             SECONDS[label].append(time.perf_counter() - started)
     return timed
+
+
+def _trace_steps(step):
+    """Engine.step, starting the trace at TRACE_STEPS[0] and stopping it at TRACE_STEPS[1]."""
+    @functools.wraps(step)
+    def traced(*args, **kwargs):
+        if _steps[0] >= 0:
+            _steps[0] += 1
+            if _steps[0] == TRACE_STEPS[0]:
+                options = jax.profiler.ProfileOptions()
+                options.python_tracer_level = 0  # (the runtime's slices and the device's, not every Python call)
+                jax.profiler.start_trace(TRACE_DIR, create_perfetto_trace=True, profiler_options=options)
+                _tracing[0] = True
+            elif _steps[0] == TRACE_STEPS[1]:
+                _stop_trace()
+        return step(*args, **kwargs)
+    return traced
+
+
+def _stop_trace() -> None:
+    if _tracing[0]:
+        _tracing[0] = False
+        jax.profiler.stop_trace()
+        print(f"TIMING trace of engine steps {TRACE_STEPS[0]}-{_steps[0]} written under {TRACE_DIR}",
+              file=sys.stderr)
 
 
 def _wrap(cls, name: str, label: str) -> None:
@@ -75,11 +115,16 @@ def install() -> None:
     def made(*args, **kwargs):
         out = make_engine(*args, **kwargs)
         SECONDS.clear()
+        _steps[0] = 0
         return out
     common.make_engine = made
+    if TRACE_DIR:
+        from jaxserve.engine import Engine
+        Engine.step = _trace_steps(Engine.step)
 
 
 def report() -> None:
+    _stop_trace()
     print(f"TIMING {'':40s} {'total ms':>10s} {'calls':>7s}  per call ms: {'mean':>7s} {'p50':>7s} {'p90':>7s} "
           f"{'p99':>7s} {'max':>7s}", file=sys.stderr)
     for label, seconds in sorted(SECONDS.items(), key=lambda item: -sum(item[1])):

@@ -1,6 +1,7 @@
-"""The devrun scripts' summarizers (benchmarks/fp8_summary.py, benchmarks/tiers_summary.py): the compute bound's
-FLOP count on the Llama-3-8B shape, the tiers table rebuilt from kv_tiers.py's printed lines, and the multi-turn
-table's ratios of each A/B tree to the one run with the tier off."""
+"""The devrun scripts' summarizers (benchmarks/fp8_summary.py, benchmarks/tiers_summary.py,
+benchmarks/trace_waits.py): the compute bound's FLOP count on the Llama-3-8B shape, the tiers table rebuilt
+from kv_tiers.py's printed lines, the multi-turn table's ratios of each A/B tree to the one run with the tier
+off, and a trace's slow call split into its slices' own time and the device's work beside it."""
 
 from __future__ import annotations
 
@@ -112,3 +113,37 @@ def test_ttft_bound_takes_the_rates_measured_in_the_run(tmp_path, monkeypatch):
     assert row["bound_s"] == pytest.approx(bound) and row["ttft_over_bound"] == pytest.approx(1.3 / bound)
     assert row["ttft_over_peak_bound"] == pytest.approx(at_peak["ttft_over_bound"])
     assert "measured (prefill_rates.json)" in fp8_summary.render(fp8_summary.summarise(tmp_path))
+
+
+def test_trace_waits_splits_a_slow_call_into_its_slices_own_time_and_the_device_work_beside_it(monkeypatch, tmp_path):
+    """A timed call of 50 ms holding an enqueue of 40 ms that holds a 30 ms wait: their own times 10 and
+    30 ms; a kernel on a stream overlapping the call's last 25 ms and still running when it returned; a
+    Python-frame slice, a slice on another thread and a call under --min-ms are left out."""
+    import gzip
+
+    trace_waits = load("trace_waits", monkeypatch)
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+            {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "name": "thread_name", "pid": 2, "tid": 7, "args": {"name": "Stream #7"}}]
+    events = meta + [
+        {"ph": "X", "pid": 1, "tid": 1, "name": "KVTransfer.run", "ts": 1000, "dur": 50_000},
+        {"ph": "X", "pid": 1, "tid": 1, "name": "Execute", "ts": 2000, "dur": 40_000},
+        {"ph": "X", "pid": 1, "tid": 1, "name": "WaitForEvent", "ts": 5000, "dur": 30_000},
+        {"ph": "X", "pid": 1, "tid": 1, "name": "$kv_transfer.py:1 run", "ts": 1000, "dur": 49_000},
+        {"ph": "X", "pid": 1, "tid": 2, "name": "Other", "ts": 3000, "dur": 10_000},
+        {"ph": "X", "pid": 1, "tid": 1, "name": "ModelRunner.collect", "ts": 60_000, "dur": 1_000},
+        {"ph": "X", "pid": 2, "tid": 7, "name": "fusion_1", "ts": 26_000, "dur": 30_000},
+    ]
+    directory = tmp_path / "plugins" / "profile" / "run"
+    directory.mkdir(parents=True)
+    with gzip.open(directory / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    loaded = trace_waits.load(str(tmp_path))
+    call = next(e for e in loaded if e["name"] == "KVTransfer.run")
+    host = [e for e in loaded if not trace_waits.is_device(e)]
+    assert dict(trace_waits.self_times(call, host)) == {"Execute": 10_000, "WaitForEvent": 30_000}
+    text = trace_waits.report(loaded, min_ms=10, top=4)
+    assert "1 timed calls of at least 10 ms; device events in the trace: 1" in text
+    assert "KVTransfer.run: 50.00 ms" in text and "ModelRunner.collect" not in text.split("slow calls")[0]
+    assert "device    25.00 ms  [Stream #7] fusion_1" in text
+    assert "ended 0.00 ms before the call returned" in text
