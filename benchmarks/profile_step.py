@@ -32,7 +32,8 @@ import numpy as np
 from jaxserve.bench import common, latency, spec
 
 
-def _events(trace_dir: Path) -> list[dict]:
+def trace_events(trace_dir: Path) -> list[dict]:
+    """The trace events of the latest Perfetto trace under `trace_dir` (else its latest *.trace.json.gz)."""
     files = sorted(trace_dir.rglob("perfetto_trace.json.gz")) or sorted(trace_dir.rglob("*.trace.json.gz"))
     if not files:
         raise SystemExit(f"no trace file under {trace_dir}")
@@ -108,7 +109,7 @@ def main(argv: list[str]) -> int:
     steps = len(run.steps)
     if own.host_top:
         _host_profile(iteration, own.host_top)
-    kernels = _gpu_kernels(_events(own.trace_dir))
+    kernels = _gpu_kernels(trace_events(own.trace_dir))
     print(f"traced: {steps} engine steps in {wall_s * 1e3:.1f} ms ({wall_s * 1e3 / max(steps, 1):.3f} ms per step), "
           f"batch {args.batch_size}, {args.input_len} in / {args.output_len} out"
           + (f", synthetic acceptance {acceptance}" if acceptance is not None else ""))

@@ -1,7 +1,7 @@
 """What the slow engine-thread calls of a `benchmarks/host_timers.py` trace waited for.
 
     HOST_TIMERS_TRACE=/tmp/tr python3 benchmarks/host_timers.py bench multi-turn ... --host-kv-gib 32
-    python3 benchmarks/trace_waits.py /tmp/tr [--min-ms 10] [--top 8]
+    PYTHONPATH=. python3 benchmarks/trace_waits.py /tmp/tr [--min-ms 10] [--top 8]   (from the repository root)
 
 For each of the slowest timed calls (host_timers' named slices, e.g. `KVTransfer.run`,
 `ModelRunner._run_forward`) longer than --min-ms: the runtime's slices nested in it on the same thread, by
@@ -15,22 +15,17 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gzip
-import json
 import sys
 from pathlib import Path
+
+from benchmarks.profile_step import trace_events
 
 LABEL_PREFIXES = ("KVTransfer.", "ModelRunner.", "Scheduler.", "KVCacheManager.", "TierLink.")
 
 
 def load(directory: str) -> list[dict]:
     """The trace's complete events ("X") with their process and thread names as "process" and "thread"."""
-    paths = sorted(Path(directory).rglob("perfetto_trace.json.gz"))
-    if not paths:
-        raise SystemExit(f"no perfetto_trace.json.gz under {directory}: was HOST_TIMERS_TRACE set?")
-    with gzip.open(paths[-1], "rt") as f:
-        events = json.load(f)
-    events = events["traceEvents"] if isinstance(events, dict) else events
+    events = trace_events(Path(directory))
     processes, threads = {}, {}
     for e in events:
         if e.get("ph") == "M" and e.get("name") == "process_name":
