@@ -34,6 +34,9 @@
 #       on under benchmarks/host_timers.py, a jax.profiler trace of engine steps TRACE_STEPS (default 200:300);
 #       the timers' table, then benchmarks/trace_waits.py's account of the slowest timed calls (what the
 #       runtime and the device did while they waited); the Perfetto trace in $OUT
+#       On GPUs the trace perturbs what it shows: CUPTI's buffer flushes hold the runtime's calls that run meanwhile
+#       (a slow call in the trace may be the profiler's), and the first device read after the trace stops may fail
+#       with CUDA_ERROR_LAUNCH_FAILED (a JAX GPU profiler fault), ending the bench; the trace is written before that
 set -o pipefail
 OUT=${OUT:-/tmp/devrun_tiers}
 DEADLINE=${DEADLINE:-540}
