@@ -1,7 +1,8 @@
 """Host time per engine function: runs a `jaxserve` command with timers around the scheduler's, the KV cache
-manager's and the KV tiers' functions, the runner's dispatch, forward call and collect, and every compiled
-program's call, and prints each one's total, call count and per-call milliseconds (mean, p50, p90, p99, max)
-at exit (stderr, `TIMING` lines, largest first). Calls made while a bench builds its engine (precompile) are
+manager's and the KV tiers' functions, the runner's dispatch, forward call and collect, every compiled
+program's call and Python's garbage collections (`gc collection genN`, on any thread), and prints each one's
+total, call count and per-call milliseconds (mean, p50, p90, p99, max) at exit (stderr, `TIMING` lines,
+largest first). Calls made while a bench builds its engine (precompile) are
 not counted. A call with a long tail is one the engine thread waits in: with overlap scheduling the device
 idles once the step in flight ends while the thread is held.
 
@@ -23,6 +24,7 @@ import atexit
 import collections
 import contextlib
 import functools
+import gc
 import os
 import runpy
 import sys
@@ -88,7 +90,19 @@ def _wrap(cls, name: str, label: str) -> None:
     setattr(cls, name, _timed(label, getattr(cls, name)))
 
 
+def _time_collections() -> None:
+    started = [0.0]
+
+    def collection(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            SECONDS[f"gc collection gen{info['generation']}"].append(time.perf_counter() - started[0])
+    gc.callbacks.append(collection)
+
+
 def install() -> None:
+    _time_collections()
     _wrap(scheduler.Scheduler, "schedule", "Scheduler.schedule")
     _wrap(scheduler.Scheduler, "update_from_output", "Scheduler.update_from_output")
     for name in ("dispatch", "_run_forward", "collect"):
