@@ -3,6 +3,8 @@ identical greedy outputs under every scheduling condition, sampling features, ba
 
 from __future__ import annotations
 
+import collections
+
 import jax
 import numpy as np
 import pytest
@@ -111,6 +113,35 @@ def test_steady_state_never_compiles(llm):
             llm.generate(batch, GREEDY, use_tqdm=False)
             llm.generate(batch, [mixed[i % 3] for i in range(size)], use_tqdm=False)
     assert_no_leaks(llm)
+
+
+def test_start_up_runs_every_step_and_sampler_program_once(llm):
+    """Precompile ends by running each forward executable (both twins of a shape that has two) and each
+    sampler variant once, on one-token steps into the null block (on a GPU an executable loads its kernels
+    on its first run, which must not fall in the middle of serving). The warm-up holds no block and
+    leaves the outputs exact."""
+    from jaxserve.runner import precompile
+    runner = llm.engine.runner
+    compiled = dict(runner._compiled)
+    runs = collections.Counter()
+
+    def counted(key, program):
+        def run(*args, **kwargs):
+            runs[key] += 1
+            return program(*args, **kwargs)
+        return run
+    runner._compiled.update({key: counted(key, program) for key, program in compiled.items()})
+    try:
+        count = precompile.warm(runner)
+    finally:
+        runner._compiled.update(compiled)
+    programs = {key for key in compiled if (key[0] == "forward" and len(key) == 5) or key[0] == "sample"}
+    assert {key: runs[key] for key in programs} == {key: 1 for key in programs}
+    assert count == len(programs)
+    assert_no_leaks(llm)
+    cases = problems(16, seed=11)
+    outputs = llm.generate([f"{a}+{b}=" for a, b in cases], GREEDY, use_tqdm=False)
+    assert np.mean([t == str(a + b) for t, (a, b) in zip(texts(outputs), cases)]) >= 0.9
 
 
 def test_prompt_logprobs_steps_never_compile(llm):

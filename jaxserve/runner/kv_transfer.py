@@ -351,7 +351,24 @@ class KVTransfer:
             self._compiled[("gather", n)] = self._gather_program(n).lower(self._caches(), ids, ids).compile()
             self._compiled[("scatter", n)] = self._scatter_program(n).lower(self._caches(), ids, ids,
                                                                             datas).compile()
+        self._warm()
         return len(self._compiled)
+
+    def _warm(self) -> None:
+        """Runs each move program once on the null block 0 (gathered from, then zeros scattered into it,
+        as padding does) and waits: a GPU executable loads its kernels on its first run, and a load that
+        came during serving would wait for the step in flight (runner/precompile.py, warm)."""
+        for n in self.sizes:
+            zeros = np.zeros(n, np.int32)
+            jax.block_until_ready(self._compiled[("gather", n)](self._caches(), zeros, zeros))
+            if self.pinned is not None:
+                datas = (self._zero_row,) * n
+            else:
+                datas = [np.zeros((n, *s.shape), self._dtype) for s in self.sets]
+            caches, done = self._compiled[("scatter", n)](self._caches(), zeros, zeros, datas)
+            for s, written in zip(self.sets, caches):
+                s.owner.kv_caches = written
+            jax.block_until_ready(caches)
 
     def _gather_program(self, n: int):
         return self._gather if self.pinned is None else self._gathers[n]

@@ -30,8 +30,9 @@ def _timed(fn, *args):
 
 def precompile(runner, progress: bool = True) -> int:
     """Compile every (T, R) forward bucket, the prompt-logprob variant of each T, and every sampler
-    variant; returns the number compiled. `runner.slowest_compiles`: the SLOWEST_LOGGED slowest jobs as
-    (key, seconds), key like "forward 512 16 False" (its kind, T, R, decode-only).
+    variant, then run the forward and sampler programs once (`warm`); returns the number compiled.
+    `runner.slowest_compiles`: the SLOWEST_LOGGED slowest jobs as (key, seconds), key like
+    "forward 512 16 False" (its kind, T, R, decode-only).
 
     Each one is lowered and compiled ahead of time in a thread pool (XLA compiles without holding
     the GIL, so the shapes compile side by side; warm starts read the persistent cache side by
@@ -129,8 +130,56 @@ def precompile(runner, progress: bool = True) -> int:
         finally:
             jax.config.update("jax_persistent_cache_min_compile_time_secs", floor)
     bar.close()
+    warm_start = time.perf_counter()
+    num_warmed = warm(runner)
+    logger.info("warm-up: ran %d step and sampler programs once in %.1f s", num_warmed,
+                time.perf_counter() - warm_start)
     slowest = sorted(seconds.items(), key=lambda item: -item[1])[:SLOWEST_LOGGED]
     runner.slowest_compiles = [(" ".join(map(str, key)), round(s, 2)) for key, s in slowest]
     logger.info("precompile: %d jobs in %.1f s; slowest: %s", len(seconds), time.perf_counter() - start,
                 ", ".join(f"{key} {s} s" for key, s in runner.slowest_compiles))
     return len(runner._compiled)
+
+
+def warm_batch(runner, t_pad: int, r_pad: int) -> tuple[ModelBatch, np.ndarray]:
+    """A (T, R) step of one token: a one-token request at position 0 whose K/V go to the null block 0
+    (never read as a prefix), the rest padding as `fill_batch` pads; and its prev_index (no token from
+    the step before)."""
+    batch = runner._host_batch(t_pad, r_pad)
+    batch.query_start_loc[..., 1:] = 1
+    batch.seq_lens[..., 0] = 1
+    return batch, np.full(batch.token_ids.shape, -1, np.int32)
+
+
+def warm(runner) -> int:
+    """Runs each precompiled forward (both twins where a shape has two) and sampler program once, on
+    one-token steps into the null block, and waits for them; returns the number run.
+
+    A GPU executable finishes initializing on its first run: XLA loads its kernels into the CUDA context
+    (cuModuleLoadData) and instantiates its CUDA graphs. Left to serving, that first run of a bucket
+    comes in the middle of traffic, and loading a module waits for the work in flight on the device, so
+    the engine thread stalls for the rest of the step before it. Here it happens before the first
+    request. Every process of a multi-host engine runs the same programs in the same order (precompile
+    is broadcast)."""
+    prev_tokens = runner._zeros((runner.max_rows,), jnp.int32)
+    shapes = sorted({key[1:4] for key in runner._compiled if key[0] == "forward" and len(key) == 5})
+    count = 0
+    for t_pad, r_pad, decode_only in shapes:
+        twins = ("forward", t_pad, r_pad, decode_only, True) in runner._compiled
+        for _ in range(2 if twins else 1):
+            batch, prev_index = warm_batch(runner, t_pad, r_pad)
+            runner._run_forward(batch, prev_tokens, prev_index, decode_only, twins=twins, prev_drafts=runner._no_drafts)
+            count += 1
+    if runner.placement is not None:  # (the expert-load accumulator counts served tokens only)
+        runner.expert_load, runner.step_expert_load = zeros(runner._load_shape, jnp.int32, runner.on_device), None
+    shift = runner._no_accepted if runner.speculative else None
+    for key, compiled in list(runner._compiled.items()):
+        if key[0] != "sample":
+            continue
+        rows, all_greedy, use_penalties, num_logprobs, sort = key[1:]
+        md = sampler.empty_metadata(rows, model_runner.MAX_BANNED, runner.max_model_len if use_penalties else 1)
+        logits = zeros((rows, runner.cfg.vocab_size), jnp.float32, runner.logits_sharding)
+        compiled(logits, md, shift)
+        count += 1
+    jax.block_until_ready((runner.kv_caches, runner._staged, runner._logits))
+    return count
