@@ -40,7 +40,7 @@ def _engine_config(process_id: int, port: int, speculative: bool = False):
     config = EngineConfig().with_overrides(
         model=FIXTURE, dtype="float32", skip_tokenizer_init=True, max_model_len=96, block_size=4,
         cpu_num_blocks=CPU_NUM_BLOCKS[process_id], max_num_batched_tokens=16, max_num_seqs=4, token_buckets=[16],
-        request_buckets=[4], precompile=False, compilation_cache_dir=None,
+        request_buckets=[4], precompile=not speculative, compilation_cache_dir=None,
         speculative_config=SPEC if speculative else None)
     return dataclasses.replace(config, parallel=ParallelConfig(
         model=NUM_PROCESSES * DEVICES_PER_PROCESS, coordinator_address=f"127.0.0.1:{port}",
@@ -74,7 +74,8 @@ def _free_port() -> int:
 @pytest.mark.parametrize("speculative", [False, True], ids=["plain", "ngram"])
 def test_two_processes_match_one(speculative):
     """Greedy tokens over two processes equal transformers'; with n-gram speculation too (the guesses travel
-    in the broadcast SchedulerOutput, and every process verifies them)."""
+    in the broadcast SchedulerOutput, and every process verifies them). The plain engine precompiles: every
+    process compiles and runs its programs once, in one order (their collectives meet)."""
     port = _free_port()
     # each process its share of the fake devices; the suite's other XLA flags kept
     flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))

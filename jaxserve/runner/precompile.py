@@ -168,18 +168,17 @@ def warm(runner) -> int:
         twins = ("forward", t_pad, r_pad, decode_only, True) in runner._compiled
         for _ in range(2 if twins else 1):
             batch, prev_index = warm_batch(runner, t_pad, r_pad)
-            runner._run_forward(batch, prev_tokens, prev_index, decode_only, twins=twins, prev_drafts=runner._no_drafts)
+            runner._run_forward(batch, prev_tokens, prev_index, decode_only, twins=twins,
+                                prev_drafts=runner._no_drafts)
             count += 1
     if runner.placement is not None:  # (the expert-load accumulator counts served tokens only)
         runner.expert_load, runner.step_expert_load = zeros(runner._load_shape, jnp.int32, runner.on_device), None
     shift = runner._no_accepted if runner.speculative else None
-    for key, compiled in list(runner._compiled.items()):
-        if key[0] != "sample":
-            continue
-        rows, all_greedy, use_penalties, num_logprobs, sort = key[1:]
+    for key in sorted(key for key in runner._compiled if key[0] == "sample"):  # (one order in every process)
+        rows, _, use_penalties, *_ = key[1:]
         md = sampler.empty_metadata(rows, model_runner.MAX_BANNED, runner.max_model_len if use_penalties else 1)
         logits = zeros((rows, runner.cfg.vocab_size), jnp.float32, runner.logits_sharding)
-        compiled(logits, md, shift)
+        runner._compiled[key](logits, md, shift)
         count += 1
     jax.block_until_ready((runner.kv_caches, runner._staged, runner._logits))
     return count
