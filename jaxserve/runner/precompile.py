@@ -152,8 +152,9 @@ def warm_batch(runner, t_pad: int, r_pad: int) -> tuple[ModelBatch, np.ndarray]:
 
 
 def warm(runner) -> int:
-    """Runs each precompiled forward (both twins where a shape has two) and sampler program once, on
-    one-token steps into the null block, and waits for them; returns the number run.
+    """Runs each precompiled forward (both twins where a shape has two), sampler and verification program
+    once, on one-token steps into the null block (a verification without guesses), and waits for them;
+    returns the number run. (A proposer's own programs still initialize on first use.)
 
     A GPU executable finishes initializing on its first run: XLA loads its kernels into the CUDA context
     (cuModuleLoadData) and instantiates its CUDA graphs. Left to serving, that first run of a bucket
@@ -179,6 +180,12 @@ def warm(runner) -> int:
         md = sampler.empty_metadata(rows, model_runner.MAX_BANNED, runner.max_model_len if use_penalties else 1)
         logits = zeros((rows, runner.cfg.vocab_size), jnp.float32, runner.logits_sharding)
         runner._compiled[key](logits, md, shift)
+        count += 1
+    for key in sorted(key for key in runner._compiled if key[0] == "verify"):  # (nothing to check: no guesses)
+        device = key[1]
+        rows = runner._zeros((runner.max_rows,), jnp.int32)
+        packed = np.zeros((spec_verify.PACKED_FIELDS, runner.max_rows), np.int32)
+        runner._compiled[key](rows, packed, *((runner._no_drafts, rows) if device else ()))
         count += 1
     jax.block_until_ready((runner.kv_caches, runner._staged, runner._logits))
     return count
