@@ -132,7 +132,7 @@ def precompile(runner, progress: bool = True) -> int:
     bar.close()
     warm_start = time.perf_counter()
     num_warmed = warm(runner)
-    logger.info("warm-up: ran %d step and sampler programs once in %.1f s", num_warmed,
+    logger.info("warm-up: ran %d step, sampler and verification programs once in %.1f s", num_warmed,
                 time.perf_counter() - warm_start)
     slowest = sorted(seconds.items(), key=lambda item: -item[1])[:SLOWEST_LOGGED]
     runner.slowest_compiles = [(" ".join(map(str, key)), round(s, 2)) for key, s in slowest]
