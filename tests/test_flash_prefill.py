@@ -160,13 +160,14 @@ def test_flash_prefill_fn_scope():
 @pytest.mark.parametrize("hf_fixture", ["llama3_gqa4_tied", "qwen3_gqa1_untied"], indirect=True)
 def test_engine_greedy_matches_hf_with_flash_prefill(hf_fixture, monkeypatch):
     # A 16-token budget spreads the 17- and 33-token prompts over steps, mixed with the others' decodes: their
-    # later chunks (>= 8 rows) attend to their cached prefix through the flash path.
+    # later chunks (>= 8 rows) attend to their cached prefix through the flash path. One engine precompiles,
+    # so its start-up also runs the long-prefill branch once (precompile.warm) before the prompts.
     flash_steps = []
     original = layers.flash_prefill_fn
     monkeypatch.setattr(layers, "flash_prefill_fn", lambda *args: flash_steps.append(args) or original(*args))
     llm = LLM(model=hf_fixture.path, dtype="float32", skip_tokenizer_init=True, max_model_len=96, block_size=4,
               num_blocks=96, max_num_batched_tokens=16, max_num_seqs=4, token_buckets=[8, 16], request_buckets=[4],
-              precompile=False, progress=False, flash_prefill_token_threshold=8)
+              precompile=hf_fixture.name == "llama3_gqa4_tied", progress=False, flash_prefill_token_threshold=8)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
     outputs = llm.generate([{"prompt_token_ids": p} for p in hf_fixture.prompts], params, use_tqdm=False)
     assert flash_steps, "no step compiled the flash prefill variant"

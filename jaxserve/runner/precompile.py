@@ -141,37 +141,56 @@ def precompile(runner, progress: bool = True) -> int:
     return len(runner._compiled)
 
 
-def warm_batch(runner, t_pad: int, r_pad: int) -> tuple[ModelBatch, np.ndarray]:
-    """A (T, R) step of one token: a one-token request at position 0 whose K/V go to the null block 0
+def warm_batch(runner, t_pad: int, r_pad: int, length: int = 1) -> tuple[ModelBatch, np.ndarray]:
+    """A (T, R) step of one request of `length` tokens from position 0 whose K/V go to the null block 0
     (never read as a prefix), the rest padding as `fill_batch` pads; and its prev_index (no token from
     the step before)."""
     batch = runner._host_batch(t_pad, r_pad)
-    batch.query_start_loc[..., 1:] = 1
-    batch.seq_lens[..., 0] = 1
+    batch.positions[..., :length] = np.arange(length, dtype=np.int32)
+    batch.query_start_loc[..., 1:] = length
+    batch.seq_lens[..., 0] = length
     return batch, np.full(batch.token_ids.shape, -1, np.int32)
 
 
+def _lengths(runner, t_pad: int, decode_only: bool) -> list[int]:
+    """The request lengths the warm-up runs a (T, R) forward with: one token; and where the forward has the
+    long-prefill branch (layers.attention: a request of at least flash_prefill_threshold query rows runs
+    the flash attention), a request of T tokens, as long as the context allows, to run that branch too."""
+    threshold = runner.flash_prefill_threshold
+    longest = min(t_pad, runner.max_blocks * runner.block_size)
+    return [1, longest] if threshold > 0 and not decode_only and t_pad >= threshold and longest >= threshold else [1]
+
+
 def warm(runner) -> int:
-    """Runs each precompiled forward (both twins where a shape has two), sampler and verification program
-    once, on one-token steps into the null block (a verification without guesses), and waits for them;
-    returns the number run. (A proposer's own programs still initialize on first use.)
+    """Runs each precompiled forward (both twins where a shape has two; the prompt-logprob variants; the
+    long-prefill branch where a shape has one), sampler and verification program once, on steps whose K/V
+    go to the null block (a verification with no guesses), and waits for them; returns the number of runs.
+    (A proposer's own programs still initialize on first use.)
 
     A GPU executable finishes initializing on its first run: XLA loads its kernels into the CUDA context
-    (cuModuleLoadData) and instantiates its CUDA graphs. Left to serving, that first run of a bucket
-    comes in the middle of traffic, and loading a module waits for the work in flight on the device, so
-    the engine thread stalls for the rest of the step before it. Here it happens before the first
-    request. Every process of a multi-host engine runs the same programs in the same order (precompile
-    is broadcast)."""
+    (cuModuleLoadData; a Pallas kernel in a branch loads when the branch first runs) and instantiates its
+    CUDA graphs. Left to serving, that first run comes in the middle of traffic, and loading a module
+    waits for the work in flight on the device, so the engine thread stalls for the rest of the step
+    before it. Here it happens before the first request. Every process of a multi-host engine runs the
+    same programs in the same order (precompile is broadcast)."""
     prev_tokens = runner._zeros((runner.max_rows,), jnp.int32)
-    shapes = sorted({key[1:4] for key in runner._compiled if key[0] == "forward" and len(key) == 5})
-    count = 0
-    for t_pad, r_pad, decode_only in shapes:
-        twins = ("forward", t_pad, r_pad, decode_only, True) in runner._compiled
-        for _ in range(2 if twins else 1):
-            batch, prev_index = warm_batch(runner, t_pad, r_pad)
-            runner._run_forward(batch, prev_tokens, prev_index, decode_only, twins=twins,
-                                prev_drafts=runner._no_drafts)
-            count += 1
+    outputs, forwards = [], 0  # (a forward's outputs are donated by the next run of its shape: not kept)
+    for key in sorted(key for key in runner._compiled if key[0] in ("forward", "forward_prompt")):
+        t_pad, r_pad, *rest = key[1:]
+        if key[0] == "forward" and rest[1] and ("forward", t_pad, r_pad, rest[0], False) in runner._compiled:
+            continue  # (a twin: its pair's runs alternate between the two)
+        decode_only = bool(rest) and rest[0]
+        twins = ("forward", t_pad, r_pad, decode_only, True) in runner._compiled and key[0] == "forward"
+        prompt = None
+        if key[0] == "forward_prompt":
+            scored = np.zeros(prompt_logprobs.num_rows(t_pad, runner.max_prompt_logprob_rows), np.int32)
+            prompt = prompt_logprobs.PromptRows(scored, scored, [])
+        for length in _lengths(runner, t_pad, decode_only):
+            for _ in range(2 if twins else 1):
+                batch, prev_index = warm_batch(runner, t_pad, r_pad, length)
+                runner._run_forward(batch, prev_tokens, prev_index, decode_only, prompt=prompt, twins=twins,
+                                    prev_drafts=runner._no_drafts)
+                forwards += 1
     if runner.placement is not None:  # (the expert-load accumulator counts served tokens only)
         runner.expert_load, runner.step_expert_load = zeros(runner._load_shape, jnp.int32, runner.on_device), None
     shift = runner._no_accepted if runner.speculative else None
@@ -179,13 +198,12 @@ def warm(runner) -> int:
         rows, _, use_penalties, *_ = key[1:]
         md = sampler.empty_metadata(rows, model_runner.MAX_BANNED, runner.max_model_len if use_penalties else 1)
         logits = zeros((rows, runner.cfg.vocab_size), jnp.float32, runner.logits_sharding)
-        runner._compiled[key](logits, md, shift)
-        count += 1
-    for key in sorted(key for key in runner._compiled if key[0] == "verify"):  # (nothing to check: no guesses)
+        outputs.append(runner._compiled[key](logits, md, shift))
+    for key in sorted(key for key in runner._compiled if key[0] == "verify"):
         device = key[1]
         rows = runner._zeros((runner.max_rows,), jnp.int32)
         packed = np.zeros((spec_verify.PACKED_FIELDS, runner.max_rows), np.int32)
-        runner._compiled[key](rows, packed, *((runner._no_drafts, rows) if device else ()))
-        count += 1
-    jax.block_until_ready((runner.kv_caches, runner._staged, runner._logits))
-    return count
+        packed[[0, 2, 3]] = -1  # (no row checks a guess)
+        outputs.append(runner._compiled[key](rows, packed, *((runner._no_drafts, rows) if device else ())))
+    jax.block_until_ready((outputs, runner.kv_caches, runner._staged, runner._logits))
+    return forwards + len(outputs)
