@@ -68,6 +68,15 @@ class ExpertParallelRunner(ModelRunner):
         self._collected_load = None  # ... and the last collected step's (None: no step since the rebalance)
         self._expert_parallel = ExpertParallel(tp.mesh, tp.expert.axis)
 
+    def precompile(self, progress: bool = True) -> int:
+        """ModelRunner.precompile, then the load count restarted: its warm-up's tokens are not served load."""
+        count = super().precompile(progress)
+        self._restart_load()
+        return count
+
+    def _restart_load(self) -> None:
+        self.expert_load, self._collected_load = zeros(self._load_shape, jnp.int32, self.on_device), None
+
     def dispatch(self, out: ShardedSchedulerOutput) -> StepHandle:
         handle = super().dispatch(out)
         handle.expert_load = self.step_expert_load
@@ -98,7 +107,7 @@ class ExpertParallelRunner(ModelRunner):
         would read the old weights)."""
         load = self.read_expert_load() if load is None else load
         new_host = eplb.rebalance(load, self.host_placement)
-        self.expert_load, self._collected_load = zeros(self._load_shape, jnp.int32, self.on_device), None
+        self._restart_load()
         if np.array_equal(new_host.phys_to_logical, self.host_placement.phys_to_logical):
             return self.host_placement  # (already the best placement found: no weight moves)
         new = jax.device_put(new_host, self.on_device)

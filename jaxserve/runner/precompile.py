@@ -175,14 +175,13 @@ def warm(runner) -> int:
     same programs in the same order (precompile is broadcast)."""
     prev_tokens = runner._zeros((runner.max_rows,), jnp.int32)
     outputs, forwards = [], 0  # (a forward's outputs are donated by the next run of its shape: not kept)
-    for key in sorted(key for key in runner._compiled if key[0] in ("forward", "forward_prompt")):
-        t_pad, r_pad, *rest = key[1:]
-        if key[0] == "forward" and rest[1] and ("forward", t_pad, r_pad, rest[0], False) in runner._compiled:
-            continue  # (a twin: its pair's runs alternate between the two)
-        decode_only = bool(rest) and rest[0]
-        twins = ("forward", t_pad, r_pad, decode_only, True) in runner._compiled and key[0] == "forward"
+    # (T, R, decode-only, prompt-logprob variant) of every forward, in one order in every process
+    steps = sorted({(*key[1:4], False) for key in runner._compiled if key[0] == "forward"}
+                   | {(*key[1:], False, True) for key in runner._compiled if key[0] == "forward_prompt"})
+    for t_pad, r_pad, decode_only, scores_prompt in steps:
+        twins = not scores_prompt and ("forward", t_pad, r_pad, decode_only, True) in runner._compiled
         prompt = None
-        if key[0] == "forward_prompt":
+        if scores_prompt:
             scored = np.zeros(prompt_logprobs.num_rows(t_pad, runner.max_prompt_logprob_rows), np.int32)
             prompt = prompt_logprobs.PromptRows(scored, scored, [])
         for length in _lengths(runner, t_pad, decode_only):
@@ -191,8 +190,6 @@ def warm(runner) -> int:
                 runner._run_forward(batch, prev_tokens, prev_index, decode_only, prompt=prompt, twins=twins,
                                     prev_drafts=runner._no_drafts)
                 forwards += 1
-    if runner.placement is not None:  # (the expert-load accumulator counts served tokens only)
-        runner.expert_load, runner.step_expert_load = zeros(runner._load_shape, jnp.int32, runner.on_device), None
     shift = runner._no_accepted if runner.speculative else None
     for key in sorted(key for key in runner._compiled if key[0] == "sample"):  # (one order in every process)
         rows, _, use_penalties, *_ = key[1:]
