@@ -39,5 +39,5 @@ server_packages() {
   $PY -c "import fastapi, uvicorn, pydantic" 2>/dev/null && return
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "the server's packages are missing and .whl/ did not install them"; exit 1; }
-  export PYTHONPATH=$PYTHONPATH:/tmp/site
+  export PYTHONPATH=$PYTHONPATH:/tmp/site PATH=$PATH:/tmp/site/bin
 }

@@ -39,6 +39,11 @@
 #       reverted; the decode instance's run and step log -> mixed_pd_NAME.json, decode_info_NAME.json, NAME the
 #       patch's file name without .patch and non-alphanumerics), then of the tree -> mixed_pd.json,
 #       decode_info.json; at most two patches fit the deadline beside the tree
+#   bash benchmarks/devrun_pd.sh pd      (b2) only, at the defaults
+#   SPY_DECODE=1 (any mode with b2): each disaggregated run's decode instance runs under py-spy (from the
+#       carried .whl/), which samples its threads with native frames SPY_RATE times a second (default 20),
+#       from start-up until the mixed run is done -> spy_decode_NAME.txt (raw collapsed stacks, idle frames
+#       included)
 #   PREFILL_CHUNK=N (any mode): the prefill instance's steps hold at most N tokens (max_num_batched_tokens,
 #       token rungs up to N), so a long prompt is prefilled in N-token chunks: shorter kernels for the decode
 #       instance to wait behind on a shared GPU
@@ -89,8 +94,8 @@ if [ "$MODE" = mps ]; then
   trap 'cleanup; echo quit | nvidia-cuda-mps-control' EXIT
   PREFILL_ENV+=("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=${PREFILL_SM_PERCENT:-60}")
   echo "== mps: control daemon started (prefill instance at ${PREFILL_SM_PERCENT:-60}% of the SMs)"
-elif [ "$MODE" != all ] && [ "$MODE" != pacing ] && [ "$MODE" != ab ]; then
-  echo "unknown mode $MODE: all, mps, pacing or ab"; exit 2
+elif [ "$MODE" != all ] && [ "$MODE" != pacing ] && [ "$MODE" != ab ] && [ "$MODE" != pd ]; then
+  echo "unknown mode $MODE: all, mps, pacing, ab or pd"; exit 2
 elif [ "$MODE" = ab ] && [ -z "${AB_PATCHES:-}" ]; then
   echo "ab: name the patches in AB_PATCHES (a comma list)"; exit 2
 fi
@@ -124,7 +129,7 @@ MIXED="$PY benchmarks/pd_bench.py mixed --streams $STREAMS --short-len $SHORT --
   --long-len $LONG --rate $RATE --duration $DURATION --vocab $VOCAB"
 
 # (b1) colocated
-[ "$MODE" = pacing ] || [ "$MODE" = ab ] || {
+[ "$MODE" = pacing ] || [ "$MODE" = ab ] || [ "$MODE" = pd ] || {
 echo "== ${SECONDS}s: mixed, colocated"
 P=$(port)
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 $SERVE --config "$W/full.yaml" "${COLOCATED_FLAGS[@]}" --port "$P" \
@@ -157,8 +162,10 @@ fi
 pd_run() {
   local name=$1 reserve=$2; shift 2
   echo "== ${SECONDS}s: mixed, disaggregated ($name${*:+: $*})"
-  PP=$(port); DP=$(port); RP=$(port)
-  env "${DECODE_ENV[@]}" XLA_PYTHON_CLIENT_MEM_FRACTION=$HALF_MEM $SERVE --config "$W/half.yaml" --port "$DP" \
+  PP=$(port); DP=$(port); RP=$(port) spy=()
+  [ -z "${SPY_DECODE:-}" ] || spy=(py-spy record --native --idle --threads --rate "${SPY_RATE:-20}" --format raw
+                                   -o "$OUT/spy_decode_$name.txt" --)
+  env "${DECODE_ENV[@]}" XLA_PYTHON_CLIENT_MEM_FRACTION=$HALF_MEM "${spy[@]}" $SERVE --config "$W/half.yaml" --port "$DP" \
     --pd-role decode "$@" \
     > "$W/decode${name#pd}.log" 2>&1 &
   PIDS+=($!); D=$!
@@ -174,6 +181,8 @@ pd_run() {
       --json "$OUT/mixed_$name.json" > "$W/mixed_$name.log" 2>&1 \
       || { echo "   disaggregated run failed"; tail -5 "$W/mixed_$name.log"; }
     curl -s "http://127.0.0.1:$DP/pd/info" > "$OUT/decode_info${name#pd}.json"
+    # py-spy writes its samples on SIGINT
+    [ -z "${SPY_DECODE:-}" ] || { kill -INT $D; timeout 60 tail --pid=$D -f /dev/null; }
   else
     echo "   PD instances did not start"; tail -n 5 "$W/decode${name#pd}.log" "$W/prefill${name#pd}.log"
   fi
