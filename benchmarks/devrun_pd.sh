@@ -40,10 +40,12 @@
 #       patch's file name without .patch and non-alphanumerics), then of the tree -> mixed_pd.json,
 #       decode_info.json; at most two patches fit the deadline beside the tree
 #   bash benchmarks/devrun_pd.sh pd      (b2) only, at the defaults
-#   SPY_DECODE=1 (any mode with b2): each disaggregated run's decode instance runs under py-spy (from the
-#       carried .whl/), which samples its threads with native frames SPY_RATE times a second (default 20),
-#       from start-up until the mixed run is done -> spy_decode_NAME.txt (raw collapsed stacks, idle frames
-#       included)
+#   SPY_DECODE=S (any mode with b2): once each disaggregated run's decode instance answers /health, py-spy
+#       (from the carried .whl/) attaches to it and samples its threads with native frames SPY_RATE times a
+#       second (default 10) for S seconds -> spy_decode_NAME.txt (raw collapsed stacks, idle frames
+#       included); the instance starts through benchmarks/ptraceable.py so that a sibling may attach. (Under
+#       py-spy from the start, its XLA compile threads slow the native sampling so much that start-up takes
+#       minutes.)
 #   PREFILL_CHUNK=N (any mode): the prefill instance's steps hold at most N tokens (max_num_batched_tokens,
 #       token rungs up to N), so a long prompt is prefilled in N-token chunks: shorter kernels for the decode
 #       instance to wait behind on a shared GPU
@@ -162,10 +164,9 @@ fi
 pd_run() {
   local name=$1 reserve=$2; shift 2
   echo "== ${SECONDS}s: mixed, disaggregated ($name${*:+: $*})"
-  PP=$(port); DP=$(port); RP=$(port) spy=()
-  [ -z "${SPY_DECODE:-}" ] || spy=(py-spy record --native --idle --threads --rate "${SPY_RATE:-20}" --format raw
-                                   -o "$OUT/spy_decode_$name.txt" --)
-  env "${DECODE_ENV[@]}" XLA_PYTHON_CLIENT_MEM_FRACTION=$HALF_MEM "${spy[@]}" $SERVE --config "$W/half.yaml" --port "$DP" \
+  PP=$(port); DP=$(port); RP=$(port) launch=()
+  [ -z "${SPY_DECODE:-}" ] || launch=($PY benchmarks/ptraceable.py)
+  env "${DECODE_ENV[@]}" XLA_PYTHON_CLIENT_MEM_FRACTION=$HALF_MEM "${launch[@]}" $SERVE --config "$W/half.yaml" --port "$DP" \
     --pd-role decode "$@" \
     > "$W/decode${name#pd}.log" 2>&1 &
   PIDS+=($!); D=$!
@@ -177,12 +178,16 @@ pd_run() {
     --log-level warning > "$W/router${name#pd}.log" 2>&1 &
   PIDS+=($!)
   if wait_up "http://127.0.0.1:$DP" $D 300 && wait_up "http://127.0.0.1:$PP" $PF 300; then
+    if [ -n "${SPY_DECODE:-}" ]; then
+      py-spy record --pid $D --native --idle --threads --rate "${SPY_RATE:-10}" --duration "$SPY_DECODE" \
+        --format raw -o "$OUT/spy_decode_$name.txt" > "$W/spy_$name.log" 2>&1 &
+      SPY=$!
+    fi
     timeout "$(limit "$reserve")" $MIXED --url "http://127.0.0.1:$RP" --label "disaggregated${*:+ ($*)}" \
       --json "$OUT/mixed_$name.json" > "$W/mixed_$name.log" 2>&1 \
       || { echo "   disaggregated run failed"; tail -5 "$W/mixed_$name.log"; }
     curl -s "http://127.0.0.1:$DP/pd/info" > "$OUT/decode_info${name#pd}.json"
-    # py-spy writes its samples on SIGINT
-    [ -z "${SPY_DECODE:-}" ] || { kill -INT $D; timeout 60 tail --pid=$D -f /dev/null; }
+    [ -z "${SPY_DECODE:-}" ] || { timeout 60 tail --pid=$SPY -f /dev/null; tail -3 "$W/spy_$name.log"; }
   else
     echo "   PD instances did not start"; tail -n 5 "$W/decode${name#pd}.log" "$W/prefill${name#pd}.log"
   fi
