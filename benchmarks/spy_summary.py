@@ -1,0 +1,61 @@
+"""Where one thread's py-spy samples are: a raw py-spy file (`py-spy record --format raw --threads`, with or
+without --native) summed per (innermost Python frame, the innermost DEPTH native frames with a symbol
+below it), over all of the thread's samples and over those under each --under frame.
+
+    python3 benchmarks/spy_summary.py spy.txt [--thread jaxserve-engine] [--under scatter_piece ...] [--top 12]
+        [--depth 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+
+_LINE = re.compile(r"^thread \((\d+)\)(?::\s*([^;]*))?;(.*)\s(\d+)$")
+
+
+def samples(path: str, thread: str):
+    """(frames outermost first, count) of each line of the thread named `thread`."""
+    with open(path, encoding="utf-8", errors="replace") as lines:
+        for line in lines:
+            match = _LINE.match(line.rstrip("\n"))
+            if match and (match.group(2) or "").strip() == thread:
+                yield match.group(3).split(";"), int(match.group(4))
+
+
+def where(frames: list[str], depth: int) -> tuple[str, str]:
+    """(the innermost Python frame, its innermost `depth` native frames with a symbol, innermost first)."""
+    python = next((f for f in reversed(frames) if ".py:" in f), "-")
+    below = frames[frames.index(python) + 1:] if python != "-" else frames
+    named = [f.split(" (")[0] for f in reversed(below) if not f.startswith("0x") and ".py:" not in f]
+    return python, " < ".join(named[:depth]) or "-"
+
+
+def table(title: str, rows: list[tuple[list[str], int]], top: int, depth: int) -> None:
+    total = sum(count for _, count in rows)
+    print(f"== {title}: {total} samples")
+    counts = collections.Counter()
+    for frames, count in rows:
+        counts[where(frames, depth)] += count
+    for (python, native), count in counts.most_common(top):
+        print(f"{count:6d} {100 * count / max(total, 1):5.1f}%  {python}  <-  {native}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("path")
+    parser.add_argument("--thread", default="jaxserve-engine")
+    parser.add_argument("--under", action="append", default=[], help="a frame's text (a substring)")
+    parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--depth", type=int, default=3, help="native frames shown per row")
+    args = parser.parse_args()
+    rows = list(samples(args.path, args.thread))
+    table(f"thread {args.thread}", rows, args.top, args.depth)
+    for frame in args.under:
+        table(f"under {frame}", [(f, c) for f, c in rows if any(frame in x for x in f)], args.top,
+              args.depth)
+
+
+if __name__ == "__main__":
+    main()
