@@ -1,7 +1,8 @@
 """The devrun scripts' summarizers (benchmarks/fp8_summary.py, benchmarks/tiers_summary.py,
-benchmarks/trace_waits.py): the compute bound's FLOP count on the Llama-3-8B shape, the tiers table rebuilt
-from kv_tiers.py's printed lines, the multi-turn table's ratios of each A/B tree to the one run with the tier
-off, and a trace's slow call split into its slices' own time and the device's work beside it."""
+benchmarks/trace_waits.py, benchmarks/spy_summary.py): the compute bound's FLOP count on the Llama-3-8B
+shape, the tiers table rebuilt from kv_tiers.py's printed lines, the multi-turn table's ratios of each A/B
+tree to the one run with the tier off, a trace's slow call split into its slices' own time and the device's
+work beside it, and one thread's py-spy samples summed where they are."""
 
 from __future__ import annotations
 
@@ -147,3 +148,24 @@ def test_trace_waits_splits_a_slow_call_into_its_slices_own_time_and_the_device_
     assert "KVTransfer.run: 50.00 ms" in text and "ModelRunner.collect" not in text.split("slow calls")[0]
     assert "device    25.00 ms  [Stream #7] fusion_1" in text
     assert "ended 0.00 ms before the call returned" in text
+
+
+def test_spy_summary_sums_one_threads_samples_by_python_frame_and_native_frames_below(tmp_path, monkeypatch, capsys):
+    spy = load("spy_summary", monkeypatch)
+    raw = tmp_path / "spy.txt"
+    raw.write_text(
+        "thread (11): jaxserve-engine;run (a.py:1);step (e.py:5);scatter_piece (t.py:9);Execute (libx.so);"
+        "0x7f00 (libc.so.6);cuModuleLoadData (libcuda.so) 3\n"
+        "thread (11): jaxserve-engine;run (a.py:1);step (e.py:5);scatter_piece (t.py:9);Execute (libx.so);"
+        "cuModuleLoadData (libcuda.so) 2\n"
+        "thread (11): jaxserve-engine;run (a.py:1);step (e.py:5);collect (r.py:7);syscall (libc.so.6) 5\n"
+        "thread (12): Thread-1;run (a.py:1);scatter_piece (t.py:9);syscall (libc.so.6) 40\n"
+        "not a sample line\n")
+    monkeypatch.setattr(sys, "argv", ["spy_summary.py", str(raw), "--under", "scatter_piece", "--depth", "2"])
+    spy.main()
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "== thread jaxserve-engine: 10 samples"
+    assert out[1].split() == ["5", "50.0%", "scatter_piece", "(t.py:9)", "<-", "cuModuleLoadData", "<", "Execute"]
+    assert out[2].split() == ["5", "50.0%", "collect", "(r.py:7)", "<-", "syscall"]
+    assert out[3] == "== under scatter_piece: 5 samples"  # the other thread's samples are not counted
+    assert out[4].split()[:3] == ["5", "100.0%", "scatter_piece"]
