@@ -1,10 +1,12 @@
 """The table of benchmarks/devrun_moe.sh: the grouped GEMM against `lax.ragged_dot`, the MoE's decode
-rates against its roofline, and the MoE against its dense peer of equal active parameters.
+rates against its roofline, the MoE against its dense peer of equal active parameters, and (where the ep,
+ep_tput or eplb modes ran) expert parallelism at E=2 against E=1 and the rebalancer's before and after.
 
     python3 benchmarks/moe_summary.py WORK_DIR [--tput-label TEXT] [--json summary.json]
 
-WORK_DIR holds the run's logs and `--output-json` reports: {moe,dense}_{b1,b64,tput}.json and
-gemm_*.log (benchmarks/grouped_gemm.py's output). A missing one is reported as not run.
+WORK_DIR holds the run's logs and `--output-json` reports: {moe,dense}_{b1,b64,tput}.json,
+moe_e{1,2}_{b1,b64}.json, moe_e2_tput.json, eplb.json (benchmarks/eplb_bench.py's) and gemm_*.log
+(benchmarks/grouped_gemm.py's output). A missing one is reported as not run.
 """
 
 from __future__ import annotations
@@ -69,6 +71,28 @@ def throughput_row(report: dict | None) -> dict | None:
             "mean_decode_rows": report["steps"]["mean_decode_rows_per_step"]}
 
 
+def expert_parallel(work: Path) -> dict | None:
+    """Steady decode tokens/s at E=1 and E=2 (batch 1, batch 64), throughput output tokens/s at E=1
+    (moe_tput) and E=2, and the rebalancer's report; None when no expert-parallel run left a report."""
+    def steady(name):
+        report = load(work, name)
+        return report and report["steps"]["steady_decode"]["tokens_per_s"]
+
+    def output(name):
+        report = load(work, name)
+        return report and report["output_tokens_per_s"]
+
+    rows = {name: {"e1": steady(f"moe_e1_{name}"), "e2": steady(f"moe_e2_{name}")} for name in ("b1", "b64")}
+    rows["tput"] = {"e1": output("moe_tput"), "e2": output("moe_e2_tput")} if load(work, "moe_e2_tput") else None
+    eplb = load(work, "eplb")
+    if eplb is None and rows["tput"] is None and not any(r["e2"] for r in (rows["b1"], rows["b64"])):
+        return None
+    for row in rows.values():
+        if row is not None:
+            row["e2_over_e1"] = _ratio(row["e2"], row["e1"])
+    return rows | {"eplb": eplb}
+
+
 def _f(value, spec: str = ".1f") -> str:
     return "n/a" if value is None else format(value, spec)
 
@@ -130,6 +154,25 @@ def main() -> None:
     moe, dense = summary["tput"]["moe"], summary["tput"]["dense"]
     summary["tput"]["moe_over_dense"] = _ratio(moe and moe["output_tokens_per_s"], dense and dense["output_tokens_per_s"])
     print(f"MoE / dense output tokens/s: {_f(summary['tput']['moe_over_dense'], '.2f')}")
+
+    summary["expert_parallel"] = ep = expert_parallel(args.work)
+    if ep is not None:
+        print("\n=== expert parallelism: E=2 against E=1 (the same MoE config), steady decode or output tok/s")
+        for name in ("b1", "b64", "tput"):
+            row = ep[name]
+            if row is None:
+                print(f"{name:10s} (not run)")
+                continue
+            print(f"{name:10s} E=1 {_f(row['e1']):>9s}  E=2 {_f(row['e2']):>9s}  E=2 / E=1 {_f(row['e2_over_e1'], '.2f')}")
+        eplb = ep["eplb"]
+        if eplb is None:
+            print("rebalancer (not run)")
+        else:
+            for name in ("before", "after"):
+                phase = eplb[name]
+                print(f"rebalancer {name:6s} {phase['tokens_per_s']:9.1f} tok/s, device load max/mean per layer: "
+                      f"mean {phase['max_over_mean_mean']:.3f}, worst {phase['max_over_mean_worst']:.3f}")
+            print(f"rebalancer after / before tok/s: {eplb['speedup']:.3f} (rebalance {eplb['rebalance_s']:.2f} s)")
     if args.json:
         args.json.write_text(json.dumps(summary, indent=2) + "\n")
 

@@ -2,7 +2,8 @@
 benchmarks/trace_waits.py, benchmarks/spy_summary.py): the compute bound's FLOP count on the Llama-3-8B
 shape, the tiers table rebuilt from kv_tiers.py's printed lines, the multi-turn table's ratios of each A/B
 tree to the one run with the tier off, a trace's slow call split into its slices' own time and the device's
-work beside it, and one thread's py-spy samples summed where they are."""
+work beside it, one thread's py-spy samples summed where they are, and the MoE table's expert-parallel
+ratios."""
 
 from __future__ import annotations
 
@@ -169,3 +170,27 @@ def test_spy_summary_sums_one_threads_samples_by_python_frame_and_native_frames_
     assert out[2].split() == ["5", "50.0%", "collect", "(r.py:7)", "<-", "syscall"]
     assert out[3] == "== under scatter_piece: 5 samples"  # the other thread's samples are not counted
     assert out[4].split()[:3] == ["5", "100.0%", "scatter_piece"]
+
+
+def test_moe_summary_compares_e2_with_e1_and_reports_the_rebalancer(tmp_path, monkeypatch, capsys):
+    moe = load("moe_summary", monkeypatch)
+    assert moe.expert_parallel(tmp_path) is None  # no expert-parallel run: no section
+    steady = lambda rate: {"steps": {"steady_decode": {"tokens_per_s": rate}}}
+    for name, report in {"moe_e1_b1": steady(100.0), "moe_e2_b1": steady(150.0), "moe_e2_b64": steady(900.0),
+                         "moe_tput": {"output_tokens_per_s": 400.0, "total_tokens_per_s": 2000.0, "requests_per_s": 1.0,
+                                      "elapsed_s": 10.0, "roofline_share": 0.5, "num_requests": 10,
+                                      "steps": {"mean_decode_rows_per_step": 8.0}},
+                         "moe_e2_tput": {"output_tokens_per_s": 500.0},
+                         "eplb": {"before": {"tokens_per_s": 80.0, "max_over_mean_mean": 1.5, "max_over_mean_worst": 2.0},
+                                  "after": {"tokens_per_s": 100.0, "max_over_mean_mean": 1.1, "max_over_mean_worst": 1.2},
+                                  "speedup": 1.25, "rebalance_s": 0.5}}.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(report))
+    ep = moe.expert_parallel(tmp_path)
+    assert ep["b1"] == {"e1": 100.0, "e2": 150.0, "e2_over_e1": 1.5}
+    assert ep["b64"] == {"e1": None, "e2": 900.0, "e2_over_e1": None}  # E=1 not run: no ratio
+    assert ep["tput"] == {"e1": 400.0, "e2": 500.0, "e2_over_e1": 1.25}
+    monkeypatch.setattr(sys, "argv", ["moe_summary.py", str(tmp_path)])
+    moe.main()
+    out = capsys.readouterr().out
+    assert "b1         E=1     100.0  E=2     150.0  E=2 / E=1 1.50" in out
+    assert "rebalancer after / before tok/s: 1.250 (rebalance 0.50 s)" in out
