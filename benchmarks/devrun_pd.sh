@@ -6,7 +6,8 @@
 #       model (jaxserve/assets/tiny-adder), tiny prompts, a few seconds per run
 # Steps, logged under $OUT (default /tmp/devrun_pd), each under its own timeout, never past DEADLINE (530 s):
 #   0. the synthetic tokenizer of the 8B vocabulary (configs/llama3-8b-dummy-serve.yaml reads it)
-#   (a) transfer: a receiver and a sender process, each cache.gpu_memory_utilization 0.45 and
+#   (a) transfer: a receiver and a sender process, each cache.gpu_memory_utilization 0.45 (0.485 and 0.495
+#       on an 80 GB GPU) and
 #       XLA_PYTHON_CLIENT_MEM_FRACTION 0.47; KV of an 8K-token prompt (512 blocks of 16 x 32 layers) moved
 #       REPS times through the device path (gather, jax.experimental.transfer pull, scatter) and the host
 #       path (gather, device -> host, TCP, host -> device, scatter); GB/s end to end and per phase, beside
@@ -38,7 +39,7 @@
 #   AB_PATCHES=a.patch[,b.patch] bash benchmarks/devrun_pd.sh ab   (b2) only, once per patch (applied, run,
 #       reverted; the decode instance's run and step log -> mixed_pd_NAME.json, decode_info_NAME.json, NAME the
 #       patch's file name without .patch and non-alphanumerics), then of the tree -> mixed_pd.json,
-#       decode_info.json; at most two patches fit the deadline beside the tree
+#       decode_info.json; the runs share the deadline evenly (at most two patches fit beside the tree)
 #   bash benchmarks/devrun_pd.sh pd      (b2) only, at the defaults
 #   SPY_DECODE=S (any mode with b2): once each disaggregated run's decode instance answers /health, py-spy
 #       (from the carried .whl/) attaches to it and samples its threads with native frames SPY_RATE times a
@@ -69,7 +70,11 @@ else
     > "$W/tokenizer.log" 2>&1 || { echo "synthetic tokenizer failed"; tail -5 "$W/tokenizer.log"; exit 1; }
   # 8K-token prompts need max_model_len past 8192 tokens of KV: 8320, past the Llama-3 config's 8192
   # positions, so the Llama-3.1 config (the same shapes, 131072 positions; the transfer runs no model step).
-  for pair in "half 0.45" "full 0.9"; do
+  # Half the memory each: 0.45 on an H200; on an 80 GB GPU (H100) 0.45 leaves too few blocks for one
+  # 8,320-token request beside the 8B weights, so each half takes 0.485 (HALF_MEM below follows).
+  HALF_UTIL=0.45
+  [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -ge 100000 ] || HALF_UTIL=0.485
+  for pair in "half $HALF_UTIL" "full 0.9"; do
     set -- $pair
     sed -e "s|path: models/llama3-8b|path: $PWD/configs/models/llama3.1-8b|" \
         -e "s|tokenizer: ../build/|tokenizer: $PWD/build/|" \
@@ -82,6 +87,7 @@ else
 fi
 # Where each side runs: one GPU shared by both (half the memory each), or GPUS=2 (a whole GPU each).
 PREFILL_ENV=() DECODE_ENV=() COLOCATED_FLAGS=() HALF_MEM=0.47
+[ "${HALF_UTIL:-0.45}" = 0.45 ] || HALF_MEM=0.495
 if [ "${GPUS:-1}" = 2 ]; then
   PREFILL_ENV=(CUDA_VISIBLE_DEVICES=0) DECODE_ENV=(CUDA_VISIBLE_DEVICES=1) COLOCATED_FLAGS=(--data-parallel-size 2)
   HALF_MEM=0.92
@@ -210,7 +216,7 @@ if [ "$MODE" = ab ]; then
   for i in "${!patches[@]}"; do
     patch=${patches[i]} name=$(basename "${patches[i]}" .patch)
     git apply "$patch" || { echo "git apply $patch failed"; exit 1; }
-    pd_run "pd_${name//[^A-Za-z0-9]/}" $((DEADLINE * (${#patches[@]} - i) * 30 / 100))
+    pd_run "pd_${name//[^A-Za-z0-9]/}" $((DEADLINE * (${#patches[@]} - i) / (${#patches[@]} + 1)))
     git apply -R "$patch"
   done
 fi
