@@ -45,8 +45,9 @@
 #       (from the carried .whl/) attaches to it and samples its threads with native frames SPY_RATE times a
 #       second (default 10) for S seconds -> spy_decode_NAME.txt (raw collapsed stacks, idle frames
 #       included); benchmarks/spy_summary.py's account of the engine thread's samples (all of them, those in
-#       block installs, those in steps; SPY_DEPTH native frames a row, default 6) -> spy_summary_NAME.txt,
-#       printed. The instance starts through benchmarks/ptraceable.py so that a sibling may attach (under
+#       block installs, those in steps), first by state (idle, running, taking the GIL back, waiting for an
+#       input's event or a device result), then by frame (SPY_DEPTH native frames a row, default 6) ->
+#       spy_summary_NAME.txt, printed. The instance starts through benchmarks/ptraceable.py so that a sibling may attach (under
 #       py-spy from the start, the native sampling of its XLA compile threads stretches start-up to minutes).
 #   PREFILL_CHUNK=N (any mode): the prefill instance's steps hold at most N tokens (max_num_batched_tokens,
 #       token rungs up to N), so a long prompt is prefilled in N-token chunks: shorter kernels for the decode
@@ -196,7 +197,7 @@ pd_run() {
     curl -s "http://127.0.0.1:$DP/pd/info" > "$OUT/decode_info${name#pd}.json"
     if [ -n "${SPY_DECODE:-}" ]; then
       timeout 60 tail --pid=$SPY -f /dev/null; tail -2 "$W/spy_$name.log"
-      $PY benchmarks/spy_summary.py "$OUT/spy_decode_$name.txt" --under _advance_installs --under PDEngine.step \
+      $PY benchmarks/spy_summary.py "$OUT/spy_decode_$name.txt" --states --under _advance_installs --under PDEngine.step \
         --depth "${SPY_DEPTH:-6}" --top 10 > "$OUT/spy_summary_$name.txt" 2>&1; cat "$OUT/spy_summary_$name.txt"
     fi
   else

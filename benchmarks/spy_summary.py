@@ -3,7 +3,16 @@ without --native) summed per (innermost Python frame, the innermost DEPTH native
 below it), over all of the thread's samples and over those under each --under frame.
 
     python3 benchmarks/spy_summary.py spy.txt [--thread jaxserve-engine] [--under scatter_piece ...] [--top 12]
-        [--depth 3]
+        [--depth 3] [--states]
+
+--states (needs --native samples) first sorts the thread's samples by what the thread was doing:
+  idle            in a Python threading wait (the engine thread's wait for work)
+  GIL             back from a C call that released the GIL, waiting to take it again (a condition wait
+                  right below a C function: CPython's take_gil is not symbolized)
+  input event     an executable's launch waiting until an input buffer's event is recorded (the launch of
+                  the program that produces it has not reached the stream yet)
+  device          waiting for a device result (a readback, block_until_ready, a runtime mutex)
+  running         anything else: Python or native code on the CPU
 """
 
 from __future__ import annotations
@@ -32,6 +41,36 @@ def where(frames: list[str], depth: int) -> tuple[str, str]:
     return python, " < ".join(named[:depth]) or "-"
 
 
+_PYTHON_WAITS = ("Condition.wait", "Event.wait", "Queue.get", "Thread.join")
+
+
+def state(frames: list[str]) -> str:
+    """What a sample's thread was doing (--states)."""
+    named = [f.split(" (")[0] for f in frames if not f.startswith("0x")]
+    python = [f for f in frames if ".py:" in f]
+    innermost = named[-1] if named else ""
+    if python and any(python[-1].startswith(w) for w in _PYTHON_WAITS):
+        return "idle"
+    if any("WaitForEventOnStream" in f for f in named):
+        return "input event"
+    if innermost.startswith("pthread_cond_timedwait") and len(named) > 1 and ".py:" not in frames[-2]:
+        return "GIL"
+    if any(f in ("BlockUntilReady", "tsl::BlockUntilReady") or "Mutex::Block" in f or "FutexWaiter" in f
+           for f in named[-6:]):
+        return "device"
+    return "running"
+
+
+def states(title: str, rows: list[tuple[list[str], int]]) -> None:
+    total = sum(count for _, count in rows)
+    print(f"== {title}, by state: {total} samples")
+    counts = collections.Counter()
+    for frames, count in rows:
+        counts[state(frames)] += count
+    for name, count in counts.most_common():
+        print(f"{count:6d} {100 * count / max(total, 1):5.1f}%  {name}")
+
+
 def table(title: str, rows: list[tuple[list[str], int]], top: int, depth: int) -> None:
     total = sum(count for _, count in rows)
     print(f"== {title}: {total} samples")
@@ -49,8 +88,13 @@ def main() -> None:
     parser.add_argument("--under", action="append", default=[], help="a frame's text (a substring)")
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--depth", type=int, default=3, help="native frames shown per row")
+    parser.add_argument("--states", action="store_true", help="first the samples by state (idle, GIL, ...)")
     args = parser.parse_args()
     rows = list(samples(args.path, args.thread))
+    if args.states:
+        states(f"thread {args.thread}", rows)
+        for frame in args.under:
+            states(f"under {frame}", [(f, c) for f, c in rows if any(frame in x for x in f)])
     table(f"thread {args.thread}", rows, args.top, args.depth)
     for frame in args.under:
         table(f"under {frame}", [(f, c) for f, c in rows if any(frame in x for x in f)], args.top,

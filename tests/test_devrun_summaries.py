@@ -172,6 +172,29 @@ def test_spy_summary_sums_one_threads_samples_by_python_frame_and_native_frames_
     assert out[4].split()[:3] == ["5", "100.0%", "scatter_piece"]
 
 
+def test_spy_summary_states_tell_the_gil_from_waits_and_work(tmp_path, monkeypatch, capsys):
+    """--states: a condition wait right below a C call is the GIL's re-take; a launch waiting for an input's
+    event, a runtime mutex, a Python threading wait and plain work are told apart."""
+    spy = load("spy_summary", monkeypatch)
+    engine = "thread (11): jaxserve-engine;run (a.py:1);step (e.py:5);"
+    raw = tmp_path / "spy.txt"
+    raw.write_text(
+        engine + "scatter (t.py:9);PjitFunction::Call (jaxlib.so);pthread_cond_timedwait (libc.so.6) 4\n"
+        + engine + "scatter (t.py:9);Execute (x.so);xla::BufferSequencingEvent::WaitForEventOnStream (x.so);"
+        "tsl::BlockUntilReady (x.so);absl::Mutex::Block (x.so);syscall (libc.so.6) 3\n"
+        + engine + "collect (r.py:7);_value (array.py:637);absl::Mutex::Block (x.so);syscall (libc.so.6) 2\n"
+        + engine + "Condition.wait (threading.py:355);PyThread_acquire_lock_timed (libpython.so) 6\n"
+        + engine + "pack (p.py:3);array_concatenate (numpy.so) 5\n")
+    monkeypatch.setattr(sys, "argv", ["spy_summary.py", str(raw), "--states", "--under", "scatter", "--top", "0"])
+    spy.main()
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "== thread jaxserve-engine, by state: 20 samples"
+    assert [line.split()[0::2] for line in out[1:6]] == [["6", "idle"], ["5", "running"], ["4", "GIL"],
+                                                         ["3", "input"], ["2", "device"]]
+    assert out[6] == "== under scatter, by state: 7 samples"
+    assert [line.split()[2:] for line in out[7:9]] == [["GIL"], ["input", "event"]]
+
+
 def test_moe_summary_compares_e2_with_e1_and_reports_the_rebalancer(tmp_path, monkeypatch, capsys):
     moe = load("moe_summary", monkeypatch)
     assert moe.expert_parallel(tmp_path) is None  # no expert-parallel run: no section
