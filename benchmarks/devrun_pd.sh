@@ -6,10 +6,9 @@
 #       model (jaxserve/assets/tiny-adder), tiny prompts, a few seconds per run
 # Steps, logged under $OUT (default /tmp/devrun_pd), each under its own timeout, never past DEADLINE (530 s):
 #   0. the synthetic tokenizer of the 8B vocabulary (configs/llama3-8b-dummy-serve.yaml reads it)
-#   (a) transfer: a receiver and a sender process, each cache.gpu_memory_utilization 0.45 (0.485 and 0.495
-#       on an 80 GB GPU) and
-#       XLA_PYTHON_CLIENT_MEM_FRACTION 0.47; KV of an 8K-token prompt (512 blocks of 16 x 32 layers) moved
-#       REPS times through the device path (gather, jax.experimental.transfer pull, scatter) and the host
+#   (a) transfer: a receiver and a sender process, each cache.gpu_memory_utilization 0.45 and
+#       XLA_PYTHON_CLIENT_MEM_FRACTION 0.47 (0.485 and 0.495 on an 80 GB GPU); KV of an 8K-token prompt
+#       (512 blocks of 16 x 32 layers) moved REPS times through the device path (gather, jax.experimental.transfer pull, scatter) and the host
 #       path (gather, device -> host, TCP, host -> device, scatter); GB/s end to end and per phase, beside
 #       a plain device copy of the same bytes in the sender -> transfer_device.json, transfer_host.json
 #   (b) mixed: STREAMS steady decode streams (64-token prompts, 256 tokens each) plus one LONG-token prompt
@@ -47,8 +46,9 @@
 #       included); benchmarks/spy_summary.py's account of the engine thread's samples (all of them, those in
 #       block installs, those in steps), first by state (idle, running, taking the GIL back, waiting for an
 #       input's event or a device result), then by frame (SPY_DEPTH native frames a row, default 6) ->
-#       spy_summary_NAME.txt, printed. The instance starts through benchmarks/ptraceable.py so that a sibling may attach (under
-#       py-spy from the start, the native sampling of its XLA compile threads stretches start-up to minutes).
+#       spy_summary_NAME.txt, printed. The instance starts through benchmarks/ptraceable.py so that a
+#       sibling may attach (under py-spy from the start, the native sampling of its XLA compile threads
+#       stretches start-up to minutes).
 #   PREFILL_CHUNK=N (any mode): the prefill instance's steps hold at most N tokens (max_num_batched_tokens,
 #       token rungs up to N), so a long prompt is prefilled in N-token chunks: shorter kernels for the decode
 #       instance to wait behind on a shared GPU

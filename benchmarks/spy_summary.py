@@ -91,14 +91,13 @@ def main() -> None:
     parser.add_argument("--states", action="store_true", help="first the samples by state (idle, GIL, ...)")
     args = parser.parse_args()
     rows = list(samples(args.path, args.thread))
+    groups = [(f"thread {args.thread}", rows)]
+    groups += [(f"under {frame}", [(f, c) for f, c in rows if any(frame in x for x in f)]) for frame in args.under]
     if args.states:
-        states(f"thread {args.thread}", rows)
-        for frame in args.under:
-            states(f"under {frame}", [(f, c) for f, c in rows if any(frame in x for x in f)])
-    table(f"thread {args.thread}", rows, args.top, args.depth)
-    for frame in args.under:
-        table(f"under {frame}", [(f, c) for f, c in rows if any(frame in x for x in f)], args.top,
-              args.depth)
+        for title, group in groups:
+            states(title, group)
+    for title, group in groups:
+        table(title, group, args.top, args.depth)
 
 
 if __name__ == "__main__":

@@ -42,13 +42,13 @@ def main() -> None:
     stage = jax.jit(lambda packed: packed * 2)
     ids_host = np.arange(16, 32, dtype=np.int32)
     packed_host = np.arange(1024, dtype=np.int32)
+    ids_device = jax.device_put(ids_host, device)
     calls = {
         "scatter, ids numpy": lambda cs: scatter(cs, ids_host, chunk),
         "scatter, ids on device": lambda cs: scatter(cs, ids_device, chunk),
         "stage, numpy": lambda cs: (stage(packed_host), cs)[1],
         "device_put 4 KiB": lambda cs: (jax.device_put(packed_host, device), cs)[1],
     }
-    ids_device = jax.device_put(ids_host, device)
     if pinned is not None:
         scatter_pinned = jax.jit(lambda cs, ids, x: [c.at[jax.device_put(ids, on_device)].set(x) for c in cs],
                                  donate_argnums=0, in_shardings=([on_device] * 32, pinned, on_device),
