@@ -8,8 +8,9 @@
 #   0. the synthetic tokenizer of the 8B vocabulary (configs/llama3-8b-dummy-serve.yaml reads it)
 #   (a) transfer: a receiver and a sender process, each cache.gpu_memory_utilization 0.45 and
 #       XLA_PYTHON_CLIENT_MEM_FRACTION 0.47 (0.485 and 0.495 on an 80 GB GPU); KV of an 8K-token prompt
-#       (512 blocks of 16 x 32 layers) moved REPS times through the device path (gather, jax.experimental.transfer pull, scatter) and the host
-#       path (gather, device -> host, TCP, host -> device, scatter); GB/s end to end and per phase, beside
+#       (512 blocks of 16 x 32 layers) moved REPS times through the device path (gather,
+#       jax.experimental.transfer pull, scatter) and the host path (gather, device -> host, TCP, host ->
+#       device, scatter); GB/s end to end and per phase, beside
 #       a plain device copy of the same bytes in the sender -> transfer_device.json, transfer_host.json
 #   (b) mixed: STREAMS steady decode streams (64-token prompts, 256 tokens each) plus one LONG-token prompt
 #       every 1/RATE s for DURATION s, against
