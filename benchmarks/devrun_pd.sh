@@ -41,6 +41,9 @@
 #       patch's file name without .patch and non-alphanumerics), then of the tree -> mixed_pd.json,
 #       decode_info.json; the runs share the deadline evenly (at most two patches fit beside the tree)
 #   bash benchmarks/devrun_pd.sh pd      (b2) only, at the defaults
+#   bash benchmarks/devrun_pd.sh process (b2) only, twice: the decode instance's engine on a thread of its
+#       server process (--engine-process false) -> mixed_pd_thread.json, decode_info_thread.json, then in its
+#       own process (the default) -> mixed_pd.json, decode_info.json; the runs share the deadline evenly
 #   SPY_DECODE=S (any mode with b2): once each disaggregated run's decode instance answers /health, py-spy
 #       (from the carried .whl/) attaches to it and samples its threads with native frames SPY_RATE times a
 #       second (default 10) for S seconds -> spy_decode_NAME.txt (raw collapsed stacks, idle frames
@@ -105,8 +108,9 @@ if [ "$MODE" = mps ]; then
   trap 'cleanup; echo quit | nvidia-cuda-mps-control' EXIT
   PREFILL_ENV+=("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=${PREFILL_SM_PERCENT:-60}")
   echo "== mps: control daemon started (prefill instance at ${PREFILL_SM_PERCENT:-60}% of the SMs)"
-elif [ "$MODE" != all ] && [ "$MODE" != pacing ] && [ "$MODE" != ab ] && [ "$MODE" != pd ]; then
-  echo "unknown mode $MODE: all, mps, pacing, ab or pd"; exit 2
+elif [ "$MODE" != all ] && [ "$MODE" != pacing ] && [ "$MODE" != ab ] && [ "$MODE" != pd ] \
+    && [ "$MODE" != process ]; then
+  echo "unknown mode $MODE: all, mps, pacing, ab, pd or process"; exit 2
 elif [ "$MODE" = ab ] && [ -z "${AB_PATCHES:-}" ]; then
   echo "ab: name the patches in AB_PATCHES (a comma list)"; exit 2
 fi
@@ -140,7 +144,7 @@ MIXED="$PY benchmarks/pd_bench.py mixed --streams $STREAMS --short-len $SHORT --
   --long-len $LONG --rate $RATE --duration $DURATION --vocab $VOCAB"
 
 # (b1) colocated
-[ "$MODE" = pacing ] || [ "$MODE" = ab ] || [ "$MODE" = pd ] || {
+[ "$MODE" = pacing ] || [ "$MODE" = ab ] || [ "$MODE" = pd ] || [ "$MODE" = process ] || {
 echo "== ${SECONDS}s: mixed, colocated"
 P=$(port)
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 $SERVE --config "$W/full.yaml" "${COLOCATED_FLAGS[@]}" --port "$P" \
@@ -221,6 +225,9 @@ if [ "$MODE" = ab ]; then
     pd_run "pd_${name//[^A-Za-z0-9]/}" $((DEADLINE * (${#patches[@]} - i) / (${#patches[@]} + 1)))
     git apply -R "$patch"
   done
+fi
+if [ "$MODE" = process ]; then
+  pd_run pd_thread $((DEADLINE / 2)) --engine-process false
 fi
 pd_run pd 5
 

@@ -272,6 +272,10 @@ class ServerConfig:
     tokenizer_timeout_s: float = 60.0  # one tokenizing call longer than this: the worker is replaced, 500
     trust_request_chat_template: bool = False  # accept `chat_template` in requests
     access_log: bool = True
+    # The engine runs in its own process (jaxserve/engine_process.py), so that its loop never waits for the
+    # HTTP event loop's turn at the interpreter; false: an engine thread in the server process. (Multi-host
+    # process 0 always runs its engine in the server process.)
+    engine_process: bool = True
     # Prefill/decode disaggregation (README): null = one colocated engine; prefill | decode = this instance's
     # role behind `jaxserve router`. kv_transfer_address: the decode instance's KV transfer endpoint (port 0:
     # any free one, reported at GET /pd/info); kv_transfer_token: the secret every instance and the router

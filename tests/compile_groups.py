@@ -27,8 +27,8 @@ GROUPS: dict[str, list[str]] = {
     "embedded-engines": [
         "test_engine.py", "test_engine_spec.py", "test_spec_sampling.py", "test_prompt_logprobs.py",
         "test_spec_bench.py", "test_kv_tiers_swap.py", "test_bench.py", "test_server_conformance.py",
-        "test_server.py", "test_cli.py", "test_kv_tiers_metrics.py", "test_bench_serve.py", "test_spec_draft.py",
-        "test_spec_eagle3.py", "test_kv_tiers_spec.py", "test_kv_tiers_engine.py",
+        "test_server.py", "test_engine_process.py", "test_cli.py", "test_kv_tiers_metrics.py", "test_bench_serve.py",
+        "test_spec_draft.py", "test_spec_eagle3.py", "test_kv_tiers_spec.py", "test_kv_tiers_engine.py",
     ],
     # The HF fixtures through the forward and the engine.
     "hf-parity": ["test_model_parity.py", "test_fp8_kv.py", "test_engine_parity.py", "test_flash_prefill.py"],

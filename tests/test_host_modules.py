@@ -15,7 +15,8 @@ HOST_MODULES = ["jaxserve.core.scheduler", "jaxserve.core.sharded_scheduler", "j
                 "jaxserve.core.buckets", "jaxserve.core.eplb", "jaxserve.core.sched_types", "jaxserve.request", "jaxserve.outputs",
                 "jaxserve.sampling_params", "jaxserve.tokenizer", "jaxserve.config", "jaxserve.config_speculative", "jaxserve.input_processor",
                 "jaxserve.output_processor", "jaxserve.engine_client", "jaxserve.step_stats", "jaxserve.models.family",
-                "jaxserve.core.block_pool", "jaxserve.core.preemption", "jaxserve.core.kv_tiers.tiers", "jaxserve.pd.step_log"]
+                "jaxserve.core.block_pool", "jaxserve.core.preemption", "jaxserve.core.kv_tiers.tiers", "jaxserve.pd.step_log",
+                "jaxserve.framing", "jaxserve.engine_wire", "jaxserve.engine_process", "jaxserve.pd.protocol"]
 
 
 def test_host_modules_import_no_jax():

@@ -121,13 +121,23 @@ def pd(request, tmp_path_factory):
         if request.session.testsfailed > failed:  # the processes' own account, in the run's warnings summary
             for process in processes.values():  # every thread's stack into its log (PYTHONFAULTHANDLER)
                 if process.poll() is None:
-                    process.send_signal(signal.SIGABRT)
+                    _signal_instance(process, signal.SIGABRT)
             for process in processes.values():
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     process.wait(timeout=10)
             tails = "".join(f"\n--- {name} stderr, its last 16000 characters ---\n{_log_tail(process, 16000)}"
                             for name, process in processes.items())
             warnings.warn("a PD test failed; the server processes' logs:" + tails, stacklevel=1)
+
+
+def _signal_instance(process: subprocess.Popen, sig: int) -> None:
+    """`sig` to an instance: its server process and that one's children (the engine process, which runs the
+    KV transfer endpoints, and the tokenizer workers)."""
+    tasks = f"/proc/{process.pid}/task"
+    children = [int(pid) for task in os.listdir(tasks) for pid in open(f"{tasks}/{task}/children").read().split()]
+    for pid in [*children, process.pid]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
 
 
 def _free_blocks(url: str) -> int:
@@ -395,7 +405,7 @@ def test_transfer_timeout_makes_decode_re_prefill_locally(pd):
     # the router learns decode0's KV endpoint now (it asks /pd/info once, which a stopped instance would not
     # answer: the router would mark it down and pick decode1)
     assert _completion(urls["router"], PROMPTS[0]) == expected[PROMPTS[0]]
-    os.kill(processes["decode0"].pid, signal.SIGSTOP)  # answers nothing: the prefill side's reserve times out
+    _signal_instance(processes["decode0"], signal.SIGSTOP)  # answers nothing: the prefill side's reserve times out
     try:
         with httpx.Client(timeout=60) as client:  # an idle router picks decode0 (the first of the least loaded)
             pending = client.build_request("POST", urls["router"] + "/v1/completions",
@@ -404,10 +414,10 @@ def test_transfer_timeout_makes_decode_re_prefill_locally(pd):
             thread = threading.Thread(target=lambda: result.update(r=client.send(pending)))
             thread.start()
             time.sleep(TIMEOUT_S + 1.0)
-            os.kill(processes["decode0"].pid, signal.SIGCONT)
+            _signal_instance(processes["decode0"], signal.SIGCONT)
             thread.join(60)
     finally:
-        os.kill(processes["decode0"].pid, signal.SIGCONT)
+        _signal_instance(processes["decode0"], signal.SIGCONT)
     response = result["r"]
     assert response.status_code == 200, response.text
     choice = response.json()["choices"][0]

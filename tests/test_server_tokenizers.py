@@ -115,7 +115,7 @@ def test_workers_do_not_import_from_the_servers_working_directory(tmp_path, monk
 def test_worker_pool_times_out_hung_workers_and_fails_fast_without_workers(monkeypatch):
     """A worker that hangs is killed after timeout_s and replaced; a malformed reply fails its call; while
     no worker runs and none is starting, calls fail at once ("unavailable") until a re-spawn succeeds."""
-    from jaxserve.server.tokenizer_worker import FRAME_HEAD
+    from jaxserve.framing import FRAME_HEAD
 
     async def scenario():
         pool = TokenizerPool(str(TINY_MODEL), max_model_len=32, size=1, timeout_s=1.0)

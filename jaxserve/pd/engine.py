@@ -31,7 +31,6 @@ import collections
 import concurrent.futures
 import dataclasses
 import logging
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -51,7 +50,6 @@ from jaxserve.request import RequestStatus
 
 logger = logging.getLogger(__name__)
 
-_TRANSFER_ID = re.compile(r"^[0-9a-f]{16,64}$")
 CONTROL_TIMEOUT_S = 5.0  # one small control exchange (reserve, abort)
 IDLE_WAIT_S = 0.005  # an idle instance with open transfers waits this long for news between steps
 OUTCOME_PREFIX = "kv_transfer:"
@@ -179,6 +177,13 @@ class PDEngine:
     def num_open_transfers(self) -> int:
         return len(self.reservations) if self.role == "decode" else len(self._transfers)
 
+    def info(self) -> dict:
+        """GET /pd/info's body (jaxserve/pd/serve.py)."""
+        return {"role": self.role, "kv_transfer_address": self.kv_transfer_address, "block_size": self.block_size,
+                "kv_layout": self.mover.layout, "num_free_blocks": self.num_free_blocks,
+                "open_transfers": self.num_open_transfers, "outcomes": dict(self.counts)} | (
+            {"steps": self.step_log.summary()} if self.role == "decode" else {})
+
     def set_waker(self, wake: Callable[[], None]) -> None:
         """`wake()` makes the engine's driver call step() again (the server bridge's)."""
         self._wake = wake
@@ -186,19 +191,7 @@ class PDEngine:
     def accept_kv_transfer_params(self, prepared: PreparedRequest, params: Any, index: int) -> None:
         """Checks the router's signed kv_transfer_params (ValueError naming what is wrong) and binds prompt
         `index`'s transfer to `prepared`; a prefill instance computes one token."""
-        if not isinstance(params, dict):
-            raise ValueError("kv_transfer_params must be an object set by `jaxserve router`")
-        transfer_id, address, signature = (params.get(k) for k in ("transfer_id", "decode_address", "signature"))
-        if not (isinstance(transfer_id, str) and _TRANSFER_ID.match(transfer_id) and isinstance(address, str)
-                and isinstance(signature, str)
-                and proto.check_params_signature(self.key, transfer_id, address, signature)):
-            raise ValueError("kv_transfer_params is not signed with this instance's server.kv_transfer_token; "
-                             "only `jaxserve router` (with the same token) sets it")
-        proto.split_address(address)
-        if self.role == "prefill":
-            prepared.max_tokens = 1
-            prepared.params = dataclasses.replace(prepared.params, n=1)
-        prepared.kv_transfer_params = {"transfer_id": f"{transfer_id}.{index}", "decode_address": address}
+        proto.bind_transfer(prepared, params, index, self.key, self.role)
 
     def enqueue(self, prepared: PreparedRequest) -> None:
         transfer = prepared.kv_transfer_params

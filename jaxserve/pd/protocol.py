@@ -20,12 +20,14 @@ cannot point a prefill instance at an address of its choosing.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import ipaddress
 import json
 import logging
 import os
+import re
 import socket
 import socketserver
 import struct
@@ -39,6 +41,7 @@ logger = logging.getLogger(__name__)
 MAGIC = b"JXPD"
 MAX_HEADER_BYTES = 8 << 20  # a reserve carries the prompt's token ids: a 128K-token prompt is ~1 MiB
 _MAC_BYTES = 32
+_TRANSFER_ID = re.compile(r"^[0-9a-f]{16,64}$")
 MESSAGE_TYPES = frozenset({"reserve", "reserved", "refused", "ready", "ack", "nack", "abort", "ignored"})
 
 
@@ -84,6 +87,23 @@ def sign_params(key: bytes, transfer_id: str, decode_address: str) -> str:
 
 def check_params_signature(key: bytes, transfer_id: str, decode_address: str, signature: str) -> bool:
     return hmac.compare_digest(sign_params(key, transfer_id, decode_address), str(signature))
+
+
+def bind_transfer(prepared: Any, params: Any, index: int, key: bytes, role: str) -> None:
+    """Checks the router's signed kv_transfer_params (ValueError naming what is wrong) and binds prompt
+    `index`'s transfer to `prepared` (a PreparedRequest); a prefill instance computes one token."""
+    if not isinstance(params, dict):
+        raise ValueError("kv_transfer_params must be an object set by `jaxserve router`")
+    transfer_id, address, signature = (params.get(k) for k in ("transfer_id", "decode_address", "signature"))
+    if not (isinstance(transfer_id, str) and _TRANSFER_ID.match(transfer_id) and isinstance(address, str)
+            and isinstance(signature, str) and check_params_signature(key, transfer_id, address, signature)):
+        raise ValueError("kv_transfer_params is not signed with this instance's server.kv_transfer_token; "
+                         "only `jaxserve router` (with the same token) sets it")
+    split_address(address)
+    if role == "prefill":
+        prepared.max_tokens = 1
+        prepared.params = dataclasses.replace(prepared.params, n=1)
+    prepared.kv_transfer_params = {"transfer_id": f"{transfer_id}.{index}", "decode_address": address}
 
 
 def new_transfer_id() -> str:

@@ -6,21 +6,25 @@
                    how many of the slowest were at or just after a block install or during a pull:
                    step_log.DecodeStepLog.summary)} (behind the API key)
     /metrics      jaxserve:pd_free_blocks, jaxserve:pd_open_transfers, jaxserve:pd_transfers{outcome}
+
+The engine is a PDEngine (engine thread in this process: its info() is read here) or a ProcessEngineClient
+of one (jaxserve/engine_process.py: info() asks the engine process; the gauges are its latest step's).
 """
 
 from __future__ import annotations
+
+import inspect
+from typing import Any
 
 from fastapi import FastAPI
 from prometheus_client import Gauge
 from starlette.responses import JSONResponse
 
-from jaxserve.pd.engine import PDEngine
 from jaxserve.server.metrics import PREFIX
 
 
-def attach(app: FastAPI, engine: PDEngine) -> None:
-    """Adds the route and the gauges, and lets the engine wake the server's engine thread."""
-    engine.set_waker(app.state.bridge.wake)
+def attach(app: FastAPI, engine: Any) -> None:
+    """Adds the route and the gauges."""
     metrics = app.state.metrics
     free = Gauge(PREFIX + "pd_free_blocks", "Free KV blocks (cached ones included) of this PD instance.",
                  registry=metrics.registry)
@@ -41,11 +45,5 @@ def attach(app: FastAPI, engine: PDEngine) -> None:
 
     @app.get("/pd/info")
     async def pd_info() -> JSONResponse:
-        return JSONResponse(info(engine))
-
-
-def info(engine: PDEngine) -> dict:
-    return {"role": engine.role, "kv_transfer_address": engine.kv_transfer_address, "block_size": engine.block_size,
-            "kv_layout": engine.mover.layout,
-            "num_free_blocks": engine.num_free_blocks, "open_transfers": engine.num_open_transfers,
-            "outcomes": dict(engine.counts)} | ({"steps": engine.step_log.summary()} if engine.role == "decode" else {})
+        body = engine.info()
+        return JSONResponse(await body if inspect.isawaitable(body) else body)

@@ -14,8 +14,12 @@ cumulative, so a consumer that falls behind reads only the latest output of each
 lost. Admission: requests accepted but not yet producing tokens are "queued"; more than
 `max_queued_requests` answer 429, and after `start_drain()` every new request answers 503.
 An exception inside the engine fails every open request and marks the bridge dead (health 503).
-The engine is any engine client (jaxserve/engine_client.py): an Engine, or a DataParallelEngine
-(parallel.data > 1), which routes the same calls to its replicas (an abort to the one holding the request).
+The engine is any engine client (jaxserve/engine_client.py): an Engine, a DataParallelEngine
+(parallel.data > 1), which routes the same calls to its replicas (an abort to the one holding the request),
+a PDEngine, or a ProcessEngineClient (the engine in its own process; its step() waits for that process's
+next step). Two optional engine hooks: `set_waker(fn)`: the engine calls fn when work arrives from another
+thread (PD control messages, the engine process's end), so an idle engine thread looks again;
+`interrupt()`: the bridge calls it with news in the inbox, so a step() that is waiting returns early.
 """
 
 from __future__ import annotations
@@ -110,6 +114,9 @@ class EngineBridge:
         # Engine-thread state.
         self._commands: collections.deque[tuple[str, object]] = collections.deque()  # taken from the inbox
         self._tracked: dict[str, _Tracked] = {}
+        if hasattr(engine, "set_waker"):
+            engine.set_waker(self.wake)
+        self._interrupt = getattr(engine, "interrupt", lambda: None)
 
     # ---- event loop side ----
     def start(self) -> None:
@@ -123,6 +130,7 @@ class EngineBridge:
         with self._cond:
             self._stopping = True
             self._cond.notify()
+        self._interrupt()
         self._thread.join()
 
     def check_admission(self, num_requests: int) -> None:
@@ -143,22 +151,22 @@ class EngineBridge:
         self.num_queued += len(prepared)
         self.num_in_flight += len(prepared)
         self._idle.clear()
-        with self._cond:
-            self._inbox.extend(("add", (p, group, i)) for i, p in enumerate(prepared))
-            self._cond.notify()
+        self._post([("add", (p, group, i)) for i, p in enumerate(prepared)])
         return group
 
     def post_abort(self, request_ids: list[str]) -> None:
+        self._post([("abort", request_ids)])
+
+    def _post(self, commands: list[tuple[str, object]]) -> None:
         with self._cond:
-            self._inbox.append(("abort", request_ids))
+            self._inbox.extend(commands)
             self._cond.notify()
+        self._interrupt()
 
     def abort_all(self) -> None:
         """Abort every request in flight (the drain timed out): each ends with finish_reason "abort" and
         frees its KV blocks."""
-        with self._cond:
-            self._inbox.append(("abort_all", None))
-            self._cond.notify()
+        self._post([("abort_all", None)])
 
     def wake(self) -> None:
         """Have the engine thread look at the engine again (an engine client with work from another thread,

@@ -4,7 +4,9 @@
     any field of any section (`--max-num-seqs 8`, `--policy fair`, `--model DIR` for model.path), also by
     vLLM's names (`--tensor-parallel-size 2`; jaxserve/config_flags.py) --> EngineConfig
     (server.api_key set by neither: the JAXSERVE_API_KEY environment variable, invisible in `ps`)
-    --> Engine, or DataParallelEngine when parallel.data > 1 (compiles its buckets)
+    --> the engine (engine_process.build_engine: Engine, DataParallelEngine when parallel.data > 1, PDEngine
+    for a PD role; it compiles its buckets), in its own process behind a ProcessEngineClient unless
+    server.engine_process is false (or on multi-host process 0)
     --> build_app (which knows only the engine client interface) --> DrainingServer (uvicorn, h11 with
     connections.GuardedH11Protocol's timeouts)
     --> 0 on a clean exit
@@ -123,26 +125,26 @@ def main(argv: list[str]) -> int:
         logger.info("process %d follows process 0's steps", config.parallel.process_id)
         run_follower(config)
         return 0
-    from jaxserve.data_parallel import DataParallelEngine
-    from jaxserve.engine import Engine
+    from jaxserve.engine_process import ProcessEngineClient, build_engine
 
-    # parallel.data > 1: one engine per replica behind the same calls (jaxserve/data_parallel.py).
-    engine = (Engine(config, progress=True) if config.parallel.data == 1
-              else DataParallelEngine(config, progress=True))
+    try:
+        if config.server.engine_process and config.parallel.num_processes == 1:
+            engine = ProcessEngineClient(config, log_level)  # the engine in its own process, built there
+        else:
+            engine = build_engine(config)
+    except ValueError as err:  # a combination the engine refuses, named
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     if config.scheduler.policy == "fcfs" and config.server.tenant_header:
         logger.info("scheduler.policy is fcfs: tenants are recorded but not scheduled fairly (set policy: fair)")
     if config.server.api_key and config.server.tenant_header:
         logger.info("server.api_key is set: the tenant is the API key; the %s header is ignored",
                     config.server.tenant_header)
-    if config.server.pd_role is not None:  # a prefill or decode instance behind `jaxserve router`
-        from jaxserve.pd.engine import PDEngine
-        from jaxserve.pd.serve import attach
-
-        engine = PDEngine(engine, config)
-        logger.info("PD role %s; KV transfer endpoint %s", engine.role, engine.kv_transfer_address or "(none)")
     logger.info("serving %s on http://%s:%d", served_model_name(config), config.server.host, config.server.port)
     server = build_server(config, engine, log_level)
-    if config.server.pd_role is not None:
+    if config.server.pd_role is not None:  # a prefill or decode instance behind `jaxserve router`
+        from jaxserve.pd.serve import attach
+
         attach(server.config.app, engine)
     server.run()
     return 0

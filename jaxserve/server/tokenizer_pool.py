@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from jaxserve.server.tokenizer_worker import FRAME_HEAD, MAX_FRAME_BYTES, bytes_to_ids, encode_frame, ids_to_bytes
+from jaxserve.framing import FRAME_HEAD, MAX_FRAME_BYTES, bytes_to_ids, encode_frame, ids_to_bytes
 
 logger = logging.getLogger(__name__)
 

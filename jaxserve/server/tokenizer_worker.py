@@ -5,8 +5,8 @@
     stdin  -> frame {"op": "encode" | "decode", ...} + payload
     stdout <- frame {"ok": true, ...} + payload | {"ok": false, "kind": "template" | "value" | "internal", "error"}
 
-Frame (both directions): 8 bytes big-endian (header length, payload length), a UTF-8 JSON header, then
-the raw payload: UTF-8 text, or token ids as little-endian int32. JSON and raw bytes only, never pickle.
+Frames (both directions; jaxserve/framing.py): a JSON header and a raw payload, UTF-8 text or token ids as
+little-endian int32. JSON and raw bytes only, never pickle.
 
 encode: the text is the payload, or a chat rendered from header["messages"], whose text contents are
 the payload's UTF-8 runs of header["contents"] bytes each (-1: the message keeps its own). A text
@@ -24,46 +24,14 @@ import json
 import logging
 import os
 import signal
-import struct
 import sys
 from typing import Any, BinaryIO
 
-import numpy as np
+from jaxserve.framing import bytes_to_ids, encode_frame, ids_to_bytes, read_frame
 
-FRAME_HEAD = struct.Struct(">II")
-MAX_FRAME_BYTES = 1 << 30
 NICENESS = 5  # the engine loop and the HTTP event loop come first when cores are scarce
 
 logger = logging.getLogger(__name__)
-
-
-def encode_frame(header: dict[str, Any], payload: bytes = b"") -> bytes:
-    data = json.dumps(header).encode()
-    return FRAME_HEAD.pack(len(data), len(payload)) + data + payload
-
-
-def read_frame(stream: BinaryIO) -> tuple[dict[str, Any], bytes] | None:
-    """The next frame, or None at a clean end of stream."""
-    head = stream.read(FRAME_HEAD.size)
-    if not head:
-        return None
-    if len(head) != FRAME_HEAD.size:
-        raise EOFError("truncated frame head")
-    header_len, payload_len = FRAME_HEAD.unpack(head)
-    if header_len + payload_len > MAX_FRAME_BYTES:
-        raise ValueError(f"frame of {header_len + payload_len} bytes exceeds {MAX_FRAME_BYTES}")
-    header, payload = stream.read(header_len), stream.read(payload_len)
-    if len(header) != header_len or len(payload) != payload_len:
-        raise EOFError("truncated frame")
-    return json.loads(header), payload
-
-
-def ids_to_bytes(ids: list[int]) -> bytes:
-    return np.asarray(ids, dtype="<i4").tobytes()
-
-
-def bytes_to_ids(data: bytes) -> list[int]:
-    return np.frombuffer(data, dtype="<i4").tolist()
 
 
 class Worker:

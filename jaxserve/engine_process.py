@@ -1,0 +1,444 @@
+"""The engine in its own process (`server.engine_process: true`, the default of `jaxserve serve`).
+
+    server process                                   engine process (python -m jaxserve.engine_process)
+    --------------                                   --------------
+    ProcessEngineClient, an engine client:           reader thread: frames from stdin -> the inbox
+      prepare_request here (tokenizer, limits)         (info: answered at once from this thread)
+      enqueue / abort_request --frame on stdin-->    engine loop (main thread): inbox (add, abort, close)
+      reader thread <--one frame per step, stdout--    -> engine.step() -> the outputs' deltas + stats
+      step(): the outputs of the frames read since     (jaxserve/engine_wire.py)
+        the last call (OutputAssembler), waiting for one
+
+In one process the engine loop and the HTTP event loop (SSE sends, JSON, sockets) take turns at the
+interpreter lock: a step's host work waits while the event loop runs Python. Here the engine loop has
+its interpreter to itself; the server process only reads frames and serves HTTP.
+
+Start: the server writes {"op": "start", "config", "log_level"}; the engine process builds the engine
+(build_engine: Engine, DataParallelEngine, PDEngine for a PD role) and answers {"op": "hello", ...facts}
+or {"op": "failed", "error", "kind"}, which the server raises (ValueError for a bad configuration).
+Failure: an exception in the engine loop is sent as {"op": "fatal"} and the engine process exits; its end,
+for any reason (crash, kill), makes step() raise, which fails every open request and turns /health to 503.
+Shutdown: close() sends {"op": "close"}; the engine process aborts what is left, closes its engine (a KV
+disk tier is written) and exits. It also ends when its stdin closes, and is killed when the server process
+dies (Linux: PR_SET_PDEATHSIG), as an engine thread would die with it. It ignores SIGINT and SIGTERM, which
+a terminal or a service manager sends to the whole process group: the server drains its requests first,
+then closes it. Its prints and logs go to the server's stderr.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections import deque
+from typing import Any, BinaryIO
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine_client import EngineStats, PreparedRequest, PromptType
+from jaxserve.engine_wire import (OutputAssembler, OutputDeltas, decode_prepared, decode_stats, encode_prepared,
+                                  encode_stats)
+from jaxserve.framing import encode_frame, read_frame
+from jaxserve.input_processor import InputProcessor
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+CLOSE_TIMEOUT_S = 300.0  # closing writes a KV disk tier's blocks; then the engine process is killed
+CALL_TIMEOUT_S = 10.0  # an info() call without an answer
+
+
+class EngineProcessError(RuntimeError):
+    """The engine process failed or is gone."""
+
+
+def build_engine(config: EngineConfig, progress: bool = True):
+    """The engine `jaxserve serve` runs for `config`: Engine, or DataParallelEngine when parallel.data > 1,
+    wrapped in a PDEngine when server.pd_role is set."""
+    from jaxserve.data_parallel import DataParallelEngine
+    from jaxserve.engine import Engine
+
+    engine = Engine(config, progress=progress) if config.parallel.data == 1 else DataParallelEngine(config, progress)
+    if config.server.pd_role is not None:
+        from jaxserve.pd.engine import PDEngine
+
+        engine = PDEngine(engine, config)
+        logger.info("PD role %s; KV transfer endpoint %s", engine.role, engine.kv_transfer_address or "(none)")
+    return engine
+
+
+class ProcessEngineClient:
+    """An engine client whose engine runs in a child process (see the module docstring)."""
+
+    def __init__(self, config: EngineConfig, log_level: str = "info"):
+        self.config = config
+        # NOTE: subprocess (vfork + exec), never a fork of this process: JAX or uvloop threads may run here.
+        self.process = subprocess.Popen([sys.executable, "-m", "jaxserve.engine_process"], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE)
+        self._write_lock = threading.Lock()
+        self._send({"op": "start", "config": config.to_dict(), "log_level": log_level})
+        hello = self._hello()
+        self.max_model_len: int = hello["max_model_len"]
+        self.vocab_size: int = hello["vocab_size"]
+        self.sampling_defaults: dict[str, Any] = hello["sampling_defaults"]
+        self.role: str | None = config.server.pd_role
+        self.kv_transfer_address: str | None = hello["kv_transfer_address"]
+        model = config.model
+        tokenizer = None if model.skip_tokenizer_init else Tokenizer.from_dir(model.tokenizer or model.path)
+        sched = config.scheduler
+        self.input_processor = InputProcessor(
+            tokenizer, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
+            eos_token_ids=tuple(hello["eos_token_ids"]), max_n=sched.max_n, max_logprobs=sched.max_logprobs,
+            max_banned=hello["max_banned"], seed=model.seed)
+        self._assembler = OutputAssembler()  # engine thread only
+        self._cond = threading.Condition()
+        self._frames: deque[dict[str, Any]] = deque()  # step frames with outputs, not yet taken by step()
+        self._interrupted = False
+        self._ended: str | None = None  # why the engine process is gone
+        self._stats_frame: dict[str, Any] | None = None
+        self._stats = EngineStats()
+        self._pd_gauges: dict[str, Any] = hello["pd"] or {"free": 0, "open": 0, "counts": {}}
+        self._calls: dict[int, concurrent.futures.Future] = {}
+        self._call_ids = itertools.count()
+        self._wake = lambda: None
+        self._closed = False
+        self._reader = threading.Thread(target=self._read, name="jaxserve-engine-reader", daemon=True)
+        self._reader.start()
+
+    def _hello(self) -> dict[str, Any]:
+        try:
+            frame = read_frame(self.process.stdout)
+        except (OSError, EOFError, ValueError):
+            frame = None
+        if frame is not None and frame[0]["op"] == "hello":
+            return frame[0]
+        self.process.stdin.close()
+        code = self.process.wait()
+        if frame is not None and frame[0]["op"] == "failed":
+            error = frame[0]["error"]
+            raise (ValueError if frame[0]["kind"] == "value" else EngineProcessError)(error)
+        raise EngineProcessError(f"the engine process exited with code {code} before it started (its log above "
+                                 f"says why)")
+
+    # ---- the engine client surface ----
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.input_processor.tokenizer
+
+    def prepare_request(self, prompt: PromptType, params: SamplingParams | None = None, *,
+                        request_id: str | None = None, priority: int = 0, cache_salt: str | None = None,
+                        tenant: str | None = None, strict: bool = False) -> PreparedRequest:
+        return self.input_processor.prepare(prompt, params, request_id=request_id, priority=priority,
+                                            cache_salt=cache_salt, tenant=tenant, strict=strict)
+
+    def accept_kv_transfer_params(self, prepared: PreparedRequest, params: Any, index: int) -> None:
+        if self.role is None:
+            raise ValueError("kv_transfer_params is only accepted by a prefill or decode instance (server.pd_role) "
+                             "behind `jaxserve router`; leave it out")
+        from jaxserve.pd import protocol as proto
+
+        proto.bind_transfer(prepared, params, index, proto.derive_key(self.config.server.kv_transfer_token),
+                            self.role)
+
+    def enqueue(self, prepared: PreparedRequest) -> None:
+        if prepared.request_id in self._assembler:
+            raise ValueError(f"request id {prepared.request_id!r} is already in use")
+        self._assembler.add(prepared)
+        header, payload = encode_prepared(prepared)
+        self._send({"op": "add", **header}, payload)
+
+    def add_request(self, prompt: PromptType, params: SamplingParams | None = None, **kwargs: Any) -> str:
+        prepared = self.prepare_request(prompt, params, **kwargs)
+        self.enqueue(prepared)
+        return prepared.request_id
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        ids = [i for i in ([request_ids] if isinstance(request_ids, str) else request_ids) if i in self._assembler]
+        if ids:
+            self._send({"op": "abort", "ids": ids})
+
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """The outputs of the engine process's steps since the last call; waits for one unless interrupted.
+        Raises EngineProcessError once the engine process is gone."""
+        with self._cond:
+            while not self._frames and not self._interrupted and self._ended is None:
+                self._cond.wait()
+            frames, self._frames = self._frames, deque()
+            self._interrupted = False
+            if not frames and self._ended is not None:
+                raise EngineProcessError(self._ended)
+        outputs = []
+        for frame in frames:
+            for request_id, error in frame["rejected"]:
+                logger.error("the engine refused request %s: %s", request_id, error)
+            found = [self._assembler.abort(request_id) for request_id, _ in frame["rejected"]]
+            found += [self._assembler.apply(delta) for delta in frame["outputs"]]
+            outputs += [output for output in found if output is not None and (output.finished or not final_only)]
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return len(self._assembler) > 0 or bool(self._frames) or self._ended is not None
+
+    def stats(self) -> EngineStats:
+        frame = self._stats_frame
+        if frame is not None:
+            self._stats, self._stats_frame = decode_stats(frame), None
+        return self._stats
+
+    def close(self) -> None:
+        """Asks the engine process to close its engine and exit; waits for it (killed after CLOSE_TIMEOUT_S)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._send({"op": "close"})
+            self.process.stdin.close()
+        except EngineProcessError:
+            pass
+        try:
+            self.process.wait(CLOSE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            logger.error("the engine process did not exit within %.0f s of close; killing it", CLOSE_TIMEOUT_S)
+            self.process.kill()
+            self.process.wait()
+        self._reader.join(CALL_TIMEOUT_S)
+
+    # ---- hooks (server/bridge.py) and the PD instance's surface (pd/serve.py) ----
+    def set_waker(self, wake) -> None:
+        self._wake = wake
+
+    def interrupt(self) -> None:
+        with self._cond:
+            self._interrupted = True
+            self._cond.notify()
+
+    async def info(self) -> dict[str, Any]:
+        """A PD instance's GET /pd/info body, from the engine process."""
+        import asyncio
+
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            if self._ended is not None:
+                raise EngineProcessError(self._ended)
+            call_id = next(self._call_ids)
+            self._calls[call_id] = future
+        self._send({"op": "info", "id": call_id})
+        return await asyncio.wait_for(asyncio.wrap_future(future), CALL_TIMEOUT_S)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self._pd_gauges["free"]
+
+    @property
+    def num_open_transfers(self) -> int:
+        return self._pd_gauges["open"]
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return self._pd_gauges["counts"]
+
+    # ---- the pipes ----
+    def _send(self, header: dict[str, Any], payload: bytes = b"") -> None:
+        data = encode_frame(header, payload)
+        with self._write_lock:
+            try:
+                self.process.stdin.write(data)
+                self.process.stdin.flush()
+            except (OSError, ValueError) as err:  # (ValueError: the pipe was closed here)
+                raise EngineProcessError(f"the engine process is gone ({err!r}); its log says why") from None
+
+    def _read(self) -> None:
+        reason = None
+        try:
+            while (frame := read_frame(self.process.stdout)) is not None:
+                header = frame[0]
+                op = header["op"]
+                if op == "step":
+                    with self._cond:
+                        self._stats_frame = header["stats"]
+                        if "pd" in header:
+                            self._pd_gauges = header["pd"]
+                        if header["outputs"] or header["rejected"]:
+                            self._frames.append(header)
+                            self._cond.notify()
+                elif op == "reply":
+                    with self._cond:
+                        future = self._calls.pop(header["id"], None)
+                    if future is not None and "error" in header:
+                        future.set_exception(EngineProcessError(header["error"]))
+                    elif future is not None:
+                        future.set_result(header["value"])
+                elif op == "fatal":
+                    reason = f"engine failed: {header['error']}"
+        except (OSError, EOFError, ValueError) as err:
+            reason = f"reading the engine process's output failed: {err!r}"
+        code = self.process.wait()
+        reason = reason or f"the engine process exited with code {code} (its log above says why)"
+        if not self._closed:
+            logger.error("%s", reason)
+        with self._cond:
+            self._ended = reason
+            calls, self._calls = self._calls, {}
+            self._cond.notify()
+        for future in calls.values():
+            future.set_exception(EngineProcessError(reason))
+        self._wake()
+
+
+# ---- the engine process ----
+class _EngineLoop:
+    """The engine process's loop: commands from the server, steps, one frame per step."""
+
+    def __init__(self, engine, inp: BinaryIO, out: BinaryIO):
+        self.engine = engine
+        self.out = out
+        self.write_lock = threading.Lock()
+        self.cond = threading.Condition()
+        self.inbox: list[tuple[dict[str, Any], bytes]] = []
+        self.closing = False
+        self.open: set[str] = set()  # requests enqueued, not finished
+        self.deltas = OutputDeltas()
+        self.is_pd = hasattr(engine, "step_log")
+        if hasattr(engine, "set_waker"):
+            engine.set_waker(self.wake)
+        threading.Thread(target=self._read, args=(inp,), name="jaxserve-engine-commands", daemon=True).start()
+
+    def write(self, header: dict[str, Any]) -> None:
+        data = encode_frame(header)
+        with self.write_lock:
+            self.out.write(data)
+            self.out.flush()
+
+    def wake(self) -> None:
+        with self.cond:
+            self.cond.notify()
+
+    def _read(self, inp: BinaryIO) -> None:
+        try:
+            while (frame := read_frame(inp)) is not None:
+                header, payload = frame
+                if header["op"] == "info":  # read-only; answered now, whatever the engine loop is doing
+                    try:
+                        reply = {"value": self.engine.info()}
+                    except Exception as err:  # noqa: BLE001 - the call fails, the engine serves on
+                        reply = {"error": f"{type(err).__name__}: {err}"}
+                    self.write({"op": "reply", "id": header["id"], **reply})
+                    continue
+                with self.cond:
+                    self.inbox.append(frame)
+                    self.cond.notify()
+        except Exception:  # noqa: BLE001 - a broken pipe ends serving as its end would
+            logger.exception("reading the server's commands failed")
+        with self.cond:
+            self.closing = True
+            self.cond.notify()
+
+    def run(self) -> None:
+        engine = self.engine
+        while True:
+            with self.cond:
+                while not self.inbox and not self.closing and not engine.has_unfinished_requests():
+                    self.cond.wait()
+                commands, self.inbox = self.inbox, []
+                closing = self.closing
+            rejected = []
+            for header, payload in commands:
+                op = header["op"]
+                if op == "add":
+                    prepared = decode_prepared(header, payload)
+                    try:
+                        engine.enqueue(prepared)
+                    except ValueError as err:
+                        rejected.append([prepared.request_id, str(err)])
+                        continue
+                    self.open.add(prepared.request_id)
+                elif op == "abort":
+                    engine.abort_request(header["ids"])
+                elif op == "close":
+                    closing = True
+            if closing:
+                engine.abort_request(list(self.open))
+                engine.close()
+                return
+            outputs = engine.step()
+            deltas = []
+            for output in outputs:
+                deltas.append(self.deltas.encode(output))
+                if output.finished:
+                    self.open.discard(output.request_id)
+            frame = {"op": "step", "outputs": deltas, "rejected": rejected, "stats": encode_stats(engine.stats())}
+            if self.is_pd:
+                frame["pd"] = pd_gauges(engine)
+            self.write(frame)
+
+
+def pd_gauges(engine) -> dict[str, Any]:
+    return {"free": engine.num_free_blocks, "open": engine.num_open_transfers, "counts": dict(engine.counts)}
+
+
+def _facts(engine, config: EngineConfig) -> dict[str, Any]:
+    from jaxserve.runner.model_runner import MAX_BANNED
+
+    inner = getattr(engine, "engine", engine)  # a PDEngine's
+    return {"op": "hello", "max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size,
+            "sampling_defaults": engine.sampling_defaults, "eos_token_ids": list(inner.eos_token_ids),
+            "max_banned": MAX_BANNED, "kv_transfer_address": getattr(engine, "kv_transfer_address", None),
+            "pd": pd_gauges(engine) if config.server.pd_role is not None else None}
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this process when the server process dies (as an engine thread would die with
+    it), so a killed server never leaves its engine serving KV transfers or holding the device."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the server died before that took effect
+        os._exit(1)
+
+
+def main() -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _die_with_parent()
+    # Frames own the real stdout; anything else printed goes to stderr.
+    out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    inp = sys.stdin.buffer
+    frame = read_frame(inp)
+    if frame is None:
+        return 0
+    header = frame[0]
+    logging.basicConfig(level=header["log_level"].upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        config = EngineConfig.from_dict(header["config"])
+        engine = build_engine(config)
+        hello = _facts(engine, config)
+    except Exception as err:  # noqa: BLE001 - reported to the server, which raises it
+        if not isinstance(err, ValueError):
+            logger.exception("the engine failed to start")
+        out.write(encode_frame({"op": "failed", "error": str(err) if isinstance(err, ValueError) else
+                                f"{type(err).__name__}: {err}", "kind": "value" if isinstance(err, ValueError)
+                                else "internal"}))
+        out.flush()
+        return 1
+    loop = _EngineLoop(engine, inp, out)
+    loop.write(hello)
+    try:
+        loop.run()
+    except Exception as err:  # noqa: BLE001 - reported to the server, which fails its open requests
+        logger.exception("the engine loop failed")
+        loop.write({"op": "fatal", "error": f"{type(err).__name__}: {err}"})
+        return 1
+    loop.write({"op": "closed"})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
