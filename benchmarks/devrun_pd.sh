@@ -45,10 +45,11 @@
 #       server process (--engine-process false) -> mixed_pd_thread.json, decode_info_thread.json, then in its
 #       own process (the default) -> mixed_pd.json, decode_info.json; the runs share the deadline evenly
 #   SPY_DECODE=S (any mode with b2): once each disaggregated run's decode instance answers /health, py-spy
-#       (from the carried .whl/) attaches to it and samples its threads with native frames SPY_RATE times a
-#       second (default 10) for S seconds -> spy_decode_NAME.txt (raw collapsed stacks, idle frames
-#       included); benchmarks/spy_summary.py's account of the engine thread's samples (all of them, those in
-#       block installs, those in steps), first by state (idle, running, taking the GIL back, waiting for an
+#       (from the carried .whl/) attaches to the process of its engine loop (the engine process, else the
+#       server) and samples its threads with native frames SPY_RATE times a second (default 10) for S
+#       seconds -> spy_decode_NAME.txt (raw collapsed stacks, idle frames included);
+#       benchmarks/spy_summary.py's account of the engine loop's samples (all of them, those in block
+#       installs, those in steps), first by state (idle, running, taking the GIL back, waiting for an
 #       input's event or a device result), then by frame (SPY_DEPTH native frames a row, default 6) ->
 #       spy_summary_NAME.txt, printed. The instance starts through benchmarks/ptraceable.py so that a
 #       sibling may attach (under py-spy from the start, the native sampling of its XLA compile threads
@@ -191,8 +192,10 @@ pd_run() {
     --log-level warning > "$W/router${name#pd}.log" 2>&1 &
   PIDS+=($!)
   if wait_up "http://127.0.0.1:$DP" $D 300 && wait_up "http://127.0.0.1:$PP" $PF 300; then
-    if [ -n "${SPY_DECODE:-}" ]; then
-      py-spy record --pid $D --native --idle --threads --rate "${SPY_RATE:-10}" --duration "$SPY_DECODE" \
+    if [ -n "${SPY_DECODE:-}" ]; then  # the engine loop: the decode instance's engine process, else its server
+      SPY_PID=$(pgrep -P $D -f jaxserve.engine_process | head -1); SPY_PID=${SPY_PID:-$D}
+      echo "   py-spy on pid $SPY_PID ($([ "$SPY_PID" = "$D" ] && echo server || echo engine) process)"
+      py-spy record --pid $SPY_PID --native --idle --threads --rate "${SPY_RATE:-10}" --duration "$SPY_DECODE" \
         --format raw -o "$OUT/spy_decode_$name.txt" > "$W/spy_$name.log" 2>&1 &
       SPY=$!
     fi

@@ -428,6 +428,7 @@ def main() -> int:
                                 else "internal"}))
         out.flush()
         return 1
+    threading.current_thread().name = "jaxserve-engine"  # the engine loop, as the server's engine thread is named
     loop = _EngineLoop(engine, inp, out)
     loop.write(hello)
     try:
