@@ -28,6 +28,8 @@ then closes it. Its prints and logs go to the server's stderr.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import fcntl
 import itertools
 import logging
 import os
@@ -52,6 +54,7 @@ logger = logging.getLogger(__name__)
 
 CLOSE_TIMEOUT_S = 300.0  # closing writes a KV disk tier's blocks; then the engine process is killed
 CALL_TIMEOUT_S = 10.0  # an info() call without an answer
+_F_SETPIPE_SZ, _PIPE_BYTES = 1031, 1 << 20
 
 
 class EngineProcessError(RuntimeError):
@@ -81,6 +84,8 @@ class ProcessEngineClient:
         # NOTE: subprocess (vfork + exec), never a fork of this process: JAX or uvloop threads may run here.
         self.process = subprocess.Popen([sys.executable, "-m", "jaxserve.engine_process"], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE)
+        with contextlib.suppress(OSError):  # (Linux) room for many steps' frames, so a busy server never blocks the engine
+            fcntl.fcntl(self.process.stdout.fileno(), _F_SETPIPE_SZ, _PIPE_BYTES)
         self._write_lock = threading.Lock()
         self._send({"op": "start", "config": config.to_dict(), "log_level": log_level})
         hello = self._hello()
@@ -173,14 +178,14 @@ class ProcessEngineClient:
             self._interrupted = False
             if not frames and self._ended is not None:
                 raise EngineProcessError(self._ended)
-        outputs = []
+        latest: dict[str, RequestOutput] = {}  # outputs are cumulative: a request's last one holds its earlier ones
         for frame in frames:
             for request_id, error in frame["rejected"]:
                 logger.error("the engine refused request %s: %s", request_id, error)
             found = [self._assembler.abort(request_id) for request_id, _ in frame["rejected"]]
             found += [self._assembler.apply(delta) for delta in frame["outputs"]]
-            outputs += [output for output in found if output is not None and (output.finished or not final_only)]
-        return outputs
+            latest.update((output.request_id, output) for output in found if output is not None)
+        return [output for output in latest.values() if output.finished or not final_only]
 
     def has_unfinished_requests(self) -> bool:
         return len(self._assembler) > 0 or bool(self._frames) or self._ended is not None
