@@ -6,8 +6,10 @@
       prepare_request here (tokenizer, limits)         (info: answered at once from this thread)
       enqueue / abort_request --frame on stdin-->    engine loop (main thread): inbox (add, abort, close)
       reader thread <--one frame per step, stdout--    -> engine.step() -> the outputs' deltas + stats
-      step(): the outputs of the frames read since     (jaxserve/engine_wire.py)
-        the last call (OutputAssembler), waiting for one
+        -> the output handler (the server's             (jaxserve/engine_wire.py)
+           ProcessBridge: to the event loop), or
+           queued for step()
+      outputs_of(frames): the frames' outputs (OutputAssembler: cumulative RequestOutputs, as the engine's)
 
 In one process the engine loop and the HTTP event loop (SSE sends, JSON, sockets) take turns at the
 interpreter lock: a step's host work waits while the event loop runs Python. Here the engine loop has
@@ -104,14 +106,13 @@ class ProcessEngineClient:
         self._assembler = OutputAssembler()  # engine thread only
         self._cond = threading.Condition()
         self._frames: deque[dict[str, Any]] = deque()  # step frames with outputs, not yet taken by step()
-        self._interrupted = False
+        self._handler = None  # takes each step frame with outputs instead of step() (set_output_handler)
         self._ended: str | None = None  # why the engine process is gone
         self._stats_frame: dict[str, Any] | None = None
         self._stats = EngineStats()
         self._pd_gauges: dict[str, Any] = hello["pd"] or {"free": 0, "open": 0, "counts": {}}
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._call_ids = itertools.count()
-        self._wake = lambda: None
         self._closed = False
         self._reader = threading.Thread(target=self._read, name="jaxserve-engine-reader", daemon=True)
         self._reader.start()
@@ -169,15 +170,18 @@ class ProcessEngineClient:
             self._send({"op": "abort", "ids": ids})
 
     def step(self, final_only: bool = False) -> list[RequestOutput]:
-        """The outputs of the engine process's steps since the last call; waits for one unless interrupted.
-        Raises EngineProcessError once the engine process is gone."""
+        """The outputs of the engine process's steps since the last call; waits for one. Raises
+        EngineProcessError once the engine process is gone."""
         with self._cond:
-            while not self._frames and not self._interrupted and self._ended is None:
+            while not self._frames and self._ended is None:
                 self._cond.wait()
             frames, self._frames = self._frames, deque()
-            self._interrupted = False
             if not frames and self._ended is not None:
                 raise EngineProcessError(self._ended)
+        return self.outputs_of(frames, final_only)
+
+    def outputs_of(self, frames, final_only: bool = False) -> list[RequestOutput]:
+        """The outputs of step frames (in order; one caller at a time): the latest of each request."""
         latest: dict[str, RequestOutput] = {}  # outputs are cumulative: a request's last one holds its earlier ones
         for frame in frames:
             for request_id, error in frame["rejected"]:
@@ -214,14 +218,19 @@ class ProcessEngineClient:
             self.process.wait()
         self._reader.join(CALL_TIMEOUT_S)
 
-    # ---- hooks (server/bridge.py) and the PD instance's surface (pd/serve.py) ----
-    def set_waker(self, wake) -> None:
-        self._wake = wake
-
-    def interrupt(self) -> None:
+    # ---- the server's ProcessBridge (server/bridge.py) and the PD instance's surface (pd/serve.py) ----
+    def set_output_handler(self, handler) -> None:
+        """From now, `handler(frame)` takes each step frame with outputs (on the reader thread; outputs_of turns
+        it into outputs), and `handler(EngineProcessError)` the engine process's end; None: back to step()."""
         with self._cond:
-            self._interrupted = True
-            self._cond.notify()
+            self._handler = handler
+            pending, self._frames = self._frames, deque()
+            ended = self._ended
+        if handler is not None:
+            for frame in pending:
+                handler(frame)
+            if ended is not None:
+                handler(EngineProcessError(ended))
 
     async def info(self) -> dict[str, Any]:
         """A PD instance's GET /pd/info body, from the engine process."""
@@ -269,9 +278,12 @@ class ProcessEngineClient:
                         self._stats_frame = header["stats"]
                         if "pd" in header:
                             self._pd_gauges = header["pd"]
-                        if header["outputs"] or header["rejected"]:
+                        handler = self._handler
+                        if (header["outputs"] or header["rejected"]) and handler is None:
                             self._frames.append(header)
                             self._cond.notify()
+                    if (header["outputs"] or header["rejected"]) and handler is not None:
+                        self._hand(handler, header)
                 elif op == "reply":
                     with self._cond:
                         future = self._calls.pop(header["id"], None)
@@ -290,10 +302,20 @@ class ProcessEngineClient:
         with self._cond:
             self._ended = reason
             calls, self._calls = self._calls, {}
+            handler = self._handler
             self._cond.notify()
         for future in calls.values():
             future.set_exception(EngineProcessError(reason))
-        self._wake()
+        if handler is not None:
+            self._hand(handler, EngineProcessError(reason))
+
+    def _hand(self, handler, item) -> None:
+        try:
+            handler(item)
+        except RuntimeError:  # (the server's event loop is closed: nobody takes outputs any more)
+            with self._cond:
+                if self._handler is handler:
+                    self._handler = None
 
 
 # ---- the engine process ----

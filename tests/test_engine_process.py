@@ -241,12 +241,22 @@ def live(config, process_engine):
 # tests above: pytest collects in definition order).
 from tests.test_server import (  # noqa: E402, F401 (tests and fixtures)
     client, http, test_bad_input, test_chat, test_completions, test_completions_several_prompts_and_n,
-    test_echo_and_logprobs, test_echo_with_logprobs_scores_the_prompt, test_engine_thread_sleeps_when_idle,
+    test_echo_and_logprobs, test_echo_with_logprobs_scores_the_prompt,
     test_models_health_metrics, test_stream_ends_with_done, test_stream_with_prompt_logprobs_zero_scores_no_prompt,
     test_streaming_chat_with_usage, test_streaming_completions_with_usage, test_tenant_is_the_api_key_whatever_the_header)
 from tests.test_server_conformance import (  # noqa: E402, F401
     test_continuous_usage_stats, test_request_id_names_the_response_and_add_special_tokens,
     test_return_tokens_as_token_ids, test_stream_chunks_carry_object_and_one_choice_each, test_tokenize_and_detokenize)
+
+
+def test_the_server_process_runs_no_engine_thread(live, client):
+    """With the engine in its own process the bridge has no engine thread: the event loop sends requests
+    and the client's reader thread hands it each step's outputs."""
+    import threading
+
+    assert client.completions.create(model="tiny-adder", prompt="12+34=", temperature=0).choices[0].text == "46"
+    names = {thread.name for thread in threading.enumerate()}
+    assert "jaxserve-engine" not in names and "jaxserve-engine-reader" in names
 
 
 def test_engine_process_death_fails_open_requests_and_health(live):

@@ -4,8 +4,9 @@
         --> middleware.Guard (head size, API key on the raw path, tenant, body size)
         --> app.py routes --> serving.py (validate, volume caps)
         --> tokenizer_pool.py: chat templates and tokenization in worker processes (tokenizer_worker.py)
-        --> bridge.EngineBridge.submit (admission: 429 full, 503 draining) --inbox--> engine thread
-        engine thread: enqueue / abort / step --call_soon_threadsafe--> per-request asyncio queues
+        --> bridge.ProcessBridge.submit (admission: 429 full, 503 draining) --frames--> the engine process
+        (jaxserve/engine_process.py); its step frames --reader thread, call_soon_threadsafe--> per-request
+        asyncio queues (server.engine_process false: bridge.EngineBridge and an engine thread instead)
         --> serving.py: JSON response, or streaming.py's SSE chunks ending in `data: [DONE]`
     metrics.py: Prometheus collectors fed by the engine thread; `GET /metrics`.
 

@@ -33,7 +33,7 @@ from starlette.responses import JSONResponse, Response
 from jaxserve.config import EngineConfig
 from jaxserve.engine_client import EngineClient
 from jaxserve.server import protocol as P
-from jaxserve.server.bridge import AdmissionError, EngineBridge
+from jaxserve.server.bridge import AdmissionError, for_engine
 from jaxserve.server.errors import ApiError, error_body
 from jaxserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from jaxserve.server.middleware import Guard
@@ -63,7 +63,7 @@ def build_app(engine: EngineClient, config: EngineConfig) -> FastAPI:
     server_config = config.server
     model_name = served_model_name(config)
     metrics = ServerMetrics(model_name)
-    bridge = EngineBridge(engine, metrics, server_config.max_queued_requests)
+    bridge = for_engine(engine, metrics, server_config.max_queued_requests)
     tokens = (None if engine.tokenizer is None else
               TokenizerPool(config.model.tokenizer or config.model.path, engine.max_model_len,
                             server_config.tokenizer_workers, server_config.tokenizer_timeout_s))

@@ -16,16 +16,21 @@ lost. Admission: requests accepted but not yet producing tokens are "queued"; mo
 An exception inside the engine fails every open request and marks the bridge dead (health 503).
 The engine is any engine client (jaxserve/engine_client.py): an Engine, a DataParallelEngine
 (parallel.data > 1), which routes the same calls to its replicas (an abort to the one holding the request),
-a PDEngine, or a ProcessEngineClient (the engine in its own process; its step() waits for that process's
-next step). Two optional engine hooks: `set_waker(fn)`: the engine calls fn when work arrives from another
-thread (PD control messages, the engine process's end), so an idle engine thread looks again;
-`interrupt()`: the bridge calls it with news in the inbox, so a step() that is waiting returns early.
+or a PDEngine, whose `set_waker(fn)` hook lets its control threads wake an idle engine thread.
+
+ProcessBridge: the same surface for an engine in its own process (ProcessEngineClient), with no engine
+thread: the event loop enqueues and aborts itself (each a frame to the engine process), and the client's
+reader thread hands each engine step's frame to the event loop, which rebuilds the outputs and delivers
+them. One thread hop per direction, none of them waiting for a third thread's turn at the GIL.
+
+    bridge.for_engine(engine, ...)  -> ProcessBridge for a ProcessEngineClient, else EngineBridge
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -116,7 +121,6 @@ class EngineBridge:
         self._tracked: dict[str, _Tracked] = {}
         if hasattr(engine, "set_waker"):
             engine.set_waker(self.wake)
-        self._interrupt = getattr(engine, "interrupt", lambda: None)
 
     # ---- event loop side ----
     def start(self) -> None:
@@ -130,7 +134,6 @@ class EngineBridge:
         with self._cond:
             self._stopping = True
             self._cond.notify()
-        self._interrupt()
         self._thread.join()
 
     def check_admission(self, num_requests: int) -> None:
@@ -161,7 +164,6 @@ class EngineBridge:
         with self._cond:
             self._inbox.extend(commands)
             self._cond.notify()
-        self._interrupt()
 
     def abort_all(self) -> None:
         """Abort every request in flight (the drain timed out): each ends with finish_reason "abort" and
@@ -241,7 +243,7 @@ class EngineBridge:
                       for _, group, index in [payload]]
             self._commands.clear()
             if batch:
-                self._loop.call_soon_threadsafe(self._deliver, batch)
+                self._hand_over(batch)
                 batch = []
             with self._cond:
                 while not self._inbox and not self._stopping:
@@ -255,7 +257,7 @@ class EngineBridge:
         try:
             self.engine.enqueue(prepared)
         except Exception as err:  # noqa: BLE001 - the request fails either way; only a ValueError is its own
-            self._loop.call_soon_threadsafe(self._deliver, [(group, index, err)])
+            self._hand_over([(group, index, err)])
             if isinstance(err, ValueError):
                 return
             raise
@@ -289,4 +291,79 @@ class EngineBridge:
                 self.metrics.record_finished(output)
             batch.append((tracked.group, tracked.index, output))
         if batch:
-            self._loop.call_soon_threadsafe(self._deliver, batch)
+            self._hand_over(batch)
+
+    def _hand_over(self, batch: list[tuple[RequestGroup, int, RequestOutput | BaseException]]) -> None:
+        """Outputs (or errors) to their groups, from the engine thread."""
+        self._loop.call_soon_threadsafe(self._deliver, batch)
+
+
+class ProcessBridge(EngineBridge):
+    """The bridge of a ProcessEngineClient: no engine thread (see the module docstring)."""
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        loop = self._loop
+        self.engine.set_output_handler(lambda item: loop.call_soon_threadsafe(self._on_frame, item))
+
+    def stop(self) -> None:
+        """Aborts what is left (its groups end with an error) and stops taking the engine's frames."""
+        self.engine.set_output_handler(None)
+        if self._tracked and self.dead is None:
+            with contextlib.suppress(Exception):  # (the engine process may be gone already)
+                self.engine.abort_request(list(self._tracked))
+        self._fail_open(RuntimeError("the server stopped before the request finished"))
+
+    def submit(self, prepared: Sequence[PreparedRequest]) -> RequestGroup:
+        self.check_admission(len(prepared))
+        group = RequestGroup(self, [p.request_id for p in prepared])
+        self.num_queued += len(prepared)
+        self.num_in_flight += len(prepared)
+        self._idle.clear()
+        for i, p in enumerate(prepared):
+            try:
+                self._add(p, group, i)
+            except Exception as err:  # noqa: BLE001 - the engine process is gone: every request fails
+                self._engine_failed(err)
+        return group
+
+    def post_abort(self, request_ids: list[str]) -> None:
+        if self.dead is None:
+            with contextlib.suppress(Exception):  # (gone: its end fails every request anyway)
+                self.engine.abort_request(request_ids)
+
+    def abort_all(self) -> None:
+        self.post_abort(list(self._tracked))
+
+    def wake(self) -> None:
+        pass
+
+    def _hand_over(self, batch: list[tuple[RequestGroup, int, RequestOutput | BaseException]]) -> None:
+        self._deliver(batch)  # (already on the event loop)
+
+    def _on_frame(self, item: dict | BaseException) -> None:
+        if isinstance(item, BaseException):
+            self._engine_failed(item)
+            return
+        self._dispatch(self.engine.outputs_of([item]))
+        self.metrics.record_step(self.engine.stats())
+
+    def _engine_failed(self, err: BaseException) -> None:
+        if self.dead is None:
+            logger.error("the engine failed; failing every open request: %s", err)
+            self.dead = err
+        self._fail_open(RuntimeError(f"engine failed: {err!r}"))
+
+    def _fail_open(self, error: BaseException) -> None:
+        batch = [(t.group, t.index, error) for t in self._tracked.values()]
+        self._tracked.clear()
+        if batch:
+            self._deliver(batch)
+
+
+def for_engine(engine: EngineClient, metrics: ServerMetrics, max_queued_requests: int) -> EngineBridge:
+    """The bridge for `engine`: a ProcessBridge for an engine in its own process, else an EngineBridge."""
+    cls = ProcessBridge if hasattr(engine, "set_output_handler") else EngineBridge
+    return cls(engine, metrics, max_queued_requests)
