@@ -39,6 +39,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections import deque
 from typing import Any, BinaryIO
 
@@ -56,6 +57,9 @@ logger = logging.getLogger(__name__)
 
 CLOSE_TIMEOUT_S = 300.0  # closing writes a KV disk tier's blocks; then the engine process is killed
 CALL_TIMEOUT_S = 10.0  # an info() call without an answer
+# A step frame carries the engine's stats (and a PD instance's gauges) when a request finished or was refused,
+# when the engine goes idle, and at least this often in between.
+STATS_INTERVAL_S = 0.05
 _F_SETPIPE_SZ, _PIPE_BYTES = 1031, 1 << 20
 
 
@@ -275,7 +279,8 @@ class ProcessEngineClient:
                 op = header["op"]
                 if op == "step":
                     with self._cond:
-                        self._stats_frame = header["stats"]
+                        if "stats" in header:
+                            self._stats_frame = header["stats"]
                         if "pd" in header:
                             self._pd_gauges = header["pd"]
                         handler = self._handler
@@ -331,6 +336,7 @@ class _EngineLoop:
         self.closing = False
         self.open: set[str] = set()  # requests enqueued, not finished
         self.deltas = OutputDeltas()
+        self.stats_sent = 0.0  # when the last frame with stats was written
         self.is_pd = hasattr(engine, "step_log")
         if hasattr(engine, "set_waker"):
             engine.set_waker(self.wake)
@@ -395,14 +401,22 @@ class _EngineLoop:
                 return
             outputs = engine.step()
             deltas = []
+            finished = False
             for output in outputs:
                 deltas.append(self.deltas.encode(output))
                 if output.finished:
                     self.open.discard(output.request_id)
-            frame = {"op": "step", "outputs": deltas, "rejected": rejected, "stats": encode_stats(engine.stats())}
-            if self.is_pd:
-                frame["pd"] = pd_gauges(engine)
-            self.write(frame)
+                    finished = True
+            frame = {"op": "step", "outputs": deltas, "rejected": rejected}
+            now = time.monotonic()
+            if (finished or rejected or now - self.stats_sent >= STATS_INTERVAL_S
+                    or not engine.has_unfinished_requests()):
+                frame["stats"] = encode_stats(engine.stats())
+                if self.is_pd:
+                    frame["pd"] = pd_gauges(engine)
+                self.stats_sent = now
+            if deltas or rejected or "stats" in frame:
+                self.write(frame)
 
 
 def pd_gauges(engine) -> dict[str, Any]:

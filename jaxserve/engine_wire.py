@@ -4,11 +4,12 @@
     server -> engine   prepared request: header {request_id, prompt, params, max_tokens, ...}, payload the
                        prompt's token ids (little-endian int32)
     engine -> server   per step, each changed request's delta against what was sent before:
-                       {"id", "fin", "cached", "m": [arrival, first token, finished] times,
+                       {"id", "fin", "cached",
                         "seqs": [[index, text_start, text, new token ids, cumulative logprob, new logprobs,
                                   finish_reason, stop_reason], ...] (changed sequences only),
+                        "m": [arrival, first token, finished] times (when they changed),
                         "pl": prompt logprobs (once, when known)}
-                       and the engine's stats (EngineStats as a JSON object)
+                       and the engine's stats (EngineStats as a JSON object; engine_process.STATS_INTERVAL_S says when)
 
 OutputDeltas (engine side) turns the engine's cumulative RequestOutputs into deltas; OutputAssembler (server
 side) turns them back into cumulative RequestOutputs, equal to the engine's, with fresh lists each time as the
@@ -43,8 +44,11 @@ def decode_prepared(header: dict[str, Any], payload: bytes) -> PreparedRequest:
                            **{name: header[name] for name in _PREPARED_FIELDS})
 
 
+_STATS_FIELDS = tuple(f.name for f in dataclasses.fields(EngineStats))
+
+
 def encode_stats(stats: EngineStats) -> dict[str, Any]:
-    data = {f.name: getattr(stats, f.name) for f in dataclasses.fields(EngineStats)}
+    data = {name: getattr(stats, name) for name in _STATS_FIELDS}
     if stats.kv_cache is not None:
         data["kv_cache"] = dataclasses.astuple(stats.kv_cache)
     return data
@@ -83,13 +87,14 @@ class OutputDeltas:
     """Engine side: the delta of each output against what was sent of its request before."""
 
     def __init__(self) -> None:
-        self._sent: dict[str, tuple[list[_Sent], list[bool]]] = {}  # request id -> (sequences, [prompt logprobs sent])
+        # request id -> (sequences, [prompt logprobs sent, times sent])
+        self._sent: dict[str, tuple[list[_Sent], list]] = {}
 
     def encode(self, output: RequestOutput) -> dict[str, Any]:
         state = self._sent.get(output.request_id)
         if state is None:
-            state = self._sent[output.request_id] = ([], [False])
-        sent, prompt_sent = state
+            state = self._sent[output.request_id] = ([], [False, None])
+        sent, request_sent = state
         while len(sent) < len(output.outputs):
             sent.append(_Sent())
         seqs = []
@@ -106,13 +111,16 @@ class OutputDeltas:
             seqs.append([seq.index, start, text[start:], new_tokens, seq.cumulative_logprob, logprobs,
                          seq.finish_reason, seq.stop_reason])
             done.text, done.num_tokens, done.finish_reason = text, len(seq.token_ids), seq.finish_reason
+        delta: dict[str, Any] = {"id": output.request_id, "fin": output.finished, "cached": output.num_cached_tokens,
+                                 "seqs": seqs}
         metrics = output.metrics
-        delta: dict[str, Any] = {
-            "id": output.request_id, "fin": output.finished, "cached": output.num_cached_tokens, "seqs": seqs,
-            "m": None if metrics is None else [metrics.arrival_time, metrics.first_token_time, metrics.finished_time]}
-        if output.prompt_logprobs is not None and not prompt_sent[0]:
+        times = None if metrics is None else (metrics.arrival_time, metrics.first_token_time, metrics.finished_time)
+        if times != request_sent[1]:
+            delta["m"] = times
+            request_sent[1] = times
+        if output.prompt_logprobs is not None and not request_sent[0]:
             delta["pl"] = [None if entry is None else _encode_logprobs(entry) for entry in output.prompt_logprobs]
-            prompt_sent[0] = True
+            request_sent[0] = True
         if output.finished:
             del self._sent[output.request_id]
         return delta
@@ -124,6 +132,7 @@ class _Request:
     prompt_token_ids: list[int]
     seqs: list[CompletionOutput]
     prompt_logprobs: list | None = None
+    times: list | None = None  # [arrival, first token, finished]
 
 
 class OutputAssembler:
@@ -150,7 +159,7 @@ class OutputAssembler:
         request = self._requests.get(request_id)
         if request is None:
             return None
-        return self.apply({"id": request_id, "fin": True, "cached": 0, "m": None, "seqs": [
+        return self.apply({"id": request_id, "fin": True, "cached": 0, "seqs": [
             [seq.index, len(seq.text), "", [], seq.cumulative_logprob, None, "abort", None]
             for seq in request.seqs if seq.finish_reason is None]})
 
@@ -169,9 +178,11 @@ class OutputAssembler:
             seq.finish_reason, seq.stop_reason = finish_reason, stop_reason
         if "pl" in delta:
             request.prompt_logprobs = [None if entry is None else _decode_logprobs(entry) for entry in delta["pl"]]
+        if "m" in delta:
+            request.times = delta["m"]
         if delta["fin"]:
             del self._requests[delta["id"]]
-        metrics = None if delta["m"] is None else RequestMetrics(*delta["m"])
+        metrics = None if request.times is None else RequestMetrics(*request.times)
         # Lists are replaced above, never changed in place: an output a consumer keeps stays as it was.
         outputs = [CompletionOutput(seq.index, seq.text, seq.token_ids, seq.cumulative_logprob, seq.logprobs,
                                     seq.finish_reason, seq.stop_reason) for seq in request.seqs]
