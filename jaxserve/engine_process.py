@@ -224,8 +224,9 @@ class ProcessEngineClient:
 
     # ---- the server's ProcessBridge (server/bridge.py) and the PD instance's surface (pd/serve.py) ----
     def set_output_handler(self, handler) -> None:
-        """From now, `handler(frame)` takes each step frame with outputs (on the reader thread; outputs_of turns
-        it into outputs), and `handler(EngineProcessError)` the engine process's end; None: back to step()."""
+        """From now, `handler(frame)` takes each step frame (on the reader thread; outputs_of turns it into
+        outputs; one with "stats" has updated stats()), and `handler(EngineProcessError)` the engine process's
+        end; None: back to step()."""
         with self._cond:
             self._handler = handler
             pending, self._frames = self._frames, deque()
@@ -287,7 +288,7 @@ class ProcessEngineClient:
                         if (header["outputs"] or header["rejected"]) and handler is None:
                             self._frames.append(header)
                             self._cond.notify()
-                    if (header["outputs"] or header["rejected"]) and handler is not None:
+                    if handler is not None:
                         self._hand(handler, header)
                 elif op == "reply":
                     with self._cond:

@@ -348,7 +348,8 @@ class ProcessBridge(EngineBridge):
             self._engine_failed(item)
             return
         self._dispatch(self.engine.outputs_of([item]))
-        self.metrics.record_step(self.engine.stats())
+        if "stats" in item:
+            self.metrics.record_step(self.engine.stats())
 
     def _engine_failed(self, err: BaseException) -> None:
         if self.dead is None:

@@ -10,6 +10,8 @@
                                                       (kv_tier_*{tier=...}, kv_swaps{direction=...})
     engine thread, per output:       record_arrival / record_tokens / record_finished
                                                    -> token counters, TTFT / ITL / E2E histograms
+    (With the engine in its own process, bridge.ProcessBridge makes these calls on the event loop, per step
+    frame of the engine process; record_step with each frame that carries stats.)
     GET /metrics:                    render() -> the expert gauges from the latest step, then the text
                                                       exposition format
 
