@@ -154,8 +154,12 @@ class EngineBridge:
         self.num_queued += len(prepared)
         self.num_in_flight += len(prepared)
         self._idle.clear()
-        self._post([("add", (p, group, i)) for i, p in enumerate(prepared)])
+        self._accept(group, prepared)
         return group
+
+    def _accept(self, group: RequestGroup, prepared: Sequence[PreparedRequest]) -> None:
+        """The admitted requests to the engine: here, to the engine thread's inbox."""
+        self._post([("add", (p, group, i)) for i, p in enumerate(prepared)])
 
     def post_abort(self, request_ids: list[str]) -> None:
         self._post([("abort", request_ids)])
@@ -316,18 +320,12 @@ class ProcessBridge(EngineBridge):
                 self.engine.abort_request(list(self._tracked))
         self._fail_open(RuntimeError("the server stopped before the request finished"))
 
-    def submit(self, prepared: Sequence[PreparedRequest]) -> RequestGroup:
-        self.check_admission(len(prepared))
-        group = RequestGroup(self, [p.request_id for p in prepared])
-        self.num_queued += len(prepared)
-        self.num_in_flight += len(prepared)
-        self._idle.clear()
+    def _accept(self, group: RequestGroup, prepared: Sequence[PreparedRequest]) -> None:
         for i, p in enumerate(prepared):
             try:
                 self._add(p, group, i)
             except Exception as err:  # noqa: BLE001 - the engine process is gone: every request fails
                 self._engine_failed(err)
-        return group
 
     def post_abort(self, request_ids: list[str]) -> None:
         if self.dead is None:
