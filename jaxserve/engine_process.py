@@ -5,7 +5,7 @@
     ProcessEngineClient, an engine client:           reader thread: frames from stdin -> the inbox
       prepare_request here (tokenizer, limits)         (info: answered at once from this thread)
       enqueue / abort_request --frame on stdin-->    engine loop (main thread): inbox (add, abort, close)
-      reader thread <--one frame per step, stdout--    -> engine.step() -> the outputs' deltas + stats
+      reader thread <--a frame per step, stdout---    -> engine.step() -> the outputs' deltas + stats
         -> the output handler (the server's             (jaxserve/engine_wire.py)
            ProcessBridge: to the event loop), or
            queued for step()
@@ -35,6 +35,7 @@ import fcntl
 import itertools
 import logging
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -60,6 +61,7 @@ CALL_TIMEOUT_S = 10.0  # an info() call without an answer
 # A step frame carries the engine's stats (and a PD instance's gauges) when a request finished or was refused,
 # when the engine goes idle, and at least this often in between.
 STATS_INTERVAL_S = 0.05
+PD_IDLE_GAUGES_S = 1.0  # an idle PD instance looks this often whether its control threads moved its gauges
 _F_SETPIPE_SZ, _PIPE_BYTES = 1031, 1 << 20
 
 
@@ -90,9 +92,15 @@ class ProcessEngineClient:
         # NOTE: subprocess (vfork + exec), never a fork of this process: JAX or uvloop threads may run here.
         self.process = subprocess.Popen([sys.executable, "-m", "jaxserve.engine_process"], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE)
-        with contextlib.suppress(OSError):  # (Linux) room for many steps' frames, so a busy server never blocks the engine
-            fcntl.fcntl(self.process.stdout.fileno(), _F_SETPIPE_SZ, _PIPE_BYTES)
-        self._write_lock = threading.Lock()
+        for pipe in (self.process.stdin, self.process.stdout):  # (Linux) room for many frames either way
+            with contextlib.suppress(OSError):
+                fcntl.fcntl(pipe.fileno(), _F_SETPIPE_SZ, _PIPE_BYTES)
+        # Frames to the engine process go through one writer thread: a sender (the event loop) never blocks
+        # on a full pipe, and frames keep their order.
+        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._write_error: str | None = None
+        self._writer = threading.Thread(target=self._write, name="jaxserve-engine-writer", daemon=True)
+        self._writer.start()
         self._send({"op": "start", "config": config.to_dict(), "log_level": log_level})
         hello = self._hello()
         self.max_model_len: int = hello["max_model_len"]
@@ -107,10 +115,10 @@ class ProcessEngineClient:
             tokenizer, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
             eos_token_ids=tuple(hello["eos_token_ids"]), max_n=sched.max_n, max_logprobs=sched.max_logprobs,
             max_banned=hello["max_banned"], seed=model.seed)
-        self._assembler = OutputAssembler()  # engine thread only
+        self._assembler = OutputAssembler()  # one thread: step()'s caller, or the output handler's (event loop)
         self._cond = threading.Condition()
         self._frames: deque[dict[str, Any]] = deque()  # step frames with outputs, not yet taken by step()
-        self._handler = None  # takes each step frame with outputs instead of step() (set_output_handler)
+        self._handler = None  # takes each step frame instead of step() (set_output_handler)
         self._ended: str | None = None  # why the engine process is gone
         self._stats_frame: dict[str, Any] | None = None
         self._stats = EngineStats()
@@ -128,7 +136,7 @@ class ProcessEngineClient:
             frame = None
         if frame is not None and frame[0]["op"] == "hello":
             return frame[0]
-        self.process.stdin.close()
+        self._outbox.put(None)
         code = self.process.wait()
         if frame is not None and frame[0]["op"] == "failed":
             error = frame[0]["error"]
@@ -159,9 +167,9 @@ class ProcessEngineClient:
     def enqueue(self, prepared: PreparedRequest) -> None:
         if prepared.request_id in self._assembler:
             raise ValueError(f"request id {prepared.request_id!r} is already in use")
-        self._assembler.add(prepared)
         header, payload = encode_prepared(prepared)
         self._send({"op": "add", **header}, payload)
+        self._assembler.add(prepared)
 
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None, **kwargs: Any) -> str:
         prepared = self.prepare_request(prompt, params, **kwargs)
@@ -185,23 +193,30 @@ class ProcessEngineClient:
         return self.outputs_of(frames, final_only)
 
     def outputs_of(self, frames, final_only: bool = False) -> list[RequestOutput]:
-        """The outputs of step frames (in order; one caller at a time): the latest of each request."""
+        """The outputs of step frames (in order; one caller at a time): the latest of each request. A request
+        the engine refused (a ValueError there) finishes with "abort"; refusals(frame) names them."""
         latest: dict[str, RequestOutput] = {}  # outputs are cumulative: a request's last one holds its earlier ones
         for frame in frames:
             for request_id, error in frame["rejected"]:
-                logger.error("the engine refused request %s: %s", request_id, error)
+                logger.warning("the engine refused request %s: %s", request_id, error)
             found = [self._assembler.abort(request_id) for request_id, _ in frame["rejected"]]
             found += [self._assembler.apply(delta) for delta in frame["outputs"]]
             latest.update((output.request_id, output) for output in found if output is not None)
         return [output for output in latest.values() if output.finished or not final_only]
 
+    @staticmethod
+    def refusals(frame: dict[str, Any]) -> list[tuple[str, ValueError]]:
+        """(request id, the engine's ValueError) of each request the engine refused in this frame."""
+        return [(request_id, ValueError(error)) for request_id, error in frame["rejected"]]
+
     def has_unfinished_requests(self) -> bool:
         return len(self._assembler) > 0 or bool(self._frames) or self._ended is not None
 
     def stats(self) -> EngineStats:
-        frame = self._stats_frame
+        with self._cond:
+            frame, self._stats_frame = self._stats_frame, None
         if frame is not None:
-            self._stats, self._stats_frame = decode_stats(frame), None
+            self._stats = decode_stats(frame)
         return self._stats
 
     def close(self) -> None:
@@ -209,11 +224,9 @@ class ProcessEngineClient:
         if self._closed:
             return
         self._closed = True
-        try:
+        with contextlib.suppress(EngineProcessError):
             self._send({"op": "close"})
-            self.process.stdin.close()
-        except EngineProcessError:
-            pass
+        self._outbox.put(None)  # the writer closes the pipe after the frames before
         try:
             self.process.wait(CLOSE_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -227,15 +240,14 @@ class ProcessEngineClient:
         """From now, `handler(frame)` takes each step frame (on the reader thread; outputs_of turns it into
         outputs; one with "stats" has updated stats()), and `handler(EngineProcessError)` the engine process's
         end; None: back to step()."""
-        with self._cond:
+        with self._cond:  # (under the lock, as the reader hands frames over: they stay in order)
             self._handler = handler
-            pending, self._frames = self._frames, deque()
-            ended = self._ended
-        if handler is not None:
-            for frame in pending:
-                handler(frame)
-            if ended is not None:
-                handler(EngineProcessError(ended))
+            if handler is not None:
+                pending, self._frames = self._frames, deque()
+                for frame in pending:
+                    self._hand(handler, frame)
+                if self._ended is not None:
+                    self._hand(handler, EngineProcessError(self._ended))
 
     async def info(self) -> dict[str, Any]:
         """A PD instance's GET /pd/info body, from the engine process."""
@@ -247,8 +259,12 @@ class ProcessEngineClient:
                 raise EngineProcessError(self._ended)
             call_id = next(self._call_ids)
             self._calls[call_id] = future
-        self._send({"op": "info", "id": call_id})
-        return await asyncio.wait_for(asyncio.wrap_future(future), CALL_TIMEOUT_S)
+        try:
+            self._send({"op": "info", "id": call_id})
+            return await asyncio.wait_for(asyncio.wrap_future(future), CALL_TIMEOUT_S)
+        finally:
+            with self._cond:
+                self._calls.pop(call_id, None)
 
     @property
     def num_free_blocks(self) -> int:
@@ -264,13 +280,21 @@ class ProcessEngineClient:
 
     # ---- the pipes ----
     def _send(self, header: dict[str, Any], payload: bytes = b"") -> None:
-        data = encode_frame(header, payload)
-        with self._write_lock:
-            try:
-                self.process.stdin.write(data)
-                self.process.stdin.flush()
-            except (OSError, ValueError) as err:  # (ValueError: the pipe was closed here)
-                raise EngineProcessError(f"the engine process is gone ({err!r}); its log says why") from None
+        """Queues a frame for the writer thread; raises EngineProcessError once writing has failed."""
+        if self._write_error is not None:
+            raise EngineProcessError(self._write_error)
+        self._outbox.put(encode_frame(header, payload))
+
+    def _write(self) -> None:
+        stdin = self.process.stdin
+        try:
+            while (data := self._outbox.get()) is not None:
+                stdin.write(data)
+                stdin.flush()
+        except (OSError, ValueError) as err:  # the engine process is gone; the reader reports its end
+            self._write_error = f"the engine process is gone ({err!r}); its log says why"
+        with contextlib.suppress(OSError):
+            stdin.close()
 
     def _read(self) -> None:
         reason = None
@@ -284,49 +308,54 @@ class ProcessEngineClient:
                             self._stats_frame = header["stats"]
                         if "pd" in header:
                             self._pd_gauges = header["pd"]
-                        handler = self._handler
-                        if (header["outputs"] or header["rejected"]) and handler is None:
+                        if self._handler is not None:
+                            self._hand(self._handler, header)
+                        elif header["outputs"] or header["rejected"]:
                             self._frames.append(header)
                             self._cond.notify()
-                    if handler is not None:
-                        self._hand(handler, header)
                 elif op == "reply":
                     with self._cond:
                         future = self._calls.pop(header["id"], None)
-                    if future is not None and "error" in header:
-                        future.set_exception(EngineProcessError(header["error"]))
-                    elif future is not None:
-                        future.set_result(header["value"])
+                    if future is not None and not future.done():  # (not given up on: info() timed out)
+                        if "error" in header:
+                            future.set_exception(EngineProcessError(header["error"]))
+                        else:
+                            future.set_result(header["value"])
                 elif op == "fatal":
                     reason = f"engine failed: {header['error']}"
-        except (OSError, EOFError, ValueError) as err:
+                    self.process.kill()  # its requests fail now, not after its interpreter's shutdown
+                    break
+        except Exception as err:  # noqa: BLE001 - any broken frame ends the engine process's use
             reason = f"reading the engine process's output failed: {err!r}"
-        code = self.process.wait()
-        reason = reason or f"the engine process exited with code {code} (its log above says why)"
-        if not self._closed:
-            logger.error("%s", reason)
-        with self._cond:
-            self._ended = reason
-            calls, self._calls = self._calls, {}
-            handler = self._handler
-            self._cond.notify()
-        for future in calls.values():
-            future.set_exception(EngineProcessError(reason))
-        if handler is not None:
-            self._hand(handler, EngineProcessError(reason))
+            self.process.kill()
+        finally:
+            code = self.process.wait()
+            reason = reason or f"the engine process exited with code {code} (its log above says why)"
+            if not self._closed:
+                logger.error("%s", reason)
+            with self._cond:
+                self._ended = reason
+                calls, self._calls = self._calls, {}
+                if self._handler is not None:
+                    self._hand(self._handler, EngineProcessError(reason))
+                self._cond.notify()
+            for future in calls.values():
+                if not future.done():
+                    future.set_exception(EngineProcessError(reason))
 
     def _hand(self, handler, item) -> None:
+        """`handler(item)` (under self._cond); a handler that fails (the server's event loop closed) is dropped."""
         try:
             handler(item)
-        except RuntimeError:  # (the server's event loop is closed: nobody takes outputs any more)
-            with self._cond:
-                if self._handler is handler:
-                    self._handler = None
+        except Exception:  # noqa: BLE001 - nobody takes outputs any more
+            if self._handler is handler:
+                self._handler = None
 
 
 # ---- the engine process ----
 class _EngineLoop:
-    """The engine process's loop: commands from the server, steps, one frame per step."""
+    """The engine process's loop: commands from the server, steps, a frame after each step with something
+    to report (outputs, refusals, stats)."""
 
     def __init__(self, engine, inp: BinaryIO, out: BinaryIO):
         self.engine = engine
@@ -338,6 +367,7 @@ class _EngineLoop:
         self.open: set[str] = set()  # requests enqueued, not finished
         self.deltas = OutputDeltas()
         self.stats_sent = 0.0  # when the last frame with stats was written
+        self.gauges_sent: dict[str, Any] | None = None  # a PD instance's, in the last frame with them
         self.is_pd = hasattr(engine, "step_log")
         if hasattr(engine, "set_waker"):
             engine.set_waker(self.wake)
@@ -378,7 +408,8 @@ class _EngineLoop:
         while True:
             with self.cond:
                 while not self.inbox and not self.closing and not engine.has_unfinished_requests():
-                    self.cond.wait()
+                    if not self.cond.wait(PD_IDLE_GAUGES_S if self.is_pd else None):
+                        self._idle_gauges()
                 commands, self.inbox = self.inbox, []
                 closing = self.closing
             rejected = []
@@ -414,10 +445,18 @@ class _EngineLoop:
                     or not engine.has_unfinished_requests()):
                 frame["stats"] = encode_stats(engine.stats())
                 if self.is_pd:
-                    frame["pd"] = pd_gauges(engine)
+                    frame["pd"] = self.gauges_sent = pd_gauges(engine)
                 self.stats_sent = now
             if deltas or rejected or "stats" in frame:
                 self.write(frame)
+
+    def _idle_gauges(self) -> None:
+        """An idle PD instance's gauges, when its control threads changed them (a failed transfer's count)."""
+        gauges = pd_gauges(self.engine)
+        if gauges != self.gauges_sent:
+            self.gauges_sent = gauges
+            self.write({"op": "step", "outputs": [], "rejected": [], "stats": encode_stats(self.engine.stats()),
+                        "pd": gauges})
 
 
 def pd_gauges(engine) -> dict[str, Any]:
@@ -435,14 +474,13 @@ def _facts(engine, config: EngineConfig) -> dict[str, Any]:
 
 
 def _die_with_parent() -> None:
-    """Linux: the kernel kills this process when the server process dies (as an engine thread would die with
-    it), so a killed server never leaves its engine serving KV transfers or holding the device."""
+    """Linux: the kernel kills this process when the server's thread that started it ends (with the server
+    process, as an engine thread would die), so a killed server never leaves its engine serving KV transfers
+    or holding the device. (A server that died before this took effect closed the stdin pipe: the loop ends.)"""
     if sys.platform.startswith("linux"):
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() == 1:  # the server died before that took effect
-        os._exit(1)
 
 
 def main() -> int:

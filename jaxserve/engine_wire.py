@@ -152,7 +152,8 @@ class OutputAssembler:
         with_logprobs = params.logprobs is not None
         seqs = [CompletionOutput(i, "", [], 0.0 if with_logprobs else None, [] if with_logprobs else None)
                 for i in range(params.n)]
-        self._requests[prepared.request_id] = _Request(prepared.prompt, prepared.prompt_token_ids, seqs)
+        self._requests[prepared.request_id] = _Request(prepared.prompt, prepared.prompt_token_ids, seqs,
+                                                       times=[prepared.arrival_time, None, None])
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """The request finished with "abort" where it stands (the engine refused it)."""

@@ -197,6 +197,82 @@ def test_a_request_id_in_use_is_refused(process_engine):
         process_engine.step()
 
 
+def test_a_call_given_up_on_and_a_stopped_engine_leave_the_client_working(process_engine):
+    """An info() call cancelled before its answer (here an error: not a PD instance) leaves the reader
+    running; frames sent while the engine process is stopped (3 MB, past any pipe's room) do not block the
+    sender; afterwards requests complete."""
+    import asyncio
+
+    async def give_up():
+        task = asyncio.ensure_future(process_engine.info())
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(give_up())
+    with pytest.raises(Exception, match="info"):
+        asyncio.run(process_engine.info())  # answered (an error), so the reader read the late answer first
+    os.kill(process_engine.process.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        process_engine._send({"op": "ignored"}, b"x" * (3 << 20))
+        assert time.monotonic() - started < 1.0
+    finally:
+        os.kill(process_engine.process.pid, signal.SIGCONT)
+    got = _run(process_engine, [("after-stop", "12+34=", SamplingParams(temperature=0, max_tokens=4))])
+    assert got["after-stop"][-1].outputs[0].text == "46"
+
+
+def test_process_bridge_fails_a_refused_request_with_the_engines_message():
+    """A request the engine process refused (a ValueError in its enqueue) fails with that message on its
+    group, as the engine thread's refusal does; the group's other request carries on."""
+    import asyncio
+
+    from jaxserve.engine_process import ProcessEngineClient
+    from jaxserve.server.bridge import ProcessBridge
+    from jaxserve.server.metrics import ServerMetrics
+
+    class Client:  # what ProcessBridge calls of a ProcessEngineClient
+        def __init__(self):
+            self.handler, self.sent, self.assembler = None, [], OutputAssembler()
+
+        def set_output_handler(self, handler):
+            self.handler = handler
+
+        def enqueue(self, prepared):
+            self.sent.append(prepared.request_id)
+            self.assembler.add(prepared)
+
+        def abort_request(self, request_ids):
+            pass
+
+        refusals = staticmethod(ProcessEngineClient.refusals)
+
+        def outputs_of(self, frames):
+            return [o for f in frames for o in map(self.assembler.apply, f["outputs"]) if o is not None]
+
+        def stats(self):
+            return EngineStats()
+
+    async def run():
+        client = Client()
+        bridge = ProcessBridge(client, ServerMetrics("m"), 8)
+        bridge.start()
+        group = bridge.submit([_prepared("a"), _prepared("b")])
+        assert client.sent == ["a", "b"] and bridge.num_in_flight == 2
+        refusal = "prompt_logprobs is not supported with parallel.expert > 1"
+        client.handler({"op": "step", "rejected": [["a", refusal]], "stats": encode_stats(EngineStats()),
+                        "outputs": [{"id": "b", "fin": True, "cached": 0, "m": [1.0, 2.0, 3.0],
+                                     "seqs": [[0, 0, "46", [8, 10], None, None, "stop", None]]}]})
+        with pytest.raises(ValueError, match="not supported"):
+            async for _ in group:
+                pass
+        assert bridge.num_in_flight == 0 and not bridge._tracked
+
+    asyncio.run(run())
+
+
 def test_a_refused_configuration_fails_the_start_with_its_message():
     from jaxserve.engine_process import ProcessEngineClient
 

@@ -38,6 +38,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 
 from jaxserve.engine_client import EngineClient, PreparedRequest
+from jaxserve.engine_process import EngineProcessError
 from jaxserve.outputs import RequestOutput
 from jaxserve.server.metrics import ServerMetrics
 
@@ -324,8 +325,10 @@ class ProcessBridge(EngineBridge):
         for i, p in enumerate(prepared):
             try:
                 self._add(p, group, i)
-            except Exception as err:  # noqa: BLE001 - the engine process is gone: every request fails
+            except EngineProcessError as err:  # the engine process is gone: every request fails
                 self._engine_failed(err)
+            except Exception:  # noqa: BLE001 - that request failed with it (_add delivered the error)
+                logger.exception("sending request %s to the engine process failed", p.request_id)
 
     def post_abort(self, request_ids: list[str]) -> None:
         if self.dead is None:
@@ -345,9 +348,18 @@ class ProcessBridge(EngineBridge):
         if isinstance(item, BaseException):
             self._engine_failed(item)
             return
-        self._dispatch(self.engine.outputs_of([item]))
-        if "stats" in item:
-            self.metrics.record_step(self.engine.stats())
+        try:
+            # A request the engine refused fails with its ValueError, as the engine thread's enqueue would.
+            refused = [(tracked.group, tracked.index, err) for request_id, err in self.engine.refusals(item)
+                       if (tracked := self._tracked.pop(request_id, None)) is not None]
+            self._dispatch(self.engine.outputs_of([item]))
+            if refused:
+                self._deliver(refused)
+            if "stats" in item:
+                self.metrics.record_step(self.engine.stats())
+        except Exception as err:  # noqa: BLE001 - as an engine thread's failure: every open request fails
+            logger.exception("taking the engine's outputs failed")
+            self._engine_failed(err)
 
     def _engine_failed(self, err: BaseException) -> None:
         if self.dead is None:
