@@ -85,7 +85,8 @@ def build_engine(config: EngineConfig, progress: bool = True):
 
 
 class ProcessEngineClient:
-    """An engine client whose engine runs in a child process (see the module docstring)."""
+    """An engine client whose engine runs in a child process (see the module docstring). Build it on a thread
+    that lives as long as it (the main thread): the child is killed when that thread ends."""
 
     def __init__(self, config: EngineConfig, log_level: str = "info"):
         self.config = config

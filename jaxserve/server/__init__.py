@@ -8,7 +8,7 @@
         (jaxserve/engine_process.py); its step frames --reader thread, call_soon_threadsafe--> per-request
         asyncio queues (server.engine_process false: bridge.EngineBridge and an engine thread instead)
         --> serving.py: JSON response, or streaming.py's SSE chunks ending in `data: [DONE]`
-    metrics.py: Prometheus collectors fed by the engine thread; `GET /metrics`.
+    metrics.py: Prometheus collectors fed by the bridge after each step; `GET /metrics`.
 
 Only this package and jaxserve/bench/serve.py import fastapi, uvicorn, pydantic or prometheus_client.
 """

@@ -82,7 +82,7 @@ def build_app(engine: EngineClient, config: EngineConfig) -> FastAPI:
             yield
         finally:
             bridge.stop()
-            engine.close()  # (the engine thread has ended: nothing steps it any more)
+            engine.close()  # (the bridge has stopped: nothing steps the engine any more)
             if tokens is not None:
                 await tokens.close()
             serving.close()

@@ -55,7 +55,7 @@ class AdmissionError(Exception):
 
 @dataclasses.dataclass(slots=True)
 class _Tracked:
-    """Engine-thread state of one submitted request."""
+    """The bridge's state of one submitted request (the engine thread's; a ProcessBridge's event loop's)."""
 
     group: RequestGroup
     index: int
@@ -116,7 +116,7 @@ class EngineBridge:
         self._cond = threading.Condition()
         self._inbox: list[tuple[str, object]] = []
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
+        self._thread: threading.Thread | None = None  # the engine thread, from start()
         # Engine-thread state.
         self._commands: collections.deque[tuple[str, object]] = collections.deque()  # taken from the inbox
         self._tracked: dict[str, _Tracked] = {}
@@ -128,6 +128,7 @@ class EngineBridge:
         self._loop = asyncio.get_running_loop()
         self._idle = asyncio.Event()
         self._idle.set()
+        self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
@@ -135,7 +136,8 @@ class EngineBridge:
         with self._cond:
             self._stopping = True
             self._cond.notify()
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
 
     def check_admission(self, num_requests: int) -> None:
         """Raise AdmissionError unless `num_requests` more requests would be accepted now."""

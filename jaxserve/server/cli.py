@@ -125,7 +125,7 @@ def main(argv: list[str]) -> int:
         logger.info("process %d follows process 0's steps", config.parallel.process_id)
         run_follower(config)
         return 0
-    from jaxserve.engine_process import ProcessEngineClient, build_engine
+    from jaxserve.engine_process import EngineProcessError, ProcessEngineClient, build_engine
 
     try:
         if config.server.engine_process and config.parallel.num_processes == 1:
@@ -135,6 +135,9 @@ def main(argv: list[str]) -> int:
     except ValueError as err:  # a combination the engine refuses, named
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except EngineProcessError as err:  # the engine process failed to start (its log above says why)
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     if config.scheduler.policy == "fcfs" and config.server.tenant_header:
         logger.info("scheduler.policy is fcfs: tenants are recorded but not scheduled fairly (set policy: fair)")
     if config.server.api_key and config.server.tenant_header:
