@@ -11,6 +11,11 @@ head (random), greedy: the tokens must not change. The rows cover every pair of 
 two fixtures rather than the full product, which would cost minutes of compiling. A mechanism added later
 (KV tiers, FP8, the flash prefill of long chunks) gets a column here; a combination that cannot work is refused at start, and
 its row asserts the message.
+
+The server's mechanisms compose with these in their own suites: the engine in its own process
+(`server.engine_process`) with prefix caching, n > 1, logprobs, data parallelism and KV tiers in
+test_engine_process.py; prefill/decode roles (all four instances in engine processes) with n-gram
+speculation and transfers on both paths in test_pd_router.py.
 """
 
 from __future__ import annotations
