@@ -4,11 +4,11 @@
     --------------                                   --------------
     ProcessEngineClient, an engine client:           reader thread: frames from stdin -> the inbox
       prepare_request here (tokenizer, limits)         (info: answered at once from this thread)
-      enqueue / abort_request --frame on stdin-->    engine loop (main thread): inbox (add, abort, close)
-      reader thread <--a frame per step, stdout---    -> engine.step() -> the outputs' deltas + stats
-        -> the output handler (the server's             (jaxserve/engine_wire.py)
-           ProcessBridge: to the event loop), or
-           queued for step()
+      enqueue / abort_request -> writer thread       engine loop (main thread): inbox (add, abort, close)
+        --frames on stdin-->                           -> engine.step() -> the outputs' deltas, refusals,
+      reader thread <--a frame per step with news,     stats (jaxserve/engine_wire.py)
+        stdout-- -> the output handler (the server's
+           ProcessBridge: to the event loop), or queued for step()
       outputs_of(frames): the frames' outputs (OutputAssembler: cumulative RequestOutputs, as the engine's)
 
 In one process the engine loop and the HTTP event loop (SSE sends, JSON, sockets) take turns at the
@@ -18,8 +18,9 @@ its interpreter to itself; the server process only reads frames and serves HTTP.
 Start: the server writes {"op": "start", "config", "log_level"}; the engine process builds the engine
 (build_engine: Engine, DataParallelEngine, PDEngine for a PD role) and answers {"op": "hello", ...facts}
 or {"op": "failed", "error", "kind"}, which the server raises (ValueError for a bad configuration).
-Failure: an exception in the engine loop is sent as {"op": "fatal"} and the engine process exits; its end,
-for any reason (crash, kill), makes step() raise, which fails every open request and turns /health to 503.
+Failure: an exception in the engine loop is sent as {"op": "fatal"} (the server then kills the engine
+process); its end, for any reason (crash, kill), reaches the output handler (or makes step() raise), which
+fails every open request and turns /health to 503.
 Shutdown: close() sends {"op": "close"}; the engine process aborts what is left, closes its engine (a KV
 disk tier is written) and exits. It also ends when its stdin closes, and is killed when the server process
 dies (Linux: PR_SET_PDEATHSIG), as an engine thread would die with it. It ignores SIGINT and SIGTERM, which
