@@ -117,7 +117,14 @@ class Router:
 
     async def pick_decode(self, exclude: set[str], headers: dict) -> Instance | None:
         for instance in sorted((d for d in self.decode if d.up and d.url not in exclude), key=lambda d: d.in_flight):
-            if await self._kv_address(instance, headers) is not None:
+            # Counted while its KV address is looked up: a burst of requests before any address is known
+            # spreads over the instances instead of all waiting for the first one's.
+            instance.in_flight += 1
+            try:
+                address = await self._kv_address(instance, headers)
+            finally:
+                instance.in_flight -= 1
+            if address is not None:
                 return instance
         return None
 
