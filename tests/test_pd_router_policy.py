@@ -1,7 +1,8 @@
 """The router's choices against fake instances (httpx mock transport, no processes): a decode instance out
 of blocks sends the request elsewhere; all of them out of blocks makes it wait, then queue on the least
 loaded one without a transfer (never dropped); a decode instance gone before answering is retried on
-another; a prefill instance's 4xx is the client's answer."""
+another; a prefill instance's 4xx is the client's answer; a burst of requests while the decode instances'
+KV addresses are still being asked for spreads over them."""
 
 from __future__ import annotations
 
@@ -124,3 +125,22 @@ def test_router_has_the_servers_guard_validation_health_and_metrics():
                 instance.mark_down("test")
             assert (await client.get("/health")).status_code == 503
     asyncio.run(go())
+
+
+def test_a_burst_before_any_kv_address_is_known_spreads_over_the_decode_instances():
+    """Concurrent requests arriving while the router still asks the decode instances for their KV addresses
+    (/pd/info answers slowly) go to both instances, not all to the first one's."""
+    async def go():
+        async def slow_info(request: httpx.Request) -> httpx.Response:
+            if request.url.path == "/pd/info":
+                await asyncio.sleep(0.05)
+            return _handler(set(), calls)(request)
+
+        router = Router(["http://p1"], list(DECODES), None, transfer_timeout_s=0.3)
+        router.client = httpx.AsyncClient(transport=httpx.MockTransport(slow_info))
+        return await asyncio.gather(*(router.pick_decode(set(), {}) for _ in range(8)))
+
+    calls = []
+    picked = asyncio.run(go())
+    assert {instance.url for instance in picked} == set(DECODES)
+    assert all(instance.in_flight == 0 for instance in picked)  # (the caller counts its request itself)
