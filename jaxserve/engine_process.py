@@ -43,6 +43,7 @@ import sys
 import threading
 import time
 from collections import deque
+from pathlib import Path
 from typing import Any, BinaryIO
 
 from jaxserve.config import EngineConfig
@@ -57,6 +58,7 @@ from jaxserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
+_PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)  # the engine process imports this jaxserve
 CLOSE_TIMEOUT_S = 300.0  # closing writes a KV disk tier's blocks; then the engine process is killed
 CALL_TIMEOUT_S = 10.0  # an info() call without an answer
 # A step frame carries the engine's stats (and a PD instance's gauges) when a request finished or was refused,
@@ -92,8 +94,12 @@ class ProcessEngineClient:
     def __init__(self, config: EngineConfig, log_level: str = "info"):
         self.config = config
         # NOTE: subprocess (vfork + exec), never a fork of this process: JAX or uvloop threads may run here.
-        self.process = subprocess.Popen([sys.executable, "-m", "jaxserve.engine_process"], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE)
+        # `-P` and this package's root first on the path: the child imports this jaxserve, never one that
+        # happens to be in the working directory (which it keeps: the config's relative paths are from there).
+        path = os.pathsep.join([_PACKAGE_ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])
+        self.process = subprocess.Popen([sys.executable, "-P", "-m", "jaxserve.engine_process"],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        env={**os.environ, "PYTHONPATH": path})
         for pipe in (self.process.stdin, self.process.stdout):  # (Linux) room for many frames either way
             with contextlib.suppress(OSError):
                 fcntl.fcntl(pipe.fileno(), _F_SETPIPE_SZ, _PIPE_BYTES)

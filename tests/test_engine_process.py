@@ -273,9 +273,14 @@ def test_process_bridge_fails_a_refused_request_with_the_engines_message():
     asyncio.run(run())
 
 
-def test_a_refused_configuration_fails_the_start_with_its_message():
+def test_a_refused_configuration_fails_the_start_with_its_message(tmp_path, monkeypatch):
+    """The engine's own ValueError, from an engine process started in a directory holding another
+    `jaxserve` package (which it must not import: it would fail otherwise)."""
     from jaxserve.engine_process import ProcessEngineClient
 
+    (tmp_path / "jaxserve").mkdir()
+    (tmp_path / "jaxserve" / "__init__.py").write_text("raise ImportError('the working directory's jaxserve')\n")
+    monkeypatch.chdir(tmp_path)
     config = server_config(**{"speculative.method": "ngram", "speculative.num_speculative_tokens": 2,
                               "speculative.synthetic_acceptance": 0.5})
     with pytest.raises(ValueError, match="bench-only"):
