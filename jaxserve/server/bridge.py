@@ -1,4 +1,5 @@
-"""The async bridge: the engine loop in its own thread, fed by the HTTP event loop.
+"""The async bridges between the HTTP event loop and the engine. EngineBridge: the engine loop in a thread of
+this process, fed by the event loop (below); ProcessBridge: the engine in its own process (further below).
 
     event loop                                    engine thread (the only caller of engine mutators)
     ----------                                    -------------
