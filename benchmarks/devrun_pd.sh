@@ -20,8 +20,8 @@
 #       every server precompiles its step shapes before it answers /health (a shape compiled on first use
 #       would show as a TTFT and ITL spike). The steps' time limits are shares of DEADLINE.
 # The summary (both JSONs side by side, and the decode instance's /pd/info step log after the mixed run:
-# how many of its slowest steps came at or after a block install) is printed last and written to
-# $OUT/summary.json.
+# how many of its slowest steps came at or after a block install) is printed and written to
+# $OUT/summary.json; then, last, one line per mixed run and per decode step log.
 #   GPUS=2 bash benchmarks/devrun_pd.sh  on a machine of two GPUs: the prefill side (sender, prefill instance)
 #       on GPU 0 and the decode side (receiver, decode instance) on GPU 1 (CUDA_VISIBLE_DEVICES), each with a
 #       whole GPU's memory (gpu_memory_utilization 0.9); (a) adds a plain peer copy GPU 0 -> GPU 1 of the same
@@ -253,3 +253,19 @@ for suffix in [n[len("pd"):] for n in paced] + [""]:  # each decode instance's s
         summary[f"decode_steps{suffix}"] = None
 print(json.dumps(summary, indent=1))
 EOF
+# The mixed runs and decode step logs in one line each, last
+$PY - "$OUT/summary.json" <<'PYEOF'
+import json, sys
+summary = json.load(open(sys.argv[1]))
+for name, run in summary.items():
+    if name.startswith("mixed_") and run:
+        print(f"{name:18s} ITL p50 {run['itl_p50_ms']:.2f} / p99 {run['itl_p99_ms']:.2f} ms "
+              f"({run['itl_p99_ms'] / run['itl_p50_ms']:.2f}x)  TTFT short p50 {run['ttft_short_p50_ms']:.1f}, long "
+              f"p50 / p99 {run['ttft_long_p50_ms']:.0f} / {run['ttft_long_p99_ms']:.0f} ms  "
+              f"{run['output_tokens_per_s']:.0f} tok/s  errors {run['errors']}")
+    elif name.startswith("decode_steps") and run:
+        steps, install = run["step_ms"], run.get("install_ms") or {}
+        print(f"{name:18s} {run['count']} steps p50 / p90 / p99 {steps['p50']:.2f} / {steps['p90']:.2f} / "
+              f"{steps['p99']:.2f} ms  install p50 {install.get('p50', 0):.2f} ms  slowest 1%: "
+              + ", ".join(f"{k} {v:.1f}" for k, v in run["split_ms"]["slowest"].items()) + " ms")
+PYEOF
