@@ -50,7 +50,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine_client import EngineStats, PreparedRequest, PromptType
 from jaxserve.engine_wire import (OutputAssembler, OutputDeltas, decode_prepared, decode_stats, encode_prepared,
                                   encode_stats)
-from jaxserve.framing import encode_frame, read_frame
+from jaxserve.framing import claim_stdout, encode_frame, read_frame
 from jaxserve.input_processor import InputProcessor
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
@@ -495,9 +495,7 @@ def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _die_with_parent()
-    # Frames own the real stdout; anything else printed goes to stderr.
-    out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    out = claim_stdout()  # the frames'; anything else printed goes to stderr
     inp = sys.stdin.buffer
     frame = read_frame(inp)
     if frame is None:

@@ -8,7 +8,9 @@ only, never pickle: a frame never makes the reader run code.
 from __future__ import annotations
 
 import json
+import os
 import struct
+import sys
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -36,6 +38,14 @@ def read_frame(stream: BinaryIO) -> tuple[dict[str, Any], bytes] | None:
     if len(header) != header_len or len(payload) != payload_len:
         raise EOFError("truncated frame")
     return json.loads(header), payload
+
+
+def claim_stdout() -> BinaryIO:
+    """For a child process that answers in frames on its stdout: the real stdout, for the frames; anything
+    else printed (or logged) from now goes to stderr."""
+    out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    return out
 
 
 def ids_to_bytes(ids: list[int]) -> bytes:

@@ -27,7 +27,7 @@ import signal
 import sys
 from typing import Any, BinaryIO
 
-from jaxserve.framing import bytes_to_ids, encode_frame, ids_to_bytes, read_frame
+from jaxserve.framing import bytes_to_ids, claim_stdout, encode_frame, ids_to_bytes, read_frame
 
 NICENESS = 5  # the engine loop and the HTTP event loop come first when cores are scarce
 
@@ -107,9 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.nice(NICENESS)
-    # Frames own the real stdout; anything else printed goes to stderr.
-    out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    out = claim_stdout()  # the frames'; anything else printed goes to stderr
     try:
         worker = Worker(args.tokenizer, args.max_model_len)
     except Exception as err:  # noqa: BLE001 - reported to the server, which fails to start with it
