@@ -32,6 +32,10 @@
 #       kernels run side by side instead of time-slicing the GPU; the prefill instance is held to
 #       PREFILL_SM_PERCENT (default 60) of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), the decode instance
 #       takes any. Where nvidia-cuda-mps-control is missing, the mode says so and stops.
+#       MPS_VARIANTS="PCT[:PRIO] ..." runs the disaggregated pair once per variant (-> mixed_pd_mpsPCTpPRIO.json,
+#       decode_info_mpsPCTpPRIO.json): the prefill instance at PCT% of the SMs and MPS client priority PRIO
+#       (CUDA_MPS_CLIENT_PRIORITY: 0 normal, 1 below normal, so the decode instance's kernels are scheduled
+#       first); COLOCATED=0 skips the colocated run. The runs share the deadline evenly.
 #   bash benchmarks/devrun_pd.sh pacing  (b2) only, once per value N of PACING (default "0"; at most two fit
 #       the deadline beside the default): the decode instance with server.kv_install_blocks_per_step N
 #       (0: each transfer's blocks at once) -> mixed_pd_N.json, decode_info_N.json, then paced at the
@@ -107,8 +111,9 @@ if [ "$MODE" = mps ]; then
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
   nvidia-cuda-mps-control -d || { echo "mps: the control daemon did not start"; exit 1; }
   trap 'cleanup; echo quit | nvidia-cuda-mps-control' EXIT
+  PREFILL_BASE_ENV=("${PREFILL_ENV[@]}")
   PREFILL_ENV+=("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=${PREFILL_SM_PERCENT:-60}")
-  echo "== mps: control daemon started (prefill instance at ${PREFILL_SM_PERCENT:-60}% of the SMs)"
+  echo "== mps: control daemon started (prefill instance at ${PREFILL_SM_PERCENT:-60}% of the SMs${MPS_VARIANTS:+; variants $MPS_VARIANTS})"
 elif [ "$MODE" != all ] && [ "$MODE" != pacing ] && [ "$MODE" != ab ] && [ "$MODE" != pd ] \
     && [ "$MODE" != process ]; then
   echo "unknown mode $MODE: all, mps, pacing, ab, pd or process"; exit 2
@@ -145,7 +150,7 @@ MIXED="$PY benchmarks/pd_bench.py mixed --streams $STREAMS --short-len $SHORT --
   --long-len $LONG --rate $RATE --duration $DURATION --vocab $VOCAB"
 
 # (b1) colocated
-[ "$MODE" = pacing ] || [ "$MODE" = ab ] || [ "$MODE" = pd ] || [ "$MODE" = process ] || {
+[ "$MODE" = pacing ] || [ "$MODE" = ab ] || [ "$MODE" = pd ] || [ "$MODE" = process ] || [ "${COLOCATED:-1}" = 0 ] || {
 echo "== ${SECONDS}s: mixed, colocated"
 P=$(port)
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 $SERVE --config "$W/full.yaml" "${COLOCATED_FLAGS[@]}" --port "$P" \
@@ -232,7 +237,16 @@ fi
 if [ "$MODE" = process ]; then
   pd_run pd_thread $((DEADLINE / 2)) --engine-process false
 fi
-pd_run pd 5
+if [ "$MODE" = mps ] && [ -n "${MPS_VARIANTS:-}" ]; then
+  set -- $MPS_VARIANTS; left=$#
+  for variant in "$@"; do
+    pct=${variant%%:*} prio=0; [ "$pct" = "$variant" ] || prio=${variant#*:}
+    PREFILL_ENV=("${PREFILL_BASE_ENV[@]}" "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$pct" "CUDA_MPS_CLIENT_PRIORITY=$prio")
+    left=$((left - 1)); pd_run "pd_mps${pct}p$prio" $(((DEADLINE - SECONDS) * left / (left + 1) + 5))
+  done
+else
+  pd_run pd 5
+fi
 
 echo "== ${SECONDS}s: done"
 tar -czf "$OUT/pd_logs.tar.gz" -C "$OUT" work
