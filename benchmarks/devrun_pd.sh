@@ -58,6 +58,9 @@
 #       spy_summary_NAME.txt, printed. The instance starts through benchmarks/ptraceable.py so that a
 #       sibling may attach (under py-spy from the start, the native sampling of its XLA compile threads
 #       stretches start-up to minutes).
+#   LOCAL_PREFILL=N (any mode with b2): the router runs with --local-prefill-max-tokens N, so prompts of at
+#       most N tokens (the steady streams' 64-token prompts at N >= 65) are prefilled on the decode instance
+#       without a KV transfer, only the long prompts through the prefill instance
 #   PREFILL_CHUNK=N (any mode): the prefill instance's steps hold at most N tokens (max_num_batched_tokens,
 #       token rungs up to N), so a long prompt is prefilled in N-token chunks: shorter kernels for the decode
 #       instance to wait behind on a shared GPU
@@ -194,7 +197,7 @@ pd_run() {
     > "$W/prefill${name#pd}.log" 2>&1 &
   PIDS+=($!); PF=$!
   $PY -m jaxserve.cli router --prefill "http://127.0.0.1:$PP" --decode "http://127.0.0.1:$DP" --port "$RP" \
-    --log-level warning > "$W/router${name#pd}.log" 2>&1 &
+    ${LOCAL_PREFILL:+--local-prefill-max-tokens $LOCAL_PREFILL} --log-level warning > "$W/router${name#pd}.log" 2>&1 &
   PIDS+=($!)
   if wait_up "http://127.0.0.1:$DP" $D 300 && wait_up "http://127.0.0.1:$PP" $PF 300; then
     if [ -n "${SPY_DECODE:-}" ]; then  # the engine loop: the decode instance's engine process, else its server
@@ -208,6 +211,8 @@ pd_run() {
       --json "$OUT/mixed_$name.json" > "$W/mixed_$name.log" 2>&1 \
       || { echo "   disaggregated run failed"; tail -5 "$W/mixed_$name.log"; }
     curl -s "http://127.0.0.1:$DP/pd/info" > "$OUT/decode_info${name#pd}.json"
+    curl -s "http://127.0.0.1:$RP/metrics" | grep '^jaxserve:router_events' > "$OUT/router_events_$name.txt"
+    echo "   router: $(sed 's/jaxserve:router_events{event="\(.*\)"} \(.*\)/\1 \2/' "$OUT/router_events_$name.txt" | xargs)"
     if [ -n "${SPY_DECODE:-}" ]; then
       timeout 60 tail --pid=$SPY -f /dev/null; tail -2 "$W/spy_$name.log"
       $PY benchmarks/spy_summary.py "$OUT/spy_decode_$name.txt" --states --under _advance_installs --under PDEngine.step \

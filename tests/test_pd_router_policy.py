@@ -10,6 +10,7 @@ import asyncio
 import json
 
 import httpx
+import pytest
 from starlette.requests import Request
 
 from jaxserve.pd.router import Router
@@ -144,3 +145,73 @@ def test_a_burst_before_any_kv_address_is_known_spreads_over_the_decode_instance
     picked = asyncio.run(go())
     assert {instance.url for instance in picked} == set(DECODES)
     assert all(instance.in_flight == 0 for instance in picked)  # (the caller counts its request itself)
+
+
+def _counting_handler(calls: list, tokenize_status: int = 200):
+    """_handler's instances, whose /tokenize counts a prompt's characters as its tokens (a chat: the
+    characters of its messages' contents) and records what it was asked."""
+    inner = _handler(set(), calls)
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/tokenize":
+            query = json.loads(request.content)
+            calls.append(("tokenize", query))
+            if tokenize_status != 200:
+                return httpx.Response(tokenize_status, json={"error": {"message": "busy"}})
+            text = query.get("prompt") or "".join(m["content"] for m in query["messages"])
+            return httpx.Response(200, json={"count": len(text), "max_model_len": 32, "tokens": []})
+        return inner(request)
+    return handler
+
+
+def _local_router(handler, max_tokens: int = 6) -> Router:
+    router = Router(["http://p1"], list(DECODES), None, transfer_timeout_s=0.3, local_prefill_max_tokens=max_tokens)
+    router.client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    return router
+
+
+def test_short_prompts_prefill_on_the_decode_instance_long_ones_go_through_a_prefill_instance():
+    calls = []
+    router = _local_router(_counting_handler(calls))
+    status, body = _run(router, {"prompt": "1+1=", "add_special_tokens": False})  # 4 tokens <= 6
+    assert status == 200 and body["choices"][0]["text"].startswith("from http://d")
+    assert calls[0] == ("tokenize", {"prompt": "1+1=", "add_special_tokens": False})
+    assert [c for c in calls[1:] if c[0] == "http://p1"] == [] and calls[-1][1] is None  # no transfer
+    assert router.counts["local_prefill"] == 1 and "transfer_sent" not in router.counts
+
+    calls.clear()
+    status, _ = _run(router, {"prompt": "1234+5678="})  # 10 tokens > 6
+    assert status == 200 and calls[0] == ("tokenize", {"prompt": "1234+5678="})
+    assert calls[1][0] == "http://p1" and calls[2][1] is not None  # prefilled there, its KV sent
+    assert router.counts["transfer_sent"] == 1 and router.counts["local_prefill"] == 1
+
+
+def test_local_prefill_counts_token_ids_itself_renders_chats_and_falls_back_to_a_transfer():
+    calls = []
+    router = _local_router(_counting_handler(calls))
+    _run(router, {"prompt": [5, 6, 7]})  # token ids: counted without asking
+    assert calls[0][0] != "tokenize" and router.counts["local_prefill"] == 1
+
+    calls.clear()
+    chat = {"messages": [{"role": "user", "content": "1+1="}], "add_generation_prompt": False}
+
+    async def go():
+        return await router.handle("/v1/chat/completions", _request(chat))
+    assert asyncio.run(go()).status_code == 200
+    assert calls[0] == ("tokenize", chat) and router.counts["local_prefill"] == 2
+
+    calls.clear()
+    _run(router, {"prompt": ["1+1=", "2+2="]})  # a batch of prompts: not counted, through a prefill instance
+    assert calls[0][0] == "http://p1" and router.counts["transfer_sent"] == 1
+
+    calls.clear()
+    failing = _local_router(_counting_handler(calls, tokenize_status=503))
+    status, _ = _run(failing, {"prompt": "1+1="})  # /tokenize failed: the usual transfer
+    assert status == 200 and calls[1][0] == "http://p1" and failing.counts["transfer_sent"] == 1
+    assert "local_prefill" not in failing.counts
+
+
+def test_local_prefill_max_tokens_must_be_a_count():
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="--local-prefill-max-tokens must be an integer >= 0"):
+            Router(["http://p1"], ["http://d1"], None, local_prefill_max_tokens=bad)

@@ -2,7 +2,10 @@
 
     client -> POST /v1/completions | /v1/chat/completions (stream or not)
       pick a decode instance (fewest requests in flight from here, their prefill phase included; down ones
-      skipped) and a prefill instance (rendezvous hash of the prompt's start, for prefix-cache affinity,
+      skipped); with --local-prefill-max-tokens N, a prompt of at most N tokens (as that decode instance's
+      /tokenize counts them) goes to it without a transfer and is prefilled there, beside its decode steps
+      (conditional disaggregation: a short prefill costs the decode instance less than moving its KV); else a
+      prefill instance (rendezvous hash of the prompt's start, for prefix-cache affinity,
       unless it is busier than the least loaded by more than AFFINITY_SLACK); sign kv_transfer_params
       {transfer_id, decode_address}
       -> prefill instance, stream=false: it computes the prompt and sends the KV (down or 5xx: another
@@ -26,7 +29,7 @@ The router's own surface is `jaxserve serve`'s where it can be: the same request
 route (server.api_key, header and body limits; /health, /ping, /version and /metrics open), the same
 request models validate a body before any instance sees it (400 naming the field), and /metrics uses the
 server's metric names (TTFT and end-to-end latency as the router sees them) plus the router's own:
-jaxserve:router_events{event} (transfer outcomes, retries, fallbacks), jaxserve:router_instance_up and
+jaxserve:router_events{event} (transfer outcomes, retries, fallbacks, local prefills), jaxserve:router_instance_up and
 jaxserve:router_in_flight{role, url}.
 """
 
@@ -63,6 +66,9 @@ AFFINITY_SLACK = 4  # requests in flight a prefill instance may exceed the least
 DOWN_S = 5.0  # a failed instance is skipped this long
 _HOP_HEADERS = {"authorization"}
 _MODELS = {"/v1/completions": P.CompletionRequest, "/v1/chat/completions": P.ChatCompletionRequest}
+# The chat request's fields that /tokenize renders the same way
+_CHAT_RENDERING = ("messages", "add_generation_prompt", "continue_final_message", "chat_template",
+                   "chat_template_kwargs", "add_special_tokens")
 
 
 @dataclasses.dataclass
@@ -85,9 +91,14 @@ class Instance:
 
 class Router:
     def __init__(self, prefill: list[str], decode: list[str], token: str | None, *,
-                 transfer_timeout_s: float = 10.0, request_timeout_s: float = 600.0):
+                 transfer_timeout_s: float = 10.0, request_timeout_s: float = 600.0, local_prefill_max_tokens: int = 0):
         if not prefill or not decode:
             raise ValueError("the router needs at least one --prefill and one --decode instance URL")
+        if isinstance(local_prefill_max_tokens, bool) or not isinstance(local_prefill_max_tokens, int) \
+                or local_prefill_max_tokens < 0:
+            raise ValueError(f"--local-prefill-max-tokens must be an integer >= 0 (0: every prompt goes through a "
+                             f"prefill instance), got {local_prefill_max_tokens!r}")
+        self.local_prefill_max_tokens = local_prefill_max_tokens
         self.prefill = [Instance(url.rstrip("/"), "prefill") for url in prefill]
         self.decode = [Instance(url.rstrip("/"), "decode") for url in decode]
         self.key = proto.derive_key(token)
@@ -137,6 +148,28 @@ class Router:
         return preferred if preferred.in_flight <= least + AFFINITY_SLACK else min(candidates,
                                                                                  key=lambda p: p.in_flight)
 
+    async def prompt_tokens(self, decode: Instance, path: str, body: dict, headers: dict) -> int | None:
+        """The request's prompt length in tokens as `decode` counts them (token ids as sent, else its
+        /tokenize); None where it cannot tell (a batch of prompts, an instance that does not answer): such a
+        request goes through a prefill instance."""
+        if path == "/v1/completions":
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+                return len(prompt)
+            if not isinstance(prompt, str):
+                return None
+            query = {"prompt": prompt}
+            if body.get("add_special_tokens") is not None:
+                query["add_special_tokens"] = body["add_special_tokens"]
+        else:
+            query = {key: body[key] for key in _CHAT_RENDERING if body.get(key) is not None}
+        try:
+            response = await self.client.post(decode.url + "/tokenize", json=query, headers=headers, timeout=5.0)
+            count = response.json().get("count") if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return None
+        return count if isinstance(count, int) else None
+
     # ---- one request ----
     async def handle(self, path: str, request: Request) -> Response:
         arrival = time.monotonic()
@@ -176,8 +209,18 @@ class Router:
         refused: set[str] = set()
         failures: list[str] = []
         backoff = 0.02
+        local = None  # the prompt is short enough to prefill on the decode instance (decided once)
         while True:
             decode = await self.pick_decode(refused, headers)
+            if decode is not None and self.local_prefill_max_tokens and local is None:
+                count = await self.prompt_tokens(decode, path, body, headers)
+                local = count is not None and count <= self.local_prefill_max_tokens
+            if decode is not None and local:
+                self._count("local_prefill")
+                response = await self._decode(decode, path, body, None, headers, failures)
+                if response is not None:
+                    return response
+                continue
             if decode is None and refused and time.monotonic() < deadline:
                 await asyncio.sleep(backoff)  # every decode instance is out of blocks: wait for one
                 backoff = min(backoff * 2, 0.5)
@@ -389,12 +432,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--config", type=str, help="YAML config whose server section gives kv_transfer_token, "
                         "kv_transfer_timeout_s and api_key (the instances' own)")
+    parser.add_argument("--local-prefill-max-tokens", type=int, default=0, metavar="N",
+                        help="prompts of at most N tokens are prefilled on the decode instance, without a KV "
+                        "transfer (default 0: every prompt goes through a prefill instance)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     args = parser.parse_args(argv)
     try:
         server = load_config(args.config).server if args.config else load_config(None).server
         router = Router(args.prefill, args.decode, server.kv_transfer_token,
-                        transfer_timeout_s=server.kv_transfer_timeout_s)
+                        transfer_timeout_s=server.kv_transfer_timeout_s,
+                        local_prefill_max_tokens=args.local_prefill_max_tokens)
     except (ValueError, TypeError, FileNotFoundError, yaml.YAMLError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
