@@ -32,10 +32,11 @@
 #       kernels run side by side instead of time-slicing the GPU; the prefill instance is held to
 #       PREFILL_SM_PERCENT (default 60) of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), the decode instance
 #       takes any. Where nvidia-cuda-mps-control is missing, the mode says so and stops.
-#       MPS_VARIANTS="PCT[:PRIO] ..." runs the disaggregated pair once per variant (-> mixed_pd_mpsPCTpPRIO.json,
-#       decode_info_mpsPCTpPRIO.json): the prefill instance at PCT% of the SMs and MPS client priority PRIO
-#       (CUDA_MPS_CLIENT_PRIORITY: 0 normal, 1 below normal, so the decode instance's kernels are scheduled
-#       first); COLOCATED=0 skips the colocated run. The runs share the deadline evenly.
+#       MPS_VARIANTS="PCT[:PRIO[:LOCAL]] ..." runs the disaggregated pair once per variant (->
+#       mixed_pd_mpsPCTpPRIO[lLOCAL].json, decode_info_...json): the prefill instance at PCT% of the SMs and MPS
+#       client priority PRIO (CUDA_MPS_CLIENT_PRIORITY: 0 normal, 1 below normal, so the decode instance's
+#       kernels are scheduled first), the router's --local-prefill-max-tokens LOCAL (default LOCAL_PREFILL);
+#       COLOCATED=0 skips the colocated run. The runs share the deadline evenly.
 #   bash benchmarks/devrun_pd.sh pacing  (b2) only, once per value N of PACING (default "0"; at most two fit
 #       the deadline beside the default): the decode instance with server.kv_install_blocks_per_step N
 #       (0: each transfer's blocks at once) -> mixed_pd_N.json, decode_info_N.json, then paced at the
@@ -245,9 +246,11 @@ fi
 if [ "$MODE" = mps ] && [ -n "${MPS_VARIANTS:-}" ]; then
   set -- $MPS_VARIANTS; left=$#
   for variant in "$@"; do
-    pct=${variant%%:*} prio=0; [ "$pct" = "$variant" ] || prio=${variant#*:}
+    IFS=: read -r pct prio local <<< "$variant"; prio=${prio:-0}
     PREFILL_ENV=("${PREFILL_BASE_ENV[@]}" "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$pct" "CUDA_MPS_CLIENT_PRIORITY=$prio")
-    left=$((left - 1)); pd_run "pd_mps${pct}p$prio" $(((DEADLINE - SECONDS) * left / (left + 1) + 5))
+    saved_local=${LOCAL_PREFILL:-}; LOCAL_PREFILL=${local:-$saved_local}
+    left=$((left - 1)); pd_run "pd_mps${pct}p$prio${LOCAL_PREFILL:+l$LOCAL_PREFILL}" $(((DEADLINE - SECONDS) * left / (left + 1) + 5))
+    LOCAL_PREFILL=$saved_local
   done
 else
   pd_run pd 5
