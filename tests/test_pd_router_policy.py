@@ -187,28 +187,27 @@ def test_short_prompts_prefill_on_the_decode_instance_long_ones_go_through_a_pre
 
 
 def test_local_prefill_counts_token_ids_itself_renders_chats_and_falls_back_to_a_transfer():
-    calls = []
-    router = _local_router(_counting_handler(calls))
-    _run(router, {"prompt": [5, 6, 7]})  # token ids: counted without asking
-    assert calls[0][0] != "tokenize" and router.counts["local_prefill"] == 1
+    def routed(body: dict, path: str = "/v1/completions", tokenize_status: int = 200) -> tuple[list, dict]:
+        """(the instances' calls, the router's counts) for one request."""
+        calls = []
+        router = _local_router(_counting_handler(calls, tokenize_status))
+        assert asyncio.run(router.handle(path, _request(body))).status_code == 200
+        return calls, router.counts
 
-    calls.clear()
+    calls, counts = routed({"prompt": [5, 6, 7]})  # token ids: counted without asking
+    assert calls[0][0] != "tokenize" and counts["local_prefill"] == 1
+    calls, counts = routed({"prompt": [[5, 6, 7, 8, 9, 10, 11]]})  # a batch of one, 7 ids > 6
+    assert calls[0][0] == "http://p1" and counts["transfer_sent"] == 1 and "local_prefill" not in counts
+
     chat = {"messages": [{"role": "user", "content": "1+1="}], "add_generation_prompt": False}
+    calls, counts = routed(chat, "/v1/chat/completions")  # rendered by /tokenize with the request's fields
+    assert calls[0] == ("tokenize", chat) and counts["local_prefill"] == 1
 
-    async def go():
-        return await router.handle("/v1/chat/completions", _request(chat))
-    assert asyncio.run(go()).status_code == 200
-    assert calls[0] == ("tokenize", chat) and router.counts["local_prefill"] == 2
+    calls, counts = routed({"prompt": ["1+1=", "2+2="]})  # a batch of prompts: through a prefill instance
+    assert calls[0][0] == "http://p1" and counts["transfer_sent"] == 1
 
-    calls.clear()
-    _run(router, {"prompt": ["1+1=", "2+2="]})  # a batch of prompts: not counted, through a prefill instance
-    assert calls[0][0] == "http://p1" and router.counts["transfer_sent"] == 1
-
-    calls.clear()
-    failing = _local_router(_counting_handler(calls, tokenize_status=503))
-    status, _ = _run(failing, {"prompt": "1+1="})  # /tokenize failed: the usual transfer
-    assert status == 200 and calls[1][0] == "http://p1" and failing.counts["transfer_sent"] == 1
-    assert "local_prefill" not in failing.counts
+    calls, counts = routed({"prompt": "1+1="}, tokenize_status=503)  # /tokenize failed: the usual transfer
+    assert calls[1][0] == "http://p1" and counts["transfer_sent"] == 1 and "local_prefill" not in counts
 
 
 def test_local_prefill_max_tokens_must_be_a_count():

@@ -154,6 +154,8 @@ class Router:
         request goes through a prefill instance."""
         if path == "/v1/completions":
             prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+                prompt = prompt[0]  # a batch of one
             if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
                 return len(prompt)
             if not isinstance(prompt, str):
