@@ -36,7 +36,9 @@
 #       mixed_pd_mpsPCTpPRIO[lLOCAL].json, decode_info_...json): the prefill instance at PCT% of the SMs and MPS
 #       client priority PRIO (CUDA_MPS_CLIENT_PRIORITY: 0 normal, 1 below normal, so the decode instance's
 #       kernels are scheduled first), the router's --local-prefill-max-tokens LOCAL (default LOCAL_PREFILL);
-#       COLOCATED=0 skips the colocated run. The runs share the deadline evenly.
+#       COLOCATED=0 skips the colocated run. The runs share the deadline evenly. Below 100% of the SMs an
+#       instance starts slowly (XLA's GEMM autotuner times kernels under the limit; its compilation cache
+#       does not match the unlimited device's), and on an 80 GB GPU at 20% its precompile ran out of memory.
 #   bash benchmarks/devrun_pd.sh pacing  (b2) only, once per value N of PACING (default "0"; at most two fit
 #       the deadline beside the default): the decode instance with server.kv_install_blocks_per_step N
 #       (0: each transfer's blocks at once) -> mixed_pd_N.json, decode_info_N.json, then paced at the
@@ -78,7 +80,10 @@ if [ -n "${SMOKE:-}" ]; then
   VOCAB=16
   export JAX_PLATFORMS=cpu
 else
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  # A warm machine may still run an earlier call's servers or MPS server, holding GPU memory: stop them first
+  pkill -f "jaxserve.cli (serve|router)" 2>/dev/null; pkill -x nvidia-cuda-mps-server 2>/dev/null
+  pkill -x nvidia-cuda-mps-control 2>/dev/null; sleep 2
+  nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader
   TOK=build/synthetic-tokenizer/llama3-8b
   $PY benchmarks/make_synthetic_tokenizer.py --model-config configs/models/llama3-8b/config.json --out $TOK \
     > "$W/tokenizer.log" 2>&1 || { echo "synthetic tokenizer failed"; tail -5 "$W/tokenizer.log"; exit 1; }
