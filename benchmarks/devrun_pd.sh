@@ -36,9 +36,10 @@
 #       mixed_pd_mpsPCTpPRIO[lLOCAL].json, decode_info_...json): the prefill instance at PCT% of the SMs and MPS
 #       client priority PRIO (CUDA_MPS_CLIENT_PRIORITY: 0 normal, 1 below normal, so the decode instance's
 #       kernels are scheduled first), the router's --local-prefill-max-tokens LOCAL (default LOCAL_PREFILL);
-#       COLOCATED=0 skips the colocated run. The runs share the deadline evenly. Below 100% of the SMs an
-#       instance starts slowly (XLA's GEMM autotuner times kernels under the limit; its compilation cache
-#       does not match the unlimited device's), and on an 80 GB GPU at 20% its precompile ran out of memory.
+#       COLOCATED=0 skips the colocated run. The runs share the deadline evenly. Below 100% of the SMs the
+#       prefill instance runs with --xla_gpu_autotune_level=0: XLA's GEMM autotuner, timing kernels under
+#       the limit, made its start-up compile take many minutes (and the compilation cache written at 100%
+#       does not match); on an 80 GB GPU at 20% its precompile ran out of memory.
 #   bash benchmarks/devrun_pd.sh pacing  (b2) only, once per value N of PACING (default "0"; at most two fit
 #       the deadline beside the default): the decode instance with server.kv_install_blocks_per_step N
 #       (0: each transfer's blocks at once) -> mixed_pd_N.json, decode_info_N.json, then paced at the
@@ -253,6 +254,8 @@ if [ "$MODE" = mps ] && [ -n "${MPS_VARIANTS:-}" ]; then
   for variant in "$@"; do
     IFS=: read -r pct prio local <<< "$variant"; prio=${prio:-0}
     PREFILL_ENV=("${PREFILL_BASE_ENV[@]}" "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$pct" "CUDA_MPS_CLIENT_PRIORITY=$prio")
+    # (below all SMs, XLA's autotuner makes the start-up take many minutes: cuBLAS's own choices instead)
+    [ "$pct" -ge 100 ] || PREFILL_ENV+=("XLA_FLAGS=${XLA_FLAGS:-} --xla_gpu_autotune_level=0")
     saved_local=${LOCAL_PREFILL:-}; LOCAL_PREFILL=${local:-$saved_local}
     left=$((left - 1)); pd_run "pd_mps${pct}p$prio${LOCAL_PREFILL:+l$LOCAL_PREFILL}" $(((DEADLINE - SECONDS) * left / (left + 1) + 5))
     LOCAL_PREFILL=$saved_local
