@@ -214,3 +214,22 @@ def test_local_prefill_max_tokens_must_be_a_count():
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="--local-prefill-max-tokens must be an integer >= 0"):
             Router(["http://p1"], ["http://d1"], None, local_prefill_max_tokens=bad)
+
+
+def test_a_burst_of_short_prompts_spreads_over_the_decode_instances_while_they_tokenize():
+    async def go():
+        inner = _counting_handler(calls)
+
+        async def slow_tokenize(request: httpx.Request) -> httpx.Response:
+            if request.url.path == "/tokenize":
+                await asyncio.sleep(0.05)
+            return inner(request)
+
+        router = _local_router(slow_tokenize)
+        responses = await asyncio.gather(*(router.handle("/v1/completions", _request({"prompt": "1+1="}))
+                                           for _ in range(8)))
+        return router, [json.loads(r.body)["choices"][0]["text"] for r in responses]
+
+    calls = []
+    router, texts = asyncio.run(go())
+    assert set(texts) == {f"from {url}" for url in DECODES} and router.counts["local_prefill"] == 8

@@ -215,7 +215,11 @@ class Router:
         while True:
             decode = await self.pick_decode(refused, headers)
             if decode is not None and self.local_prefill_max_tokens and local is None:
-                count = await self.prompt_tokens(decode, path, body, headers)
+                decode.in_flight += 1  # counted while it tokenizes, so a burst spreads over the instances
+                try:
+                    count = await self.prompt_tokens(decode, path, body, headers)
+                finally:
+                    decode.in_flight -= 1
                 local = count is not None and count <= self.local_prefill_max_tokens
             if decode is not None and local:
                 self._count("local_prefill")
