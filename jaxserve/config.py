@@ -285,12 +285,16 @@ class ServerConfig:
     # kv_install_blocks_per_step: a decode instance with requests running writes at most about this many
     # arrived blocks into its cache between two steps (at least one chunk), so that installing a long
     # prompt's KV never holds up its running streams' next token; 0 = each transfer at once.
+    # pd_local_prefill_max_tokens (the router's; --local-prefill-max-tokens): a prompt of at most this many
+    # tokens goes to the decode instance without a transfer and is prefilled there; 0 = every prompt
+    # through a prefill instance.
     pd_role: str | None = None
     kv_transfer_address: str = "127.0.0.1:0"
     kv_transfer_token: str | None = None
     kv_transfer_timeout_s: float = 10.0
     kv_transfer_method: str = "device"
     kv_install_blocks_per_step: int = 64
+    pd_local_prefill_max_tokens: int = 0
 
     def __post_init__(self):
         check_fields(self, "server")
@@ -316,6 +320,9 @@ class ServerConfig:
             raise ValueError(f"server.kv_transfer_timeout_s must be > 0, got {self.kv_transfer_timeout_s}")
         if self.kv_transfer_method not in ("device", "host"):
             raise ValueError(f"server.kv_transfer_method must be device or host, got {self.kv_transfer_method!r}")
+        if self.pd_local_prefill_max_tokens < 0:
+            raise ValueError(f"server.pd_local_prefill_max_tokens must be >= 0 (0: every prompt through a prefill "
+                             f"instance), got {self.pd_local_prefill_max_tokens}")
         if self.kv_install_blocks_per_step < 0:
             raise ValueError(f"server.kv_install_blocks_per_step must be >= 0 (0: no limit), got "
                              f"{self.kv_install_blocks_per_step}")

@@ -233,3 +233,24 @@ def test_a_burst_of_short_prompts_spreads_over_the_decode_instances_while_they_t
     calls = []
     router, texts = asyncio.run(go())
     assert set(texts) == {f"from {url}" for url in DECODES} and router.counts["local_prefill"] == 8
+
+
+def test_the_routers_local_prefill_limit_comes_from_its_flag_else_the_config(monkeypatch, tmp_path, capsys):
+    import uvicorn
+
+    from jaxserve.pd import router as router_module
+    built = []
+    monkeypatch.setattr(router_module, "build_router_app", lambda router, config: built.append(router))
+    monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: None)
+    config = tmp_path / "pd.yaml"
+    config.write_text("server:\n  pd_local_prefill_max_tokens: 256\n")
+    urls = ["--prefill", "http://p1", "--decode", "http://d1"]
+    assert router_module.main([*urls, "--config", str(config)]) == 0
+    assert router_module.main([*urls, "--config", str(config), "--local-prefill-max-tokens", "64"]) == 0
+    assert router_module.main(urls) == 0
+    assert [r.local_prefill_max_tokens for r in built] == [256, 64, 0]
+    assert router_module.main([*urls, "--local-prefill-max-tokens", "-1"]) == 2
+    assert "--local-prefill-max-tokens must be an integer >= 0" in capsys.readouterr().err
+    config.write_text("server:\n  pd_local_prefill_max_tokens: -5\n")
+    assert router_module.main([*urls, "--config", str(config)]) == 2
+    assert "server.pd_local_prefill_max_tokens must be >= 0" in capsys.readouterr().err

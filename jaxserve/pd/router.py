@@ -437,17 +437,19 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--config", type=str, help="YAML config whose server section gives kv_transfer_token, "
-                        "kv_transfer_timeout_s and api_key (the instances' own)")
-    parser.add_argument("--local-prefill-max-tokens", type=int, default=0, metavar="N",
+                        "kv_transfer_timeout_s, api_key (the instances' own) and pd_local_prefill_max_tokens")
+    parser.add_argument("--local-prefill-max-tokens", type=int, default=None, metavar="N",
                         help="prompts of at most N tokens are prefilled on the decode instance, without a KV "
-                        "transfer (default 0: every prompt goes through a prefill instance)")
+                        "transfer (default: the config's server.pd_local_prefill_max_tokens, 0: every prompt goes "
+                        "through a prefill instance)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     args = parser.parse_args(argv)
     try:
         server = load_config(args.config).server if args.config else load_config(None).server
         router = Router(args.prefill, args.decode, server.kv_transfer_token,
                         transfer_timeout_s=server.kv_transfer_timeout_s,
-                        local_prefill_max_tokens=args.local_prefill_max_tokens)
+                        local_prefill_max_tokens=server.pd_local_prefill_max_tokens
+                        if args.local_prefill_max_tokens is None else args.local_prefill_max_tokens)
     except (ValueError, TypeError, FileNotFoundError, yaml.YAMLError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
