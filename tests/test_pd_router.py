@@ -212,28 +212,30 @@ def _router_events(url: str) -> dict[str, int]:
     return {event: int(float(n)) for event, n in re.findall(r'^jaxserve:router_events\{event="(\w+)"\} (\S+)$', text, re.M)}
 
 
-def test_a_local_prefill_router_prefills_short_prompts_on_the_decode_instance(pd, tmp_path):
-    """`jaxserve router --local-prefill-max-tokens 8`: prompts of at most 8 tokens (as decode0 counts them)
-    go to decode0 without a transfer, longer ones through prefill1; the answers are the colocated ones."""
+@pytest.mark.parametrize("decode", ["decode0", "decode1"])
+def test_a_local_prefill_router_prefills_short_prompts_on_the_decode_instance(pd, tmp_path, decode):
+    """`jaxserve router --local-prefill-max-tokens 8`: prompts of at most 8 tokens (as the decode instance
+    counts them) go to it without a transfer, longer ones through prefill1; the answers are the colocated
+    ones, also on decode1, which speculates."""
     _, urls, start, expected = pd
-    counts = {p: httpx.post(urls["decode0"] + "/tokenize", json={"prompt": p}).json()["count"] for p in PROMPTS + [LONG]}
+    counts = {p: httpx.post(urls[decode] + "/tokenize", json={"prompt": p}).json()["count"] for p in PROMPTS + [LONG]}
     short = [p for p in PROMPTS + [LONG] if counts[p] <= 8]
     assert short and LONG not in short  # the rule sends some of them each way
     port = free_port()
     router = _popen([sys.executable, "-m", "jaxserve.cli", "router", "--port", str(port), "--log-level", "error",
-                     "--local-prefill-max-tokens", "8", "--prefill", urls["prefill1"], "--decode", urls["decode0"]],
+                     "--local-prefill-max-tokens", "8", "--prefill", urls["prefill1"], "--decode", urls[decode]],
                     tmp_path / "router.log", env=ENV)
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_up(router, url, "the local-prefill router")
-        claimed = _outcome(urls["decode0"], "claimed")
+        claimed = _outcome(urls[decode], "claimed")
         for prompt in PROMPTS + [LONG]:
             assert _completion(url, prompt) == expected[prompt]
             assert _completion(url, prompt, stream=True) == expected[prompt]
         events = _router_events(url)
         assert events.get("local_prefill") == 2 * len(short)
         assert events.get("transfer_sent") == 2 * (len(PROMPTS) + 1 - len(short))
-        assert _outcome(urls["decode0"], "claimed") == claimed + events["transfer_sent"]  # no transfer for the short
+        assert _outcome(urls[decode], "claimed") == claimed + events["transfer_sent"]  # no transfer for the short
     finally:
         router.kill()
         router.wait()
