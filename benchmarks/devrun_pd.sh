@@ -36,6 +36,7 @@
 #       mixed_pd_mpsPCTpPRIO[lLOCAL].json, decode_info_...json): the prefill instance at PCT% of the SMs and MPS
 #       client priority PRIO (CUDA_MPS_CLIENT_PRIORITY: 0 normal, 1 below normal, so the decode instance's
 #       kernels are scheduled first), the router's --local-prefill-max-tokens LOCAL (default LOCAL_PREFILL);
+#       PCT "off" runs that pair outside MPS (time-sliced) in the same call (-> mixed_pd_nomps[lLOCAL].json);
 #       COLOCATED=0 skips the colocated run. The runs share the deadline evenly. Below 100% of the SMs the
 #       prefill instance runs with --xla_gpu_autotune_level=0: XLA's GEMM autotuner, timing kernels under
 #       the limit, made its start-up compile take many minutes (and the compilation cache written at 100%
@@ -251,13 +252,20 @@ if [ "$MODE" = process ]; then
 fi
 if [ "$MODE" = mps ] && [ -n "${MPS_VARIANTS:-}" ]; then
   set -- $MPS_VARIANTS; left=$#
+  DECODE_BASE_ENV=("${DECODE_ENV[@]}"); mkdir -p "$W/no-mps"
   for variant in "$@"; do
     IFS=: read -r pct prio local <<< "$variant"; prio=${prio:-0}
-    PREFILL_ENV=("${PREFILL_BASE_ENV[@]}" "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$pct" "CUDA_MPS_CLIENT_PRIORITY=$prio")
-    # (below all SMs, XLA's autotuner makes the start-up take many minutes: cuBLAS's own choices instead)
-    [ "$pct" -ge 100 ] || PREFILL_ENV+=("XLA_FLAGS=${XLA_FLAGS:-} --xla_gpu_autotune_level=0")
+    if [ "$pct" = off ]; then  # both instances outside MPS (no daemon in their pipe directory): time-sliced
+      PREFILL_ENV=("${PREFILL_BASE_ENV[@]}" "CUDA_MPS_PIPE_DIRECTORY=$W/no-mps")
+      DECODE_ENV=("${DECODE_BASE_ENV[@]}" "CUDA_MPS_PIPE_DIRECTORY=$W/no-mps") name=pd_nomps
+    else
+      PREFILL_ENV=("${PREFILL_BASE_ENV[@]}" "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$pct" "CUDA_MPS_CLIENT_PRIORITY=$prio")
+      DECODE_ENV=("${DECODE_BASE_ENV[@]}") name=pd_mps${pct}p$prio
+      # (below all SMs, XLA's autotuner makes the start-up take many minutes: cuBLAS's own choices instead)
+      [ "$pct" -ge 100 ] || PREFILL_ENV+=("XLA_FLAGS=${XLA_FLAGS:-} --xla_gpu_autotune_level=0")
+    fi
     saved_local=${LOCAL_PREFILL:-}; LOCAL_PREFILL=${local:-$saved_local}
-    left=$((left - 1)); pd_run "pd_mps${pct}p$prio${LOCAL_PREFILL:+l$LOCAL_PREFILL}" $(((DEADLINE - SECONDS) * left / (left + 1) + 5))
+    left=$((left - 1)); pd_run "$name${LOCAL_PREFILL:+l$LOCAL_PREFILL}" $(((DEADLINE - SECONDS) * left / (left + 1) + 5))
     LOCAL_PREFILL=$saved_local
   done
 else
