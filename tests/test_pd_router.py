@@ -209,7 +209,8 @@ def test_chat_through_the_router(pd):
 
 def _router_events(url: str) -> dict[str, int]:
     text = httpx.get(url + "/metrics").text
-    return {event: int(float(n)) for event, n in re.findall(r'^jaxserve:router_events\{event="(\w+)"\} (\S+)$', text, re.M)}
+    events = re.findall(r'^jaxserve:router_events\{event="(\w+)"\} (\S+)$', text, re.M)
+    return {event: int(float(n)) for event, n in events}
 
 
 @pytest.mark.parametrize("decode", ["decode0", "decode1"])
