@@ -124,7 +124,8 @@ if [ "$MODE" = mps ]; then
   trap 'cleanup; echo quit | nvidia-cuda-mps-control' EXIT
   PREFILL_BASE_ENV=("${PREFILL_ENV[@]}")
   PREFILL_ENV+=("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=${PREFILL_SM_PERCENT:-60}")
-  echo "== mps: control daemon started (prefill instance at ${PREFILL_SM_PERCENT:-60}% of the SMs${MPS_VARIANTS:+; variants $MPS_VARIANTS})"
+  what="prefill instance at ${PREFILL_SM_PERCENT:-60}% of the SMs"; [ -z "${MPS_VARIANTS:-}" ] || what="variants $MPS_VARIANTS"
+  echo "== mps: control daemon started ($what)"
 elif [ "$MODE" != all ] && [ "$MODE" != pacing ] && [ "$MODE" != ab ] && [ "$MODE" != pd ] \
     && [ "$MODE" != process ]; then
   echo "unknown mode $MODE: all, mps, pacing, ab, pd or process"; exit 2
@@ -264,9 +265,8 @@ if [ "$MODE" = mps ] && [ -n "${MPS_VARIANTS:-}" ]; then
       # (below all SMs, XLA's autotuner makes the start-up take many minutes: cuBLAS's own choices instead)
       [ "$pct" -ge 100 ] || PREFILL_ENV+=("XLA_FLAGS=${XLA_FLAGS:-} --xla_gpu_autotune_level=0")
     fi
-    saved_local=${LOCAL_PREFILL:-}; LOCAL_PREFILL=${local:-$saved_local}
-    left=$((left - 1)); pd_run "$name${LOCAL_PREFILL:+l$LOCAL_PREFILL}" $(((DEADLINE - SECONDS) * left / (left + 1) + 5))
-    LOCAL_PREFILL=$saved_local
+    limit=${local:-${LOCAL_PREFILL:-}} left=$((left - 1))
+    LOCAL_PREFILL=$limit pd_run "$name${limit:+l$limit}" $(((DEADLINE - SECONDS) * left / (left + 1) + 5))
   done
 else
   pd_run pd 5
