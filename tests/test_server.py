@@ -121,6 +121,34 @@ def test_chat(client):
     assert result.usage.prompt_tokens == 7 and result.usage.completion_tokens == 3  # "<s>12+34=" and "46</s>"
 
 
+def test_chat_echo_starts_the_reply_with_the_last_message_of_its_role(client, http):
+    """vLLM's chat echo: the reply's role is the assistant's after a generation prompt, else the last
+    message's, and echo prepends the last message's text when that message has the reply's role."""
+    def chat(messages, **extra):
+        result = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, extra_body=extra)
+        return result.choices[0].message.role, result.choices[0].message.content
+
+    user = {"role": "user", "content": "12+34"}
+    partial = {"role": "assistant", "content": "The sum is "}
+    assert chat([user, partial], echo=True, add_generation_prompt=False) == ("assistant", "The sum is 46")
+    assert chat([user, partial], echo=False, add_generation_prompt=False) == ("assistant", "46")
+    assert chat([user], echo=True) == ("assistant", "46")  # the generation prompt's role is not the user's
+    assert chat([user], echo=True, add_generation_prompt=False) == ("user", "12+3446")
+    body = {"messages": [user, partial], "echo": True, "add_generation_prompt": False, "stream": True,
+            "temperature": 0, "n": 1}
+    with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in response.iter_lines()
+                  if line.startswith("data: {")]
+    assert deltas[0]["role"] == "assistant" and deltas[1]["content"] == "The sum is "
+    assert "".join(d.get("content") or "" for d in deltas) == "The sum is 46"
+
+
+def test_completions_take_a_text_response_format(client):
+    result = client.completions.create(model=MODEL, prompt="12+34=", temperature=0,
+                                       extra_body={"response_format": {"type": "text"}})
+    assert result.choices[0].text == "46"
+
+
 def test_streaming_completions_with_usage(client):
     chunks = list(client.completions.create(model=MODEL, prompt="505+250=", max_tokens=8, temperature=0,
                                             stream=True, stream_options={"include_usage": True}))
@@ -365,6 +393,8 @@ BAD_INPUTS = [  # (case group, route, body, status, param, words in the message)
     ("-", "chat", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools",
      "not supported"),
     ("-", "chat", {**CHAT, "response_format": {"type": "json_object"}}, 400, "response_format", "structured output"),
+    ("-", "completions", {**GOOD, "response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, 400,
+     "response_format", "structured output"),
     ("-", "completions", {**GOOD, "suffix": "x"}, 400, "suffix", "not supported"),
     ("-", "completions", {**GOOD, "priority": "high"}, 400, "priority", "valid integer"),
     ("-", "completions", {**GOOD, "cache_salt": ""}, 400, "cache_salt", "at least 1 character"),

@@ -110,11 +110,14 @@ class OpenAIRequest(BaseModel):
     add_special_tokens: bool | None = None  # default: true for completions; false for chat (the template adds them)
     # vLLM's prefill/decode field: set by `jaxserve router` (signed), accepted only by a PD instance
     kv_transfer_params: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None  # only {"type": "text"}: no structured output
 
     @model_validator(mode="after")
     def _refuse_unsupported(self):
         if self.logit_bias:
             raise ValueError("logit_bias is not supported by jaxserve; leave it out")
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise ValueError("response_format other than {'type': 'text'} (structured output) is not supported")
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise ValueError(f"best_of={self.best_of} (more candidates than the n={self.n or 1} returned) is not "
                              f"supported by jaxserve; leave best_of out or set it to n")
@@ -220,8 +223,8 @@ class ChatCompletionRequest(OpenAIRequest):
     top_logprobs: Annotated[int, Field(strict=True, ge=0, le=MAX_LOGPROBS)] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     # vLLM's chat extras.
+    echo: bool = False  # the reply starts with the last message's text when that message has the reply's role
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None
@@ -234,8 +237,6 @@ class ChatCompletionRequest(OpenAIRequest):
         if self.tool_choice not in (None, "none", "auto"):  # without tools, "auto" chooses none
             raise ValueError("tool_choice other than 'none' or 'auto' needs tools, which jaxserve does not support "
                              "yet; leave it out")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format other than {'type': 'text'} (structured output) is not supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
@@ -243,6 +244,19 @@ class ChatCompletionRequest(OpenAIRequest):
         if self.max_tokens == 0:
             raise ValueError("max_tokens must be greater than or equal to 1, got 0")
         return self
+
+    @property
+    def response_role(self) -> str:
+        """The reply's role (as vLLM's): the assistant's after a generation prompt, else the last message's
+        (the model continues that message)."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
+    def echoed_text(self) -> str:
+        """With echo, the text the reply starts with: the last message's, when it has the reply's role."""
+        last = self.messages[-1]
+        if not self.echo or last.role != self.response_role:
+            return ""
+        return last.template_dict(len(self.messages) - 1).get("content") or ""
 
     def sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
         # A chat completion without a limit may fill the context (None: the engine resolves it).

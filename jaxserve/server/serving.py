@@ -364,12 +364,14 @@ class Serving:
         top_n = body.top_logprobs or 0
         if body.stream:
             spec = self._stream_spec(body, response_id, params.n, prepared)
-            return _EventStream(streaming.chat_stream(spec, group, top_n), group)
+            return _EventStream(streaming.chat_stream(spec, group, top_n, body.response_role, body.echoed_text()),
+                                group)
         outputs = await self._collect(request, group)
         if outputs is None:
             return Response(status_code=499)
         as_ids = body.return_tokens_as_token_ids
-        choices = [P.ChatChoice(index=c.index, message=P.ChatMessageOut(content=c.text),
+        role, echoed = body.response_role, body.echoed_text()
+        choices = [P.ChatChoice(index=c.index, message=P.ChatMessageOut(role=role, content=echoed + c.text),
                                 logprobs=(streaming.chat_logprobs(c.logprobs, top_n, as_ids)
                                           if c.logprobs is not None else None),
                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason)

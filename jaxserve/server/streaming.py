@@ -118,7 +118,10 @@ async def completion_stream(spec: StreamSpec, group: RequestGroup, echoes: list[
     yield DONE
 
 
-async def chat_stream(spec: StreamSpec, group: RequestGroup, top_n: int) -> AsyncIterator[str]:
+async def chat_stream(spec: StreamSpec, group: RequestGroup, top_n: int, role: str,
+                      echoed: str) -> AsyncIterator[str]:
+    """The chat stream: each choice's role first, then `echoed` (chat echo's start of the reply), then the
+    generated text as it comes."""
     created = int(time.time())
     sent_chars: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}
@@ -130,8 +133,11 @@ async def chat_stream(spec: StreamSpec, group: RequestGroup, top_n: int) -> Asyn
                                                   **_choice_usage(spec, 0, generated)))
 
     for index in range(spec.n):
-        yield chunk(P.ChatStreamChoice(index=index, delta=P.DeltaMessage(role="assistant", content=""),
+        yield chunk(P.ChatStreamChoice(index=index, delta=P.DeltaMessage(role=role, content=""),
                                        logprobs=None, finish_reason=None), 0)
+        if echoed:
+            yield chunk(P.ChatStreamChoice(index=index, delta=P.DeltaMessage(content=echoed), logprobs=None,
+                                           finish_reason=None), 0)
     try:
         async for updates in group:
             latest.update(updates)
