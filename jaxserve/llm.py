@@ -87,8 +87,14 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
+        """vLLM's LLM.chat: each conversation rendered by the model's chat template (or `chat_template`),
+        then generated as a prompt. `continue_final_message` leaves the last message open for the model to
+        continue (instead of a generation prompt); `tools` are passed to the template (the reply's tool calls
+        are plain text here)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if not conversations or any(not conv for conv in conversations):
             raise ValueError("messages must not be empty")
@@ -96,7 +102,9 @@ class LLM:
         prompts = []
         for conversation in conversations:
             text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                 chat_template=chat_template, **(chat_template_kwargs or {}))
+                                                 tools=tools, chat_template=chat_template,
+                                                 continue_final_message=continue_final_message,
+                                                 **(chat_template_kwargs or {}))
             # The template writes special tokens (e.g. BOS) itself.
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)

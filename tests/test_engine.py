@@ -298,6 +298,23 @@ def test_chat_uses_the_template(llm):
     assert out.prompt == "<s>12+34="
 
 
+def test_chat_passes_tools_and_continue_final_message_to_the_template(llm):
+    template = ("{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'user' %}"
+                "{% if tools %}+{{ tools | length }}{% endif %}={% endif %}{% endfor %}")
+    tools = [{"type": "function", "function": {"name": name, "parameters": {}}} for name in ("f", "g")]
+    greedy = SamplingParams(temperature=0)
+    out = llm.chat([{"role": "user", "content": "12"}], greedy, chat_template=template, tools=tools)[0]
+    assert (out.prompt, out.outputs[0].text) == ("<s>12+2=", "14")
+    conversation = [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "99+1"}]
+    closed = llm.chat(conversation, greedy, chat_template=template + "=", add_generation_prompt=False)[0]
+    assert closed.prompt == "<s>1+1=99+1="
+    opened = llm.chat(conversation, greedy, chat_template=template + "=", add_generation_prompt=False,
+                      continue_final_message=True)[0]
+    assert opened.prompt == "<s>1+1=99+1"
+    with pytest.raises(ValueError, match="continue_final_message and add_generation_prompt"):
+        llm.chat(conversation, greedy, continue_final_message=True)
+
+
 def _workload():
     """Every feature whose bookkeeping the overlap touches: preemption, seeds, penalties (their token
     history forces a wait for the pending token), stop strings and ids, min/max tokens, logprobs, n."""
