@@ -523,6 +523,17 @@ def test_cli_overrides():
     assert main(["--policy", "random"]) == 2
 
 
+def test_cli_takes_the_model_as_vllm_serve_does(capsys):
+    from jaxserve.server.cli import _config_from_args, main
+
+    model = str(TINY_MODEL)
+    assert _config_from_args([model, "--port", "9001"])[0].model.path == model
+    assert _config_from_args(["--port", "9001", model])[0].model.path == model
+    assert _config_from_args([model, "--model", model])[0].model.path == model
+    assert main([model, "--model", "/elsewhere"]) == 2
+    assert "the model is given twice" in capsys.readouterr().err
+
+
 def test_bench_serve(live, tmp_path, capsys):
     from jaxserve.cli import main as jaxserve_main
 

@@ -1,4 +1,4 @@
-"""`jaxserve serve [--config configs/x.yaml] [--host H] [--port P] [--api-key K] [--max-num-seqs N] ...`
+"""`jaxserve serve [MODEL] [--config configs/x.yaml] [--host H] [--port P] [--api-key K] [--max-num-seqs N] ...`
 
     YAML config (default: jaxserve/configs/tiny.yaml, package data: the embedded model) --flags override
     any field of any section (`--max-num-seqs 8`, `--policy fair`, `--model DIR` for model.path), also by
@@ -97,11 +97,18 @@ def _config_from_args(argv: list[str]) -> tuple[EngineConfig, str]:
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG,
                         help=f"YAML config (default {DEFAULT_CONFIG.name})")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    parser.add_argument("model_tag", nargs="?", metavar="MODEL",
+                        help="the model's checkpoint directory, as `vllm serve MODEL` (the same as --model)")
     flags = config_flags.add_config_flags(parser, reserved={"--config", "--log-level"},
                                           repeatable={"server.api_key"})
     args = vars(parser.parse_args(argv))
     config = load_config(args.pop("config"))
     log_level = args.pop("log_level")
+    model_tag = args.pop("model_tag")
+    if model_tag is not None:
+        if args.get("--model") not in (None, model_tag):
+            raise ValueError(f"the model is given twice: {model_tag!r} and --model {args['--model']!r}; give one")
+        args["--model"] = model_tag
     config = config.with_overrides(**config_flags.overrides(args, flags))
     if config.server.api_key is None and os.environ.get(API_KEY_ENV):  # the config or a flag wins
         config = config.with_overrides(api_key=os.environ[API_KEY_ENV])
