@@ -22,13 +22,13 @@ from pathlib import Path
 
 from jaxserve import config_flags
 from jaxserve.config import DEFAULT_CONFIG
+from jaxserve.input_processor import PROMPT_KEYS
 
 SAMPLING_FLAGS = {  # flag -> (type, SamplingParams field)
     "--temperature": float, "--top-p": float, "--top-k": int, "--min-p": float, "--max-tokens": int,
     "--min-tokens": int, "--seed": int, "--n": int, "--repetition-penalty": float, "--presence-penalty": float,
     "--frequency-penalty": float, "--logprobs": int,
 }
-PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
 
 
 def _read_prompts(args: argparse.Namespace) -> list:

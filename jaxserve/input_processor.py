@@ -43,6 +43,24 @@ class PreparedRequest:
     kv_transfer_params: dict | None = None
 
 
+# The keys a prompt dict may have, and vLLM's prompt keys jaxserve has nothing for (taken only when empty).
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
+_UNSERVED_PROMPT_KEYS = ("multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids", "prompt_embeds",
+                         "token_type_ids")
+
+
+def _check_prompt_keys(prompt: dict) -> None:
+    """A prompt dict's keys (vLLM's TextPrompt / TokensPrompt): a misspelt or unserved key raises instead of
+    being ignored."""
+    for key in _UNSERVED_PROMPT_KEYS:
+        value = prompt.get(key)
+        if value is not None and (not hasattr(value, "__len__") or len(value)):
+            raise ValueError(f"{key} is not supported: jaxserve serves text prompts (leave {key} out)")
+    unknown = sorted(set(prompt) - set(PROMPT_KEYS) - set(_UNSERVED_PROMPT_KEYS))
+    if unknown:
+        raise ValueError(f"a prompt dict has unknown key(s) {unknown}; its keys are {list(PROMPT_KEYS)}")
+
+
 class InputProcessor:
     """Validates and tokenizes requests against one engine's limits."""
 
@@ -116,6 +134,7 @@ class InputProcessor:
                 raise ValueError("prompt must not be empty")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
+            _check_prompt_keys(prompt)
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
                 if not isinstance(ids, (list, tuple)):

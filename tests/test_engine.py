@@ -386,6 +386,8 @@ def test_abort_frees_blocks(llm):
     ("1+1=", SamplingParams(n=1000, temperature=1.0), "n"),
     ("1+1=", SamplingParams(logprobs=500), "logprobs"),
     ("1+1=", SamplingParams(stop_token_ids=[10_000]), "stop_token_ids"),
+    ({"prompt": "1+1=", "promt_token_ids": [1, 5]}, None, r"unknown key\(s\) \['promt_token_ids'\]"),
+    ({"prompt": "1+1=", "multi_modal_data": {"image": "x.png"}}, None, "multi_modal_data is not supported"),
 ])
 def test_bad_inputs_raise_and_engine_keeps_working(llm, prompt, params, match):
     with pytest.raises(ValueError, match=match):
@@ -438,6 +440,9 @@ def test_a_plain_list_of_ints_is_a_token_id_prompt(llm):
     assert [o.outputs[0].text for o in finished] == ["2"]
     with pytest.raises(ValueError, match="out of vocabulary"):
         engine.prepare_request([1, 99], GREEDY)
+    # vLLM's prompt dicts: an empty multi-modal entry asks for nothing; the cache salt is the dict's
+    vllm_style = engine.prepare_request({"prompt": "1+1=", "multi_modal_data": {}, "cache_salt": "t"}, GREEDY)
+    assert vllm_style.prompt_token_ids == as_list.prompt_token_ids and vllm_style.cache_salt == "t"
 
 
 def test_one_priority_applies_to_every_prompt(llm, monkeypatch):
