@@ -143,6 +143,17 @@ def test_chat_echo_starts_the_reply_with_the_last_message_of_its_role(client, ht
     assert "".join(d.get("content") or "" for d in deltas) == "The sum is 46"
 
 
+def test_tools_reach_the_template_with_tool_choice_none(client, http):
+    """With tool_choice 'none' the model is shown the tools (through the chat template) and answers in text;
+    the tiny model's template ignores them, so the answer and the prompt's tokens are those without tools."""
+    tools = [{"type": "function", "function": {"name": "add", "description": "adds", "parameters": {}}}]
+    result = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "12+34"}],
+                                            temperature=0, tools=tools, tool_choice="none")
+    assert result.choices[0].message.content == "46" and result.usage.prompt_tokens == 7
+    counted = http.post("/tokenize", json={"messages": [{"role": "user", "content": "12+34"}], "tools": tools})
+    assert counted.status_code == 200 and counted.json()["count"] == 7
+
+
 def test_completions_take_a_text_response_format(client):
     result = client.completions.create(model=MODEL, prompt="12+34=", temperature=0,
                                        extra_body={"response_format": {"type": "text"}})
@@ -390,8 +401,13 @@ BAD_INPUTS = [  # (case group, route, body, status, param, words in the message)
     ("21", "completions", {**GOOD, "seed": 2**63}, 400, "seed", "less than or equal"),
     ("22", "chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      400, "messages", "only text parts"),
-    ("-", "chat", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools",
-     "not supported"),
+    ("-", "chat", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice",
+     "tool-call parser"),
+    ("-", "chat", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+     400, "tool_choice", "tool_choice='required' with tools"),
+    ("-", "chat", {**CHAT, "tools": [{"type": "web_search"}], "tool_choice": "none"}, 400, "tools", "'function'"),
+    ("-", "chat", {**CHAT, "tools": [{"type": "function", "function": {}}], "tool_choice": "none"}, 400, "tools",
+     "Field required"),
     ("-", "chat", {**CHAT, "response_format": {"type": "json_object"}}, 400, "response_format", "structured output"),
     ("-", "completions", {**GOOD, "response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, 400,
      "response_format", "structured output"),

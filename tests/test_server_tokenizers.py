@@ -73,6 +73,14 @@ def test_worker_pool_matches_the_tokenizer_and_replaces_a_dead_worker():
                                           chat_template=None, template_kwargs={}, add_special_tokens=False)
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
             assert chat.prompt == text and chat.token_ids == tokenizer.encode(text, add_special_tokens=False)
+            tools = [{"type": "function", "function": {"name": "add"}}, {"type": "function", "function": {"name": "x"}}]
+            listing = ("{{ bos_token }}{% for t in tools %}{{ t['function']['name'] }};{% endfor %}"
+                       "{{ messages[0]['content'] }}")
+            with_tools = await pool.render_chat(messages, add_generation_prompt=False, continue_final_message=False,
+                                                chat_template=listing, template_kwargs={}, add_special_tokens=False,
+                                                tools=tools)
+            assert with_tools.prompt == "<s>add;x;12+34"
+            assert with_tools.prompt == tokenizer.apply_chat_template(messages, tools=tools, chat_template=listing)
             assert await pool.decode([1, 5, 14, 5], skip_special_tokens=True) == "1+1"
             with pytest.raises(TokenizeError) as refused:
                 await pool.encode("1+\ud8001", add_special_tokens=True)

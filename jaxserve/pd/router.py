@@ -68,7 +68,7 @@ _HOP_HEADERS = {"authorization"}
 _MODELS = {"/v1/completions": P.CompletionRequest, "/v1/chat/completions": P.ChatCompletionRequest}
 # The chat request's fields that /tokenize renders the same way
 _CHAT_RENDERING = ("messages", "add_generation_prompt", "continue_final_message", "chat_template",
-                   "chat_template_kwargs", "add_special_tokens")
+                   "chat_template_kwargs", "add_special_tokens", "tools")
 
 
 @dataclasses.dataclass

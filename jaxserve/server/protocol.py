@@ -37,6 +37,7 @@ MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 256
 MAX_MESSAGES = 4096
 MAX_TEMPLATE_KWARGS = 32
+MAX_TOOLS = 512
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 TokenId = Annotated[int, Field(strict=True, ge=0, le=INT64_MAX)]
@@ -216,12 +217,34 @@ class ChatMessage(BaseModel):
         return message
 
 
+class ToolFunction(BaseModel):
+    model_config = ConfigDict(extra="allow")  # strict, ... reach the template
+
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(BaseModel):
+    """OpenAI's function tool: shown to the model through the chat template."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"]
+    function: ToolFunction
+
+
+def tool_dicts(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
+    """The tools as the chat template takes them (None: no tools)."""
+    return [tool.model_dump(exclude_none=True) for tool in tools] if tools else None
+
+
 class ChatCompletionRequest(OpenAIRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: Annotated[int, Field(strict=True, ge=1, le=MAX_TOKENS)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(strict=True, ge=0, le=MAX_LOGPROBS)] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: str | dict[str, Any] | None = None
     # vLLM's chat extras.
     echo: bool = False  # the reply starts with the last message's text when that message has the reply's role
@@ -232,11 +255,13 @@ class ChatCompletionRequest(OpenAIRequest):
 
     @model_validator(mode="after")
     def _refuse_unsupported_chat(self):
-        if self.tools:
-            raise ValueError("tools are not supported by jaxserve yet; leave them out")
-        if self.tool_choice not in (None, "none", "auto"):  # without tools, "auto" chooses none
-            raise ValueError("tool_choice other than 'none' or 'auto' needs tools, which jaxserve does not support "
-                             "yet; leave it out")
+        if self.tools and self.tool_choice != "none":  # OpenAI's default with tools is "auto"
+            raise ValueError(f"tool_choice={self.tool_choice or 'auto'!r} with tools needs a tool-call parser, which "
+                             f"jaxserve does not have yet; send tool_choice 'none' to show the model the tools and "
+                             f"get its reply as text")
+        if not self.tools and self.tool_choice not in (None, "none", "auto"):  # without tools, "auto" chooses none
+            raise ValueError("tool_choice other than 'none' or 'auto' needs tools (with tool_choice 'none': "
+                             "jaxserve parses no tool calls yet); leave it out")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
@@ -416,6 +441,7 @@ class TokenizeChatRequest(BaseModel):
     continue_final_message: bool = False
     add_special_tokens: bool = False  # the chat template writes them
     return_token_strs: bool = False
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     chat_template: str | None = None
     chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=MAX_TEMPLATE_KWARGS)] | None = None
 

@@ -345,7 +345,7 @@ class Serving:
             raise ApiError(400, str(err), "messages") from None
         return {"messages": messages, "add_generation_prompt": body.add_generation_prompt,
                 "continue_final_message": body.continue_final_message, "chat_template": body.chat_template,
-                "template_kwargs": kwargs}
+                "tools": P.tool_dicts(body.tools), "template_kwargs": kwargs}
 
     async def chat(self, request: Request) -> Response:
         body = await self._parse(request, P.ChatCompletionRequest)

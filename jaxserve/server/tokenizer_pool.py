@@ -296,9 +296,11 @@ class TokenizerPool:
 
     async def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
                           continue_final_message: bool, chat_template: str | None,
-                          template_kwargs: dict[str, Any], add_special_tokens: bool) -> Encoded:
+                          template_kwargs: dict[str, Any], add_special_tokens: bool,
+                          tools: list[dict[str, Any]] | None = None) -> Encoded:
         header, payload = await self.call(*self._chat_frame(messages, add_generation_prompt, continue_final_message,
-                                                            chat_template, template_kwargs, add_special_tokens))
+                                                            chat_template, template_kwargs, add_special_tokens,
+                                                            tools))
         return Encoded(header["count"], bytes_to_ids(payload) if payload else None, header.get("prompt"))
 
     async def tokenize_body(self, text: str | None, messages: list[dict[str, Any]] | None, *,
@@ -319,7 +321,7 @@ class TokenizerPool:
 
     @staticmethod
     def _chat_frame(messages, add_generation_prompt, continue_final_message, chat_template, template_kwargs,
-                    add_special_tokens) -> tuple[dict[str, Any], bytes]:
+                    add_special_tokens, tools=None) -> tuple[dict[str, Any], bytes]:
         """A chat's header and payload: the messages' text contents travel as raw UTF-8 in the payload
         (their byte lengths in "contents"), so the event loop never JSON-escapes a long message."""
         contents = [m["content"].encode("utf-8", "surrogatepass") if isinstance(m.get("content"), str) else None
@@ -328,6 +330,6 @@ class TokenizerPool:
                     for m, c in zip(messages, contents)]
         header = {"op": "encode", "messages": stripped, "contents": [-1 if c is None else len(c) for c in contents],
                   "add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
-                  "chat_template": chat_template, "template_kwargs": template_kwargs,
+                  "chat_template": chat_template, "tools": tools, "template_kwargs": template_kwargs,
                   "add_special_tokens": add_special_tokens}
         return header, b"".join(c for c in contents if c is not None)

@@ -57,7 +57,7 @@ class Worker:
                     message["content"] = payload[offset: offset + size].decode("utf-8", "surrogatepass")
                     offset += size
             text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=header["add_generation_prompt"],
+                messages, add_generation_prompt=header["add_generation_prompt"], tools=header.get("tools"),
                 chat_template=header.get("chat_template"), continue_final_message=header["continue_final_message"],
                 **header.get("template_kwargs", {}))
         else:
