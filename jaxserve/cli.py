@@ -22,7 +22,6 @@ from pathlib import Path
 
 from jaxserve import config_flags
 from jaxserve.config import DEFAULT_CONFIG
-from jaxserve.input_processor import PROMPT_KEYS
 
 SAMPLING_FLAGS = {  # flag -> (type, SamplingParams field)
     "--temperature": float, "--top-p": float, "--top-k": int, "--min-p": float, "--max-tokens": int,
@@ -35,6 +34,7 @@ def _read_prompts(args: argparse.Namespace) -> list:
     if args.prompts_file is None:
         return list(args.prompt)
     from jaxserve.bench.prompts import prompt_objects  # (numpy: loaded only when a file is read)
+    from jaxserve.input_processor import PROMPT_KEYS  # (the tokenizer's modules, likewise)
 
     prompts = []
     for where, item in prompt_objects(args.prompts_file, "--prompts-file", bare_strings=True):
